@@ -1,0 +1,61 @@
+"""Sweeps launch configurations of the kernels on the GPU at hand and prints the fastest per
+case, to fill the table in src/cuflash/kernels/config.py. Run from the source tree:
+PYTHONPATH=src python3 scripts/tune.py [--seqlen 4096] [--dtype bf16]"""
+import argparse
+import itertools
+
+import torch
+import triton
+
+from cuflash.kernels import attention_backward, attention_forward
+from cuflash.kernels.config import Launch, backward_configs, forward_config
+
+FWD = [Launch(*c) for c in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
+                            (64, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3)]]
+DKDV = [Launch(*c) for c in [(32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 4, 2), (32, 64, 4, 3),
+                             (64, 64, 4, 3), (128, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3)]]
+DQ = [Launch(*c) for c in [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3),
+                           (64, 128, 4, 2), (128, 128, 8, 2), (128, 64, 8, 3)]]
+
+
+def bench(fn):
+    try:
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    except Exception as exc:  # out of shared memory and the like
+        return float("inf") if "OutOfResources" in type(exc).__name__ or "resources" in str(exc) else _raise(exc)
+
+
+def _raise(exc):
+    raise exc
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--hdims", default="64,128")
+    args = p.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    n = args.seqlen
+    for d, causal in itertools.product(map(int, args.hdims.split(",")), (False, True)):
+        b, h = max(1, 16384 // n), 2048 // d
+        q, k, v, do = (torch.randn(b, n, h, d, dtype=dtype, device="cuda") for _ in range(4))
+        flops = 4 * b * h * n * n * d / (2 if causal else 1)
+        scale = d ** -0.5
+        fwd = {c: bench(lambda: attention_forward(q, k, v, scale, causal, 0, c)) for c in FWD}
+        out, lse = attention_forward(q, k, v, scale, causal, 0)
+        _, dq0 = backward_configs(q, d, causal)
+        dkdv = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, scale, causal, 0, (c, dq0)))
+                for c in DKDV}
+        best_dkdv = min(dkdv, key=dkdv.get)
+        dq = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, scale, causal, 0, (best_dkdv, c)))
+              for c in DQ}
+        print(f"\n== D={d} causal={causal} N={n} B={b} H={h} (current fwd {forward_config(q, d, causal)})")
+        for name, res, mult in (("fwd", fwd, 1.0), ("bwd dkdv sweep", dkdv, 2.5), ("bwd dq sweep", dq, 2.5)):
+            for c, ms in sorted(res.items(), key=lambda kv: kv[1]):
+                print(f"  {name:15s} BM={c.block_m:3d} BN={c.block_n:3d} warps={c.num_warps} stages={c.num_stages}"
+                      f"  {ms:7.3f} ms  {mult * flops / ms / 1e9:6.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Times cuflash and torch SDPA's backends on the same inputs, in one run, on one device.
+
+FLOPs follow the FlashAttention papers: forward 4*B*H*Nq*Nk*D (halved when causal), backward
+2.5x forward. Times are medians of CUDA-event timings after warm-up, cycling through enough input
+sets that the L2 cache does not flatter small problems.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import cuflash
+from cuflash.reference import attention_reference
+
+_SDPA_BACKENDS = {
+    "sdpa-cudnn": "CUDNN_ATTENTION",
+    "sdpa-flash": "FLASH_ATTENTION",
+    "sdpa-efficient": "EFFICIENT_ATTENTION",
+    "sdpa-math": "MATH",
+}
+PROVIDERS = ("cuflash",) + tuple(_SDPA_BACKENDS)
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    seqlen: int
+    nheads: int
+    head_dim: int
+    causal: bool
+    dtype: torch.dtype
+    mode: str  # "fwd", "bwd" or "fwd+bwd"
+
+    def flops(self) -> float:
+        fwd = 4.0 * self.batch * self.nheads * self.seqlen * self.seqlen * self.head_dim
+        fwd /= 2 if self.causal else 1
+        return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[self.mode]
+
+    def bytes(self) -> float:
+        """Fewest bytes moved: q, k, v, out read/written once (fwd), plus dout, dq, dk, dv (bwd)."""
+        one = self.batch * self.nheads * self.seqlen * self.head_dim * torch.finfo(self.dtype).bits / 8
+        return one * {"fwd": 4, "bwd": 8, "fwd+bwd": 10}[self.mode]
+
+
+def _attention_fn(provider: str):
+    """fn(q, k, v, causal) in torch's (B, H, N, D) layout, under the provider's backend."""
+    if provider == "cuflash":
+        return lambda q, k, v, causal: cuflash.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, _SDPA_BACKENDS[provider])
+
+    def fn(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return fn
+
+
+def _inputs(case: Case, device, requires_grad: bool, sets: int):
+    shape = (case.batch, case.nheads, case.seqlen, case.head_dim)
+    return [[torch.randn(shape, dtype=case.dtype, device=device, requires_grad=requires_grad)
+             for _ in range(4)] for _ in range(sets)]
+
+
+def _median_ms(step, iters: int, warmup: int) -> float:
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        step(i)
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return times[len(times) // 2]
+
+
+def error_vs_oracle(provider: str, case: Case, device, seqlen: int = 512) -> float:
+    """||out - ref|| / ||ref|| against float64 on a smaller problem of the same kind."""
+    q, k, v = (torch.randn(1, 2, seqlen, case.head_dim, dtype=case.dtype, device=device) for _ in range(3))
+    out = _attention_fn(provider)(q, k, v, case.causal)
+    ref, _ = attention_reference(*(t.transpose(1, 2).double() for t in (q, k, v)), causal=case.causal)
+    ref = ref.transpose(1, 2)
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: int = 5) -> dict:
+    """One row of results: time (ms), TFLOP/s, GB/s, peak memory (GB), error; or a note why not."""
+    fn = _attention_fn(provider)
+    row = {"provider": provider, "batch": case.batch, "seqlen": case.seqlen, "nheads": case.nheads,
+           "head_dim": case.head_dim, "causal": case.causal, "dtype": str(case.dtype).replace("torch.", ""),
+           "mode": case.mode}
+    one = case.batch * case.nheads * case.seqlen * case.head_dim * torch.finfo(case.dtype).bits / 8
+    if provider == "sdpa-math" and case.batch * case.nheads * case.seqlen ** 2 * 4 > 8e9:
+        return {**row, "note": "skipped: the math backend would materialize the scores (> 8 GB)"}
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    sets = max(1, min(8, math.ceil(3 * l2 / (4 * one))))
+    try:
+        data = _inputs(case, device, case.mode != "fwd", sets)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        if case.mode == "fwd":
+            with torch.no_grad():
+                ms = _median_ms(lambda i: fn(*data[i % sets][:3], case.causal), iters, warmup)
+        elif case.mode == "bwd":
+            outs = [fn(*d[:3], case.causal) for d in data]
+            ms = _median_ms(lambda i: torch.autograd.grad(outs[i % sets], data[i % sets][:3], data[i % sets][3],
+                                                          retain_graph=True), iters, warmup)
+        else:
+            ms = _median_ms(lambda i: torch.autograd.grad(fn(*data[i % sets][:3], case.causal),
+                                                          data[i % sets][:3], data[i % sets][3]), iters, warmup)
+        peak = torch.cuda.max_memory_allocated(device) / 1e9
+        err = error_vs_oracle(provider, case, device)
+    except Exception as exc:  # an SDPA backend that does not support the case says why
+        torch.cuda.empty_cache()
+        return {**row, "note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+    finally:
+        data = outs = None
+    return {**row, "ms": ms, "tflops": case.flops() / ms / 1e9, "gbps": case.bytes() / ms / 1e6,
+            "peak_gb": peak, "rel_err": err, "note": ""}

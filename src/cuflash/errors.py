@@ -1,0 +1,126 @@
+"""Error codes and the validation helpers every entry point shares.
+
+Bad input is caught here, before any kernel runs. Each error names the argument, what it
+got and what is accepted.
+"""
+from __future__ import annotations
+
+import enum
+import math
+
+import torch
+
+
+class ErrorCode(enum.IntEnum):
+    """Error codes. The first ones keep the numbering of the seed's C++ API."""
+
+    SUCCESS = 0
+    INVALID_DIMENSION = 1
+    NULL_POINTER = 2
+    UNSUPPORTED_HEAD_DIM = 3
+    CUDA_ERROR = 4
+    OUT_OF_MEMORY = 5
+    UNSUPPORTED_DTYPE = 6
+    DTYPE_MISMATCH = 7
+    DEVICE_MISMATCH = 8
+    SHAPE_MISMATCH = 9
+    INVALID_ARGUMENT = 10
+    NOT_CONTIGUOUS = 11
+    EMPTY_TENSOR = 12
+    UNSUPPORTED_FEATURE = 13
+    UNSUPPORTED_DEVICE = 14
+
+
+class FlashAttentionError(ValueError):
+    """Raised for any input cuflash cannot compute; ``.code`` is an :class:`ErrorCode`."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(f"[{code.name}] {message}")
+        self.code = code
+
+
+def fail(code: ErrorCode, message: str):
+    raise FlashAttentionError(code, message)
+
+
+# float64 is accepted on the CPU path only (it is what gradcheck needs).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CPU_DTYPES = KERNEL_DTYPES + (torch.float64,)
+MAX_HEAD_DIM = 256
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """softmax_lse is float32, except for float64 inputs (CPU path), where it keeps float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_tensor(name: str, t, ndim: int, layout: str) -> None:
+    if t is None:
+        fail(ErrorCode.NULL_POINTER, f"{name} is None; expected a tensor of shape {layout}")
+    if not isinstance(t, torch.Tensor):
+        fail(ErrorCode.INVALID_ARGUMENT,
+             f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        fail(ErrorCode.INVALID_DIMENSION,
+             f"{name} must have {ndim} dimensions {layout}, got {t.dim()} with shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        fail(ErrorCode.EMPTY_TENSOR, f"{name} has no elements (shape {tuple(t.shape)}); every dimension must be >= 1")
+    allowed = CPU_DTYPES if t.device.type == "cpu" else KERNEL_DTYPES
+    if t.dtype not in allowed:
+        fail(ErrorCode.UNSUPPORTED_DTYPE,
+             f"{name} has dtype {t.dtype}; accepted on {t.device.type}: {', '.join(str(d) for d in allowed)}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        fail(ErrorCode.NOT_CONTIGUOUS,
+             f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}; "
+             f"call .contiguous() on it")
+
+
+def check_attention_inputs(q, k, v, names=("q", "k", "v")) -> None:
+    """Checks q (B, Nq, H, D), k and v (B, Nk, Hk, D) in flash-attn's layout."""
+    nq, nk, nv = names
+    check_tensor(nq, q, 4, "(batch, seqlen_q, nheads, headdim)")
+    check_tensor(nk, k, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    check_tensor(nv, v, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    for name, t in ((nk, k), (nv, v)):
+        if t.dtype != q.dtype:
+            fail(ErrorCode.DTYPE_MISMATCH, f"{name} has dtype {t.dtype} but {nq} has {q.dtype}; all must match")
+        if t.device != q.device:
+            fail(ErrorCode.DEVICE_MISMATCH, f"{name} is on {t.device} but {nq} is on {q.device}; all must match")
+    if k.shape != v.shape:
+        fail(ErrorCode.SHAPE_MISMATCH, f"{nk} has shape {tuple(k.shape)} but {nv} has {tuple(v.shape)}; they must match")
+    if k.shape[0] != q.shape[0]:
+        fail(ErrorCode.SHAPE_MISMATCH, f"{nk} has batch {k.shape[0]} but {nq} has batch {q.shape[0]}")
+    head_dim = q.shape[3]
+    if k.shape[3] != head_dim:
+        fail(ErrorCode.SHAPE_MISMATCH, f"{nk} has head dim {k.shape[3]} but {nq} has {head_dim}; they must match")
+    if head_dim > MAX_HEAD_DIM:
+        fail(ErrorCode.UNSUPPORTED_HEAD_DIM, f"{nq} has head dim {head_dim}; supported: 1 to {MAX_HEAD_DIM}")
+    if q.shape[2] % k.shape[2] != 0:
+        fail(ErrorCode.SHAPE_MISMATCH,
+             f"{nq} has {q.shape[2]} heads, not a multiple of the {k.shape[2]} heads of {nk} (MQA/GQA needs one)")
+
+
+def check_same(name: str, t, like: torch.Tensor, like_name: str, shape=None) -> None:
+    """Checks that t matches `like` in dtype and device, and has `shape` (default like's)."""
+    shape = tuple(like.shape) if shape is None else tuple(shape)
+    check_tensor(name, t, len(shape), str(shape))
+    if tuple(t.shape) != shape:
+        fail(ErrorCode.SHAPE_MISMATCH, f"{name} has shape {tuple(t.shape)}; expected {shape} to match {like_name}")
+    if t.device != like.device:
+        fail(ErrorCode.DEVICE_MISMATCH, f"{name} is on {t.device} but {like_name} is on {like.device}")
+
+
+def resolve_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, torch.Tensor):
+        softmax_scale = softmax_scale.item()
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        fail(ErrorCode.INVALID_ARGUMENT, f"{name} must be a positive finite number or None, got {softmax_scale!r}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        fail(ErrorCode.INVALID_ARGUMENT, f"{name} must be a positive finite number or None, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def not_supported_yet(name: str, value, accepted: str) -> None:
+    fail(ErrorCode.UNSUPPORTED_FEATURE, f"{name}={value!r} is not supported yet; accepted: {accepted}")

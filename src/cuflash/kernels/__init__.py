@@ -1,0 +1,5 @@
+"""Triton kernels. Import only where Triton is installed."""
+from .backward import attention_backward
+from .forward import attention_forward
+
+__all__ = ["attention_forward", "attention_backward"]

@@ -1,0 +1,57 @@
+"""Helpers shared by the attention kernels: tile loads/stores and the attention mask."""
+import triton
+import triton.language as tl
+
+# exp(x) == exp2(x * LOG2E): the kernels fold LOG2E into the softmax scale and use exp2.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Loads a [rows, cols] tile, zero-filling out-of-range elements; the checks are compile-time
+    flags so that tiles known to be in range pay for no mask."""
+    if CHECK_ROWS:
+        if CHECK_COLS:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        if CHECK_COLS:
+            tile = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def store_tile(ptrs, tile, rows, n_rows, cols, n_cols, CHECK_COLS: tl.constexpr):
+    if CHECK_COLS:
+        tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+    else:
+        tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
+
+
+@triton.jit
+def visible(offs_m, offs_n, seqlen_k, causal_offset, CAUSAL: tl.constexpr):
+    """True where query row offs_m may attend to key offs_n (the arguments broadcast).
+    Causal: row i sees keys j <= i + causal_offset (seqlen_k - seqlen_q aligns the diagonal to
+    the bottom-right corner, as flash-attn does; 0 aligns it top-left, as torch SDPA does)."""
+    ok = offs_n < seqlen_k
+    if CAUSAL:
+        ok = ok & (offs_n <= offs_m + causal_offset)
+    return ok
+
+
+@triton.jit
+def key_range(start_m, seqlen_k, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr):
+    """For the query tile starting at start_m: keys [0, full_end) are visible to every row of the
+    tile (no mask needed), keys [full_end, end) need the mask, the rest is skipped."""
+    if CAUSAL:
+        end = tl.maximum(tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset), 0)
+        full_end = tl.maximum(tl.minimum(seqlen_k, start_m + causal_offset + 1), 0) // BLOCK_N * BLOCK_N
+    else:
+        end = seqlen_k
+        full_end = seqlen_k // BLOCK_N * BLOCK_N
+    return full_end, end

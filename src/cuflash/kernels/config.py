@@ -1,0 +1,71 @@
+"""Launch configurations (tile shapes, warps, pipeline depth), chosen from a table per GPU
+architecture: no autotuning at run time, so the first call on a new shape only compiles."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Launch:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    input_precision: str = "ieee"
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    # fp32 stays exact IEEE unless the user opted into TF32 for matmuls, as torch does.
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _arch(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0  # Triton's interpreter on CPU tensors
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+# (arch, block_d, fp32?) -> forward, backward dK/dV, backward dQ launches.
+# Measured on an H100/H200 (see docs/perf-notes.md); other GPUs take the generic entries.
+def _table(arch: int, block_d: int, fp32: bool, causal: bool):
+    if arch == 0:
+        # Small, unequal tiles: the CPU tests run through the interpreter and must cover the
+        # masked/unmasked split with tiles of different heights and widths.
+        return Launch(32, 16, 1, 1), Launch(16, 32, 1, 1), Launch(32, 16, 1, 1)
+    if fp32:
+        if block_d <= 64:
+            return Launch(64, 32, 4, 2), Launch(32, 64, 4, 2), Launch(64, 32, 4, 2)
+        if block_d <= 128:
+            return Launch(32, 32, 4, 2), Launch(32, 32, 4, 2), Launch(32, 32, 4, 2)
+        return Launch(16, 16, 4, 1), Launch(16, 16, 4, 1), Launch(16, 16, 4, 1)
+    if arch >= 90:
+        if block_d <= 64:
+            return Launch(128, 64, 4, 3), Launch(64, 128, 8, 3), Launch(64, 64, 4, 3)
+        if block_d <= 128:
+            return Launch(128, 64, 8, 3), Launch(64, 128, 8, 2), Launch(128, 64, 8, 3)
+        return Launch(64, 64, 4, 2), Launch(32, 64, 4, 2), Launch(64, 32, 4, 2)
+    if block_d <= 64:
+        return Launch(128, 64, 4, 3), Launch(32, 128, 4, 2), Launch(128, 32, 4, 2)
+    if block_d <= 128:
+        return Launch(128, 32, 4, 2), Launch(32, 64, 4, 2), Launch(64, 32, 4, 2)
+    return Launch(64, 32, 4, 1), Launch(16, 64, 4, 1), Launch(64, 16, 4, 1)
+
+
+def _with_precision(launch: Launch, dtype: torch.dtype) -> Launch:
+    return Launch(launch.block_m, launch.block_n, launch.num_warps, launch.num_stages,
+                  _input_precision(dtype))
+
+
+def forward_config(q: torch.Tensor, block_d: int, causal: bool) -> Launch:
+    fwd, _, _ = _table(_arch(q.device), block_d, q.dtype == torch.float32, causal)
+    return _with_precision(fwd, q.dtype)
+
+
+def backward_configs(q: torch.Tensor, block_d: int, causal: bool) -> tuple[Launch, Launch]:
+    _, dkdv, dq = _table(_arch(q.device), block_d, q.dtype == torch.float32, causal)
+    return _with_precision(dkdv, q.dtype), _with_precision(dq, q.dtype)

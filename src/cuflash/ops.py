@@ -1,0 +1,104 @@
+"""The custom ops (forward, backward), their fake implementations for torch.compile, the
+autograd registration, and the single place that picks a backend.
+
+Backends: the Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1) and the
+blocked PyTorch implementation in cpu.py (CPU tensors). CUFLASH_BACKEND=triton|cpu forces one.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .errors import ErrorCode, fail, lse_dtype
+
+BACKENDS = ("auto", "triton", "cpu")
+
+
+def backend_name(device: torch.device, dtype: torch.dtype) -> str:
+    """The backend that will run for tensors on `device`; raises FlashAttentionError when none can."""
+    choice = os.environ.get("CUFLASH_BACKEND", "auto").lower()
+    if choice not in BACKENDS:
+        fail(ErrorCode.INVALID_ARGUMENT, f"CUFLASH_BACKEND={choice!r}; accepted: {', '.join(BACKENDS)}")
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" else "cpu"
+    if choice == "triton":
+        if dtype == torch.float64:
+            fail(ErrorCode.UNSUPPORTED_DTYPE, "the Triton kernels take float16, bfloat16 and float32, got float64")
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            fail(ErrorCode.UNSUPPORTED_DEVICE, "the Triton kernels need the `triton` package, which is not installed")
+        if device.type == "cuda":
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                fail(ErrorCode.UNSUPPORTED_DEVICE,
+                     "TRITON_INTERPRET=1 runs the kernels on CPU tensors only; got tensors on cuda")
+            major, minor = torch.cuda.get_device_capability(device)
+            if major < 8:
+                fail(ErrorCode.UNSUPPORTED_DEVICE,
+                     f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; "
+                     f"the kernels need 8.0 (Ampere) or newer")
+        elif device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            fail(ErrorCode.UNSUPPORTED_DEVICE,
+                 "CUFLASH_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 set before cuflash is imported")
+        elif device.type not in ("cuda", "cpu"):
+            fail(ErrorCode.UNSUPPORTED_DEVICE, f"no kernel runs on {device.type} tensors; accepted: cuda, cpu")
+    return choice
+
+
+def _backend(device: torch.device, dtype: torch.dtype):
+    if backend_name(device, dtype) == "triton":
+        from . import kernels
+        return kernels
+    from . import cpu
+    return cpu
+
+
+@torch.library.custom_op("cuflash::fwd", mutates_args=())
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                      causal: bool, causal_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, Nq, H, D), k and v (B, Nk, Hk, D) -> out (B, Nq, H, D), softmax_lse (B, H, Nq) fp32.
+    When causal, query row i attends to keys j <= i + causal_offset."""
+    return _backend(q.device, q.dtype).attention_forward(q, k, v, softmax_scale, causal, causal_offset)
+
+
+@attention_forward.register_fake
+def _(q, k, v, softmax_scale, causal, causal_offset):
+    batch, seqlen_q, nheads, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), \
+        q.new_empty((batch, nheads, seqlen_q), dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("cuflash::bwd", mutates_args=())
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, softmax_lse: torch.Tensor, softmax_scale: float, causal: bool,
+                       causal_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of attention_forward, shaped like q, k, v."""
+    return _backend(q.device, q.dtype).attention_backward(dout, q, k, v, out, softmax_lse, softmax_scale,
+                                                          causal, causal_offset)
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, softmax_lse, softmax_scale, causal, causal_offset):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, causal_offset = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale, ctx.causal, ctx.causal_offset = softmax_scale, causal, causal_offset
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    # Gradients can arrive with any strides (a broadcast from .sum() has stride 0 everywhere);
+    # the kernels need a contiguous last dim.
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.causal_offset)
+    return dq, dk, dv, None, None, None
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,78 @@
+"""Shared test helpers: random inputs, the float64 oracle, error bounds, torch's own SDPA."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cuflash.reference import attention_reference
+
+# ||out - ref|| / ||ref|| against the float64 oracle (DESIGN.md).
+BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2, torch.float64: 1e-12}
+# Below this, a difference between two fp32 results is summation order, not a defect; the
+# "never more than 2x torch's own error" rule applies above it.
+ROUNDING_FLOOR = {torch.float32: 1e-6, torch.float16: 0.0, torch.bfloat16: 0.0, torch.float64: 1e-13}
+
+interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                               reason="needs TRITON_INTERPRET=1 (set by conftest when there is no GPU)")
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(x).all(), "non-finite values (unwritten or NaN output)"
+    ref = ref.double()
+    norm = ref.norm().item()
+    diff = (x.double() - ref).norm().item()
+    return diff / norm if norm > 0 else diff
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, device, layout="bnhd"):
+    """Fresh random q, k, v in flash layout; layout 'bhnd' gives non-contiguous views of
+    (B, H, N, D) buffers, as an SDPA user would hand over."""
+    def make(n, h):
+        if layout == "bhnd":
+            return torch.randn(batch, h, n, head_dim, dtype=dtype, device=device).transpose(1, 2)
+        return torch.randn(batch, n, h, head_dim, dtype=dtype, device=device)
+    return make(seqlen_q, nheads), make(seqlen_k, nheads_k), make(seqlen_k, nheads_k)
+
+
+def torch_sdpa(q, k, v, causal):
+    """torch's own SDPA in flash layout, bottom-right causal like flash-attn; empty rows -> 0."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    mask = None
+    if causal and seqlen_q != seqlen_k:
+        mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(seqlen_k - seqlen_q)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, is_causal=causal and mask is None,
+                                         enable_gqa=q.shape[2] != k.shape[2])
+    return torch.nan_to_num(out.transpose(1, 2), 0.0)
+
+
+def run_and_grad(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def check_against_oracle(fn, q, k, v, causal, with_sdpa=True, grads=True):
+    """Runs fn(q, k, v) (flash layout) forward and backward and checks output and gradients
+    against the float64 oracle, and against torch SDPA's own error in the same dtype."""
+    dtype = q.dtype
+    dout = torch.randn(q.shape, dtype=dtype, device=q.device)
+    ref = run_and_grad(lambda a, b, c: attention_reference(a, b, c, causal=causal)[0],
+                       q.double(), k.double(), v.double(), dout.double())
+    if grads:
+        ours = run_and_grad(fn, q, k, v, dout)
+    else:
+        ours = (fn(q, k, v),)
+    theirs = run_and_grad(lambda a, b, c: torch_sdpa(a, b, c, causal), q, k, v, dout) if with_sdpa else None
+    errors = {}
+    for i, name in enumerate(("out", "dq", "dk", "dv")[:len(ours)]):
+        err = rel_err(ours[i], ref[i])
+        errors[name] = err
+        assert err < BOUNDS[dtype], f"{name}: error {err:.3g} above the {dtype} bound {BOUNDS[dtype]:g}"
+        if theirs is not None:
+            torch_err = rel_err(theirs[i], ref[i])
+            assert err <= max(2 * torch_err, ROUNDING_FLOOR[dtype]), \
+                f"{name}: error {err:.3g} more than 2x torch SDPA's {torch_err:.3g}"
+    return errors

@@ -1,0 +1,184 @@
+"""Correctness on the CPU: the blocked PyTorch path and the Triton kernels through the
+interpreter, against the float64 oracle, through every public entry point."""
+import os
+
+import pytest
+import torch
+
+import cuflash
+from attn_testing import check_against_oracle, interpret, make_qkv, rel_err
+from cuflash.reference import attention_reference
+
+
+@pytest.fixture(params=["cpu", pytest.param("triton", marks=[interpret, pytest.mark.interpret])])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("CUFLASH_BACKEND", request.param)
+    return request.param
+
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim): odd sizes, seqlen 1, seqlen_q != seqlen_k
+# both ways, GQA and MQA, head dims that are not powers of two.
+SHAPES = [
+    (1, 1, 1, 1, 1, 16),
+    (2, 17, 17, 2, 2, 40),
+    (1, 33, 70, 4, 2, 24),
+    (1, 70, 33, 3, 1, 8),
+    (2, 48, 48, 2, 1, 64),
+    (1, 5, 29, 2, 2, 3),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_flash_attn_func(backend, shape, causal, dtype):
+    torch.manual_seed(hash((shape, causal)) % 2**31)
+    q, k, v = make_qkv(*shape, dtype=dtype, device="cpu")
+    check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal), q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_non_contiguous_inputs(backend, causal):
+    torch.manual_seed(1)
+    q, k, v = make_qkv(2, 19, 37, 4, 2, 32, dtype=torch.float32, device="cpu", layout="bhnd")
+    assert not q.is_contiguous()
+    check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal), q, k, v, causal)
+
+
+def test_fp32_longer_sequence(backend):
+    # Spans several tiles on both paths (the CPU path's tiles are 256 x 512).
+    torch.manual_seed(2)
+    n = 600 if backend == "cpu" else 100
+    q, k, v = make_qkv(1, n, n + 7, 2, 1, 16, dtype=torch.float32, device="cpu")
+    check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=True), q, k, v, True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_matches_torch(backend, causal):
+    torch.manual_seed(3)
+    query = torch.randn(2, 4, 21, 32)
+    key = torch.randn(2, 2, 45, 32)
+    value = torch.randn(2, 2, 45, 32)
+    ours = cuflash.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=0.3, enable_gqa=True)
+    theirs = torch.nn.functional.scaled_dot_product_attention(query.double(), key.double(), value.double(),
+                                                              is_causal=causal, scale=0.3, enable_gqa=True)
+    assert ours.shape == theirs.shape
+    assert rel_err(ours, theirs) < 1e-5
+
+
+def test_sdpa_three_and_five_dims(backend):
+    torch.manual_seed(4)
+    for shape in [(3, 10, 16), (2, 3, 2, 10, 16)]:
+        query, key, value = (torch.randn(shape) for _ in range(3))
+        ours = cuflash.scaled_dot_product_attention(query, key, value)
+        theirs = torch.nn.functional.scaled_dot_product_attention(query.double(), key.double(), value.double())
+        assert ours.shape == shape
+        assert rel_err(ours, theirs) < 1e-5
+
+
+def test_packed_variants(backend):
+    torch.manual_seed(5)
+    qkv = torch.randn(2, 23, 3, 2, 16, requires_grad=True)
+    out = cuflash.flash_attn_qkvpacked_func(qkv, causal=True)
+    q, k, v = qkv.detach().double().unbind(2)
+    ref, _ = attention_reference(q, k, v, causal=True)
+    assert rel_err(out, ref) < 1e-5
+    out.sum().backward()
+    assert qkv.grad.shape == qkv.shape and torch.isfinite(qkv.grad).all()
+
+    q = torch.randn(2, 9, 4, 16)
+    kv = torch.randn(2, 30, 2, 2, 16)
+    out = cuflash.flash_attn_kvpacked_func(q, kv, softmax_scale=0.5)
+    ref, _ = attention_reference(q.double(), kv[:, :, 0].double(), kv[:, :, 1].double(), softmax_scale=0.5)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_return_attn_probs_and_lse(backend):
+    torch.manual_seed(6)
+    q, k, v = make_qkv(1, 20, 12, 2, 2, 16, dtype=torch.float32, device="cpu")
+    out, lse, probs = cuflash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    ref_out, ref_lse = attention_reference(q, k, v, causal=True)
+    assert lse.shape == (1, 2, 20) and lse.dtype == torch.float32
+    assert probs.shape == (1, 2, 20, 12)
+    # causal with seqlen_q > seqlen_k: the first 8 rows see no key: out 0, lse +inf (flash-attn 2).
+    assert torch.equal(out[:, :8], torch.zeros_like(out[:, :8]))
+    assert torch.isinf(lse[..., :8]).all() and (lse[..., :8] > 0).all()
+    assert torch.allclose(lse[..., 8:].double(), ref_lse[..., 8:], atol=1e-5)
+    assert torch.allclose(probs.sum(-1)[..., 8:], torch.ones(1, 2, 12), atol=1e-5)
+
+
+def test_fully_masked_rows_have_zero_finite_gradients(backend):
+    torch.manual_seed(7)
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 16, 4, 1, 1, 16, dtype=torch.float32, device="cpu"))
+    out = cuflash.flash_attn_func(q, k, v, causal=True)
+    out.backward(torch.randn_like(out))
+    assert torch.isfinite(q.grad).all()
+    assert torch.equal(q.grad[:, :12], torch.zeros_like(q.grad[:, :12]))
+
+
+def test_explicit_forward_backward(backend):
+    torch.manual_seed(8)
+    q, k, v = make_qkv(2, 25, 31, 4, 2, 16, dtype=torch.float32, device="cpu")
+    out, lse = cuflash.forward(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    dq, dk, dv = cuflash.backward(dout, q, k, v, out, lse, causal=True)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = attention_reference(qd, kd, vd, causal=True)
+    ref.backward(dout.double())
+    assert rel_err(out, ref) < 1e-5
+    assert rel_err(lse, ref_lse) < 1e-6
+    for ours, theirs in ((dq, qd.grad), (dk, kd.grad), (dv, vd.grad)):
+        assert ours.shape == theirs.shape
+        assert rel_err(ours, theirs) < 1e-5
+
+
+def test_deterministic_backward(backend):
+    torch.manual_seed(9)
+    q, k, v = make_qkv(1, 40, 40, 4, 1, 16, dtype=torch.float32, device="cpu")
+    dout = torch.randn_like(q)
+    out, lse = cuflash.forward(q, k, v)
+    first = cuflash.backward(dout, q, k, v, out, lse)
+    second = cuflash.backward(dout, q, k, v, out, lse)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_float64_cpu_path(monkeypatch, causal):
+    monkeypatch.setenv("CUFLASH_BACKEND", "cpu")
+    torch.manual_seed(10)
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 5, 7, 2, 1, 4, dtype=torch.float64, device="cpu"))
+    assert torch.autograd.gradcheck(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal), (q, k, v))
+
+
+def test_torch_compile_fullgraph_cpu_path(monkeypatch):
+    monkeypatch.setenv("CUFLASH_BACKEND", "cpu")
+    torch.manual_seed(11)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(32, 96)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 16).unbind(2)
+            return cuflash.flash_attn_func(q, k, v, causal=True).flatten(2)
+
+    model = Block()
+    x = torch.randn(2, 13, 32)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.sum().backward()
+    grad = model.qkv.weight.grad.clone()
+    model.zero_grad()
+    eager = model(x)
+    eager.sum().backward()
+    assert torch.allclose(out, eager, atol=1e-6)
+    assert torch.allclose(grad, model.qkv.weight.grad, atol=1e-5)
+
+
+def test_cuflash_backend_env_is_validated(monkeypatch):
+    monkeypatch.setenv("CUFLASH_BACKEND", "fastest")
+    q, k, v = make_qkv(1, 4, 4, 1, 1, 8, dtype=torch.float32, device="cpu")
+    with pytest.raises(cuflash.FlashAttentionError) as info:
+        cuflash.flash_attn_func(q, k, v)
+    assert info.value.code == cuflash.ErrorCode.INVALID_ARGUMENT and "CUFLASH_BACKEND" in str(info.value)
