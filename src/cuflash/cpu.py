@@ -62,8 +62,8 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, causal_offset
     group = nheads // nheads_k
     dtype = _compute_dtype(q.dtype)
     qg = _grouped(q, nheads_k, dtype)
-    kg = k.to(dtype).transpose(1, 2)  # (B, Hk, Nk, D)
-    vg = v.to(dtype).transpose(1, 2)
+    kg = k.to(dtype).transpose(1, 2).contiguous()  # (B, Hk, Nk, D): matmuls on strided K run slower
+    vg = v.to(dtype).transpose(1, 2).contiguous()
     out = torch.empty(batch, nheads_k, group, seqlen_q, head_dim, dtype=dtype, device=q.device)
     lse = torch.empty(batch, nheads_k, group, seqlen_q, dtype=lse_dtype(q.dtype), device=q.device)
     for m0 in range(0, seqlen_q, BLOCK_M):
@@ -103,8 +103,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     dog = _grouped(dout, nheads_k, dtype)
     delta = (dog * _grouped(out, nheads_k, dtype)).sum(-1)  # (B, Hk, G, Nq)
     lseg = lse.view(batch, nheads_k, group, seqlen_q).to(dtype)
-    kg = k.to(dtype).transpose(1, 2)
-    vg = v.to(dtype).transpose(1, 2)
+    kg = k.to(dtype).transpose(1, 2).contiguous()  # (B, Hk, Nk, D): matmuls on strided K run slower
+    vg = v.to(dtype).transpose(1, 2).contiguous()
     dq = torch.empty(batch, nheads_k, group, seqlen_q, head_dim, dtype=dtype, device=q.device)
     dk = torch.zeros(batch, nheads_k, seqlen_k, head_dim, dtype=dtype, device=q.device)
     dv = torch.zeros_like(dk)

@@ -63,6 +63,8 @@ def check_tensor(name: str, t, ndim: int, layout: str) -> None:
     if t.dim() != ndim:
         fail(ErrorCode.INVALID_DIMENSION,
              f"{name} must have {ndim} dimensions {layout}, got {t.dim()} with shape {tuple(t.shape)}")
+    if t.shape[-1] == 0:
+        fail(ErrorCode.UNSUPPORTED_HEAD_DIM, f"{name} has head dim 0 (shape {tuple(t.shape)}); supported: 1 to {MAX_HEAD_DIM}")
     if t.numel() == 0:
         fail(ErrorCode.EMPTY_TENSOR, f"{name} has no elements (shape {tuple(t.shape)}); every dimension must be >= 1")
     allowed = CPU_DTYPES if t.device.type == "cpu" else KERNEL_DTYPES

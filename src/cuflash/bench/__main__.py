@@ -1,4 +1,5 @@
-"""python -m cuflash.bench: a side-by-side sweep, printed as a table and written as CSV/markdown."""
+"""python -m cuflash.bench: a side-by-side sweep of cuflash and torch SDPA, printed as a table and
+written as CSV/markdown."""
 from __future__ import annotations
 
 import argparse
@@ -25,17 +26,22 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="fwd,bwd")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen (the papers' setting)")
     p.add_argument("--hidden", type=int, default=2048, help="nheads * head_dim")
+    p.add_argument("--batch", type=int, default=None, help="fixed batch (overrides --tokens)")
+    p.add_argument("--nheads", type=int, default=None, help="fixed nheads (overrides --hidden)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=None, help="folder for results.csv and results.md")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the benchmark needs a CUDA GPU", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA GPU here; pass --device cpu to time the CPU path", file=sys.stderr)
         return 2
     providers = args.providers.split(",")
     for name in providers:
         if name not in PROVIDERS:
             p.error(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
-    cases = [Case(max(1, args.tokens // n), n, args.hidden // d, d, c, DTYPES[args.dtype], m)
+    cases = [Case(args.batch or max(1, args.tokens // n), n, args.nheads or args.hidden // d, d, c,
+                  DTYPES[args.dtype], m)
              for d in map(int, args.hdims.split(",")) for c in causals for m in args.modes.split(",")
              for n in map(int, args.seqlens.split(","))]
     rows = []
@@ -44,12 +50,14 @@ def main(argv=None) -> int:
         for j, provider in enumerate(providers):
             print(f"\r[{i * len(providers) + j + 1}/{total}] {provider} {case.mode} D={case.head_dim} "
                   f"N={case.seqlen} causal={case.causal}    ", end="", file=sys.stderr, flush=True)
-            rows.append(run_case(provider, case))
+            rows.append(run_case(provider, case, args.device, iters=args.iters,
+                                 warmup=2 if args.device == "cpu" else 5))
     print(file=sys.stderr)
-    header = (f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
-              f"{__import__('triton').__version__} | cuDNN {torch.backends.cudnn.version()} | "
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    header = (f"{device} | torch {torch.__version__} | triton "
+              f"{_triton_version()} | cuDNN {torch.backends.cudnn.version()} | "
               f"{datetime.date.today()} | python {platform.python_version()}")
-    table = _markdown(rows, providers, header)
+    table = _markdown(rows, providers, header, "GFLOP/s" if args.device == "cpu" else "TFLOP/s")
     print(table)
     if args.out:
         out = Path(args.out)
@@ -63,26 +71,36 @@ def main(argv=None) -> int:
     return 0
 
 
-def _markdown(rows, providers, header) -> str:
+def _triton_version() -> str:
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return "none"
+
+
+def _markdown(rows, providers, header, unit) -> str:
     """One line per case: TFLOP/s of each provider and cuflash's ratio to each of the others."""
     others = [p for p in providers if p != "cuflash"]
     lines = [header, "",
-             "| mode | D | N | causal | " + " | ".join(f"{p} TFLOP/s" for p in providers) + " | "
+             "| mode | B | H | D | N | causal | " + " | ".join(f"{p} {unit}" for p in providers) + " | "
              + " | ".join(f"vs {p}" for p in others) + " | cuflash err |",
-             "|---" * (5 + len(providers) + len(others)) + "|"]
+             "|---" * (7 + len(providers) + len(others)) + "|"]
     keys = []
     for r in rows:
-        key = (r["mode"], r["head_dim"], r["seqlen"], r["causal"])
+        key = (r["mode"], r["batch"], r["nheads"], r["head_dim"], r["seqlen"], r["causal"])
         if key not in keys:
             keys.append(key)
     for key in keys:
-        by = {r["provider"]: r for r in rows if (r["mode"], r["head_dim"], r["seqlen"], r["causal"]) == key}
-        tf = {p: by[p].get("tflops") for p in providers if p in by}
+        by = {r["provider"]: r for r in rows
+              if (r["mode"], r["batch"], r["nheads"], r["head_dim"], r["seqlen"], r["causal"]) == key}
+        scale = 1e3 if unit == "GFLOP/s" else 1.0
+        tf = {p: by[p]["tflops"] * scale for p in providers if by.get(p, {}).get("tflops")}
         cells = [f"{tf[p]:.1f}" if tf.get(p) else "n/a" for p in providers]
         ratios = [f"{tf['cuflash'] / tf[p]:.2f}x" if tf.get("cuflash") and tf.get(p) else "n/a" for p in others]
         err = by.get("cuflash", {}).get("rel_err")
         err_cell = f"{err:.1e}" if err is not None else "n/a"
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells + ratios)
+        lines.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(cells + ratios)
                      + f" | {err_cell} |")
     return "\n".join(lines)
 

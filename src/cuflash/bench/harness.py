@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ import cuflash
 from cuflash.reference import attention_reference
 
 _SDPA_BACKENDS = {
+    "sdpa": None,  # torch's own choice (on the CPU, its flash kernel)
     "sdpa-cudnn": "CUDNN_ATTENTION",
     "sdpa-flash": "FLASH_ATTENTION",
     "sdpa-efficient": "EFFICIENT_ATTENTION",
@@ -51,10 +53,10 @@ def _attention_fn(provider: str):
     if provider == "cuflash":
         return lambda q, k, v, causal: cuflash.scaled_dot_product_attention(q, k, v, is_causal=causal)
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    backend = getattr(SDPBackend, _SDPA_BACKENDS[provider])
+    name = _SDPA_BACKENDS[provider]
 
     def fn(q, k, v, causal):
-        with sdpa_kernel(backend):
+        with sdpa_kernel(getattr(SDPBackend, name)) if name else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return fn
 
@@ -65,9 +67,16 @@ def _inputs(case: Case, device, requires_grad: bool, sets: int):
              for _ in range(4)] for _ in range(sets)]
 
 
-def _median_ms(step, iters: int, warmup: int) -> float:
+def _median_ms(step, iters: int, warmup: int, device: torch.device) -> float:
     for i in range(warmup):
         step(i)
+    if device.type != "cuda":
+        times = []
+        for i in range(iters):
+            start = time.perf_counter()
+            step(i)
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[len(times) // 2]
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -90,7 +99,10 @@ def error_vs_oracle(provider: str, case: Case, device, seqlen: int = 512) -> flo
 
 
 def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: int = 5) -> dict:
-    """One row of results: time (ms), TFLOP/s, GB/s, peak memory (GB), error; or a note why not."""
+    """One row of results: time (ms), TFLOP/s, GB/s, peak memory (GB, CUDA only), error; or a
+    note saying why there is none."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
     fn = _attention_fn(provider)
     row = {"provider": provider, "batch": case.batch, "seqlen": case.seqlen, "nheads": case.nheads,
            "head_dim": case.head_dim, "causal": case.causal, "dtype": str(case.dtype).replace("torch.", ""),
@@ -98,26 +110,30 @@ def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: 
     one = case.batch * case.nheads * case.seqlen * case.head_dim * torch.finfo(case.dtype).bits / 8
     if provider == "sdpa-math" and case.batch * case.nheads * case.seqlen ** 2 * 4 > 8e9:
         return {**row, "note": "skipped: the math backend would materialize the scores (> 8 GB)"}
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if cuda else 0
     sets = max(1, min(8, math.ceil(3 * l2 / (4 * one))))
+    data = outs = None
     try:
         data = _inputs(case, device, case.mode != "fwd", sets)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
         if case.mode == "fwd":
             with torch.no_grad():
-                ms = _median_ms(lambda i: fn(*data[i % sets][:3], case.causal), iters, warmup)
+                ms = _median_ms(lambda i: fn(*data[i % sets][:3], case.causal), iters, warmup, device)
         elif case.mode == "bwd":
             outs = [fn(*d[:3], case.causal) for d in data]
             ms = _median_ms(lambda i: torch.autograd.grad(outs[i % sets], data[i % sets][:3], data[i % sets][3],
-                                                          retain_graph=True), iters, warmup)
+                                                          retain_graph=True), iters, warmup, device)
         else:
             ms = _median_ms(lambda i: torch.autograd.grad(fn(*data[i % sets][:3], case.causal),
-                                                          data[i % sets][:3], data[i % sets][3]), iters, warmup)
-        peak = torch.cuda.max_memory_allocated(device) / 1e9
+                                                          data[i % sets][:3], data[i % sets][3]), iters, warmup,
+                            device)
+        peak = torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None
         err = error_vs_oracle(provider, case, device)
     except Exception as exc:  # an SDPA backend that does not support the case says why
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
         return {**row, "note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
     finally:
         data = outs = None

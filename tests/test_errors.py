@@ -1,0 +1,200 @@
+"""Bad input: each case raises FlashAttentionError with its code and a message naming the argument."""
+import math
+
+import pytest
+import torch
+
+import cuflash
+from cuflash import ErrorCode, FlashAttentionError
+from cuflash import ops
+
+
+def qkv(b=2, n=8, h=4, hk=4, d=16, dtype=torch.float32):
+    return torch.randn(b, n, h, d, dtype=dtype), torch.randn(b, n, hk, d, dtype=dtype), \
+        torch.randn(b, n, hk, d, dtype=dtype)
+
+
+def raises(code, *words):
+    """Context manager: expects FlashAttentionError with `code` and each of `words` in the message."""
+    class _Check:
+        def __enter__(self):
+            self.ctx = pytest.raises(FlashAttentionError)
+            self.info = self.ctx.__enter__()
+
+        def __exit__(self, *exc):
+            handled = self.ctx.__exit__(*exc)
+            err = self.info.value
+            assert err.code == code, f"expected {code.name}, got {err.code.name}: {err}"
+            assert isinstance(err, ValueError)
+            for w in words:
+                assert w in str(err), f"{w!r} not in {str(err)!r}"
+            return handled
+    return _Check()
+
+
+def test_wrong_ndim():
+    q, k, v = qkv()
+    with raises(ErrorCode.INVALID_DIMENSION, "q", "4 dimensions", "3"):
+        cuflash.flash_attn_func(q[0], k, v)
+
+
+def test_batch_mismatch():
+    q, k, v = qkv()
+    with raises(ErrorCode.SHAPE_MISMATCH, "k", "batch"):
+        cuflash.flash_attn_func(q, k[:1], v[:1])
+
+
+def test_k_v_shape_mismatch():
+    q, k, v = qkv()
+    with raises(ErrorCode.SHAPE_MISMATCH, "v", "(2, 7, 4, 16)"):
+        cuflash.flash_attn_func(q, k, v[:, :7])
+
+
+def test_head_dim_mismatch():
+    q, k, v = qkv()
+    with raises(ErrorCode.SHAPE_MISMATCH, "k", "head dim"):
+        cuflash.flash_attn_func(q, k[..., :8], v[..., :8])
+
+
+def test_nheads_not_multiple_of_nheads_k():
+    q, k, v = qkv(h=4, hk=3)
+    with raises(ErrorCode.SHAPE_MISMATCH, "4 heads", "3 heads", "MQA/GQA"):
+        cuflash.flash_attn_func(q, k, v)
+
+
+def test_mixed_dtypes():
+    q, k, v = qkv()
+    with raises(ErrorCode.DTYPE_MISMATCH, "k", "torch.float16", "torch.float32"):
+        cuflash.flash_attn_func(q, k.half(), v)
+
+
+def test_mixed_devices():
+    q, k, v = qkv()
+    with raises(ErrorCode.DEVICE_MISMATCH, "v", "meta", "cpu"):
+        cuflash.flash_attn_func(q, k, v.to("meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.complex64, torch.float8_e4m3fn])
+def test_unsupported_dtype(dtype):
+    q, k, v = (torch.zeros(1, 4, 1, 8).to(dtype) for _ in range(3))
+    with raises(ErrorCode.UNSUPPORTED_DTYPE, "q", str(dtype)):
+        cuflash.flash_attn_func(q, k, v)
+
+
+def test_float64_rejected_by_the_kernels(monkeypatch):
+    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
+    q, k, v = qkv(dtype=torch.float64)
+    with raises(ErrorCode.UNSUPPORTED_DTYPE, "float64"):
+        cuflash.flash_attn_func(q, k, v)
+
+
+def test_head_dim_zero():
+    q, k, v = qkv(d=0)
+    with raises(ErrorCode.UNSUPPORTED_HEAD_DIM, "q", "head dim 0", "1 to 256"):
+        cuflash.flash_attn_func(q, k, v)
+
+
+def test_head_dim_too_large():
+    q, k, v = qkv(d=264)
+    with raises(ErrorCode.UNSUPPORTED_HEAD_DIM, "q", "264", "1 to 256"):
+        cuflash.flash_attn_func(q, k, v)
+
+
+def test_empty_tensor():
+    q, k, v = qkv()
+    with raises(ErrorCode.EMPTY_TENSOR, "k", "no elements"):
+        cuflash.flash_attn_func(q, k[:, :0], v[:, :0])
+
+
+def test_none_argument():
+    q, k, v = qkv()
+    with raises(ErrorCode.NULL_POINTER, "v", "None"):
+        cuflash.flash_attn_func(q, k, None)
+
+
+def test_non_tensor_argument():
+    q, k, v = qkv()
+    with raises(ErrorCode.INVALID_ARGUMENT, "q", "list"):
+        cuflash.flash_attn_func(q.tolist(), k, v)
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf, 0.0, -1.0, "0.5"])
+def test_bad_softmax_scale(scale):
+    q, k, v = qkv()
+    with raises(ErrorCode.INVALID_ARGUMENT, "softmax_scale", repr(scale)):
+        cuflash.flash_attn_func(q, k, v, softmax_scale=scale)
+
+
+def test_last_dim_not_contiguous():
+    q, k, v = qkv()
+    with raises(ErrorCode.NOT_CONTIGUOUS, "q", "stride 1", ".contiguous()"):
+        cuflash.flash_attn_func(q.transpose(1, 3).contiguous().transpose(1, 3), k, v)
+
+
+def test_cuda_tensor_on_a_gpu_too_old(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with raises(ErrorCode.UNSUPPORTED_DEVICE, "Tesla V100", "7.0", "8.0"):
+        ops.backend_name(torch.device("cuda"), torch.float16)
+
+
+def test_cuda_tensor_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with raises(ErrorCode.UNSUPPORTED_DEVICE, "TRITON_INTERPRET", "cuda"):
+        ops.backend_name(torch.device("cuda"), torch.float16)
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = qkv()
+    with raises(ErrorCode.UNSUPPORTED_DEVICE, "TRITON_INTERPRET=1"):
+        cuflash.flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("kwargs,code,word", [
+    (dict(dropout_p=0.1), ErrorCode.UNSUPPORTED_FEATURE, "dropout_p"),
+    (dict(dropout_p=1.0), ErrorCode.INVALID_ARGUMENT, "dropout_p"),
+    (dict(dropout_p=-0.1), ErrorCode.INVALID_ARGUMENT, "dropout_p"),
+    (dict(window_size=(4, 0)), ErrorCode.UNSUPPORTED_FEATURE, "window_size"),
+    (dict(window_size=(-2, 0)), ErrorCode.INVALID_ARGUMENT, "window_size"),
+    (dict(softcap=30.0), ErrorCode.UNSUPPORTED_FEATURE, "softcap"),
+    (dict(alibi_slopes=torch.ones(4)), ErrorCode.UNSUPPORTED_FEATURE, "alibi_slopes"),
+])
+def test_options_not_supported_yet_are_never_ignored(kwargs, code, word):
+    q, k, v = qkv()
+    with raises(code, word):
+        cuflash.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_packed_wrong_size():
+    with raises(ErrorCode.SHAPE_MISMATCH, "qkv", "size 3"):
+        cuflash.flash_attn_qkvpacked_func(torch.randn(1, 4, 2, 2, 8))
+    with raises(ErrorCode.SHAPE_MISMATCH, "kv", "size 2"):
+        cuflash.flash_attn_kvpacked_func(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 3, 2, 8))
+
+
+def test_sdpa_errors():
+    query, key, value = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    with raises(ErrorCode.UNSUPPORTED_FEATURE, "attn_mask"):
+        cuflash.scaled_dot_product_attention(query, key, value, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    with raises(ErrorCode.SHAPE_MISMATCH, "enable_gqa"):
+        cuflash.scaled_dot_product_attention(query, key[:, :2], value[:, :2])
+    with raises(ErrorCode.SHAPE_MISMATCH, "value", "head dim"):
+        cuflash.scaled_dot_product_attention(query, key, value[..., :8])
+    with raises(ErrorCode.INVALID_DIMENSION, "query"):
+        cuflash.scaled_dot_product_attention(query[0, 0], key, value)
+    with raises(ErrorCode.INVALID_ARGUMENT, "scale"):
+        cuflash.scaled_dot_product_attention(query, key, value, scale=-1.0)
+
+
+def test_backward_argument_checks():
+    q, k, v = qkv()
+    out, lse = cuflash.forward(q, k, v)
+    with raises(ErrorCode.SHAPE_MISMATCH, "softmax_lse"):
+        cuflash.backward(out, q, k, v, out, lse[:, :, :3])
+    with raises(ErrorCode.UNSUPPORTED_DTYPE, "softmax_lse", "float32"):
+        cuflash.backward(out, q, k, v, out, lse.double())
+    with raises(ErrorCode.DTYPE_MISMATCH, "dout"):
+        cuflash.backward(out.half(), q, k, v, out, lse)
