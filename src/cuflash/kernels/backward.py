@@ -82,7 +82,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
                    nheads_k, seqlen_q, seqlen_k, head_dim, group_size, causal_offset,
                    softmax_scale, qk_scale,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                   CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                   SPLIT_GROUP_ACC: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
     off_b = (off_bhk // nheads_k).to(tl.int64)
@@ -114,21 +115,39 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
     full_hi = tl.maximum(full_lo, seqlen_q // BLOCK_M * BLOCK_M)
 
     for g in range(0, group_size):
+        if SPLIT_GROUP_ACC:
+            # fp32: each query head of the group sums into fresh registers, added at the end, so
+            # that rounding grows with seqlen_q, not group_size * seqlen_q. fp16/bf16 skip it: the
+            # extra accumulators would cost registers and their rounding is far below the dtype's.
+            dk_head = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            dv_head = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        else:
+            dk_head = dk
+            dv_head = dv
         off_h = off_hk * group_size + g
         off_bh = off_b * nheads_k * group_size + off_h
         q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
         do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :]
         lse_ptr = Lse + off_bh * seqlen_q
         delta_ptr = Delta + off_bh * seqlen_q
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr,
-                                      offs_n, offs_m, offs_d, lo, full_lo, seqlen_q, seqlen_k, head_dim,
-                                      causal_offset, qk_scale, BLOCK_M, CAUSAL, True, EVEN_D, INPUT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr,
-                                      offs_n, offs_m, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, head_dim,
-                                      causal_offset, qk_scale, BLOCK_M, CAUSAL, False, EVEN_D, INPUT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr,
-                                      offs_n, offs_m, offs_d, full_hi, seqlen_q, seqlen_q, seqlen_k, head_dim,
-                                      causal_offset, qk_scale, BLOCK_M, CAUSAL, True, EVEN_D, INPUT_PRECISION)
+        dk_head, dv_head = _attn_bwd_dkdv_inner(
+            dk_head, dv_head, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr, offs_n, offs_m,
+            offs_d, lo, full_lo, seqlen_q, seqlen_k, head_dim, causal_offset, qk_scale,
+            BLOCK_M, CAUSAL, True, EVEN_D, INPUT_PRECISION)
+        dk_head, dv_head = _attn_bwd_dkdv_inner(
+            dk_head, dv_head, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr, offs_n, offs_m,
+            offs_d, full_lo, full_hi, seqlen_q, seqlen_k, head_dim, causal_offset, qk_scale,
+            BLOCK_M, CAUSAL, False, EVEN_D, INPUT_PRECISION)
+        dk_head, dv_head = _attn_bwd_dkdv_inner(
+            dk_head, dv_head, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr, offs_n, offs_m,
+            offs_d, full_hi, seqlen_q, seqlen_q, seqlen_k, head_dim, causal_offset, qk_scale,
+            BLOCK_M, CAUSAL, True, EVEN_D, INPUT_PRECISION)
+        if SPLIT_GROUP_ACC:
+            dk += dk_head
+            dv += dv_head
+        else:
+            dk = dk_head
+            dv = dv_head
 
     dk_ptrs = (DK + off_b * stride_dkb + off_hk * stride_dkh + start_n.to(tl.int64) * stride_dkn
                + cols[:, None] * stride_dkn + offs_d[None, :])
@@ -241,7 +260,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
         dv.stride(0), dv.stride(1), dv.stride(2),
         nheads_k, seqlen_q, seqlen_k, head_dim, group_size, causal_offset, softmax_scale, qk_scale,
         BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n, BLOCK_D=block_d, CAUSAL=causal,
-        EVEN_D=even_d, INPUT_PRECISION=dkdv_cfg.input_precision,
+        EVEN_D=even_d, INPUT_PRECISION=dkdv_cfg.input_precision, SPLIT_GROUP_ACC=q.dtype == torch.float32,
         num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
     )
     _attn_bwd_dq[(triton.cdiv(seqlen_q, dq_cfg.block_m), batch * nheads)](
