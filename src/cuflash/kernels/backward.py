@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, key_range, load_tile, store_tile, visible
+from .common import LOG2E, key_range, load_tile, store_tile, tile_ptrs, visible
 from .config import Launch, backward_configs
 
 
@@ -29,10 +29,8 @@ def _attn_bwd_delta(Out, DO, Delta,
     rows = tl.arange(0, BLOCK_M)
     offs_m = start_m + rows
     offs_d = tl.arange(0, BLOCK_D)
-    o_ptrs = (Out + off_b * stride_ob + off_h * stride_oh + start_m.to(tl.int64) * stride_om
-              + rows[:, None] * stride_om + offs_d[None, :])
-    do_ptrs = (DO + off_b * stride_dob + off_h * stride_doh + start_m.to(tl.int64) * stride_dom
-               + rows[:, None] * stride_dom + offs_d[None, :])
+    o_ptrs = tile_ptrs(Out, off_b, stride_ob, off_h, stride_oh, start_m, stride_om, rows, offs_d)
+    do_ptrs = tile_ptrs(DO, off_b, stride_dob, off_h, stride_doh, start_m, stride_dom, rows, offs_d)
     o = load_tile(o_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, True).to(tl.float32)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, True).to(tl.float32)
     tl.store(Delta + off_bh.to(tl.int64) * seqlen_q + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
@@ -93,10 +91,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k_ptrs = (K + off_b * stride_kb + off_hk * stride_kh + start_n.to(tl.int64) * stride_kn
-              + cols[:, None] * stride_kn + offs_d[None, :])
-    v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh + start_n.to(tl.int64) * stride_vn
-              + cols[:, None] * stride_vn + offs_d[None, :])
+    k_ptrs = tile_ptrs(K, off_b, stride_kb, off_hk, stride_kh, start_n, stride_kn, cols, offs_d)
+    v_ptrs = tile_ptrs(V, off_b, stride_vb, off_hk, stride_vh, start_n, stride_vn, cols, offs_d)
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, head_dim, True, not EVEN_D)
     v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, head_dim, True, not EVEN_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -126,8 +122,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
             dv_head = dv
         off_h = off_hk * group_size + g
         off_bh = off_b * nheads_k * group_size + off_h
-        q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
-        do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :]
+        q_ptrs = tile_ptrs(Q, off_b, stride_qb, off_h, stride_qh, 0, stride_qm, offs_m, offs_d)
+        do_ptrs = tile_ptrs(DO, off_b, stride_dob, off_h, stride_doh, 0, stride_dom, offs_m, offs_d)
         lse_ptr = Lse + off_bh * seqlen_q
         delta_ptr = Delta + off_bh * seqlen_q
         dk_head, dv_head = _attn_bwd_dkdv_inner(
@@ -149,10 +145,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
             dk = dk_head
             dv = dv_head
 
-    dk_ptrs = (DK + off_b * stride_dkb + off_hk * stride_dkh + start_n.to(tl.int64) * stride_dkn
-               + cols[:, None] * stride_dkn + offs_d[None, :])
-    dv_ptrs = (DV + off_b * stride_dvb + off_hk * stride_dvh + start_n.to(tl.int64) * stride_dvn
-               + cols[:, None] * stride_dvn + offs_d[None, :])
+    dk_ptrs = tile_ptrs(DK, off_b, stride_dkb, off_hk, stride_dkh, start_n, stride_dkn, cols, offs_d)
+    dv_ptrs = tile_ptrs(DV, off_b, stride_dvb, off_hk, stride_dvh, start_n, stride_dvn, cols, offs_d)
     store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, head_dim, not EVEN_D)
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, head_dim, not EVEN_D)
 
@@ -201,17 +195,15 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh + start_m.to(tl.int64) * stride_qm
-              + rows[:, None] * stride_qm + offs_d[None, :])
-    do_ptrs = (DO + off_b * stride_dob + off_h * stride_doh + start_m.to(tl.int64) * stride_dom
-               + rows[:, None] * stride_dom + offs_d[None, :])
+    q_ptrs = tile_ptrs(Q, off_b, stride_qb, off_h, stride_qh, start_m, stride_qm, rows, offs_d)
+    do_ptrs = tile_ptrs(DO, off_b, stride_dob, off_h, stride_doh, start_m, stride_dom, rows, offs_d)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, not EVEN_D)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, not EVEN_D)
     row_ptr = off_bh.to(tl.int64) * seqlen_q + offs_m
     lse = tl.load(Lse + row_ptr, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
     delta = tl.load(Delta + row_ptr, mask=offs_m < seqlen_q, other=0.0)
-    k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    k_ptrs = tile_ptrs(K, off_b, stride_kb, off_hk, stride_kh, 0, stride_kn, offs_n, offs_d)
+    v_ptrs = tile_ptrs(V, off_b, stride_vb, off_hk, stride_vh, 0, stride_vn, offs_n, offs_d)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_end, end = key_range(start_m, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
@@ -221,8 +213,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ,
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
                             offs_m, offs_n, offs_d, full_end, end, seqlen_k, head_dim, causal_offset,
                             qk_scale, BLOCK_N, CAUSAL, True, EVEN_D, INPUT_PRECISION)
-    dq_ptrs = (DQ + off_b * stride_dqb + off_h * stride_dqh + start_m.to(tl.int64) * stride_dqm
-               + rows[:, None] * stride_dqm + offs_d[None, :])
+    dq_ptrs = tile_ptrs(DQ, off_b, stride_dqb, off_h, stride_dqh, start_m, stride_dqm, rows, offs_d)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, not EVEN_D)
 
 

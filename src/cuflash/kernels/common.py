@@ -25,6 +25,14 @@ def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_
 
 
 @triton.jit
+def tile_ptrs(base, off_b, stride_b, off_h, stride_h, start, stride_row, rows, cols):
+    """Pointers to rows start + rows, columns cols of one (batch, head) of a (B, N, H, D) tensor.
+    off_b and off_h are int64 and start is widened, so offsets past 2^31 elements stay exact."""
+    return (base + off_b * stride_b + off_h * stride_h + tl.cast(start, tl.int64) * stride_row
+            + rows[:, None] * stride_row + cols[None, :])
+
+
+@triton.jit
 def store_tile(ptrs, tile, rows, n_rows, cols, n_cols, CHECK_COLS: tl.constexpr):
     if CHECK_COLS:
         tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, key_range, load_tile, store_tile, visible
+from .common import LN2, LOG2E, key_range, load_tile, store_tile, tile_ptrs, visible
 from .config import Launch, forward_config
 
 
@@ -61,10 +61,10 @@ def _attn_fwd(Q, K, V, Out, Lse,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh + start_m.to(tl.int64) * stride_qm
-              + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :])
-    k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    rows = tl.arange(0, BLOCK_M)
+    q_ptrs = tile_ptrs(Q, off_b, stride_qb, off_h, stride_qh, start_m, stride_qm, rows, offs_d)
+    k_ptrs = tile_ptrs(K, off_b, stride_kb, off_hk, stride_kh, 0, stride_kn, offs_n, offs_d)
+    v_ptrs = tile_ptrs(V, off_b, stride_vb, off_hk, stride_vh, 0, stride_vn, offs_n, offs_d)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, not EVEN_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -86,8 +86,7 @@ def _attn_fwd(Q, K, V, Out, Lse,
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     tl.store(Lse + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
-    o_ptrs = (Out + off_b * stride_ob + off_h * stride_oh + start_m.to(tl.int64) * stride_om
-              + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :])
+    o_ptrs = tile_ptrs(Out, off_b, stride_ob, off_h, stride_oh, start_m, stride_om, rows, offs_d)
     store_tile(o_ptrs, out.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, not EVEN_D)
 
 
