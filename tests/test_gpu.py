@@ -66,9 +66,6 @@ def test_sdpa_interface_on_gpu():
     assert ((ours.double() - ref).norm() / ref.norm()).item() < 2e-2
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: measured on an H200, TF32 attention error 1.5e-3, 3.6x "
-                   "torch's TF32 attention (4.3e-4) and above DESIGN.md's 1e-3: Triton feeds fp32 operands to the "
-                   "TF32 tensor cores without round-to-nearest; see docs/perf-notes.md")
 def test_tf32_only_when_allowed():
     """fp32 is exact IEEE by default; with allow_tf32 it runs on TF32 tensor cores, with an error
     no more than 2x that of torch's own attention computed with TF32 matmuls."""

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, key_range, load_tile, store_tile, tile_ptrs, visible
+from .common import LOG2E, key_range, load_tile, mma, store_tile, tile_ptrs, visible
 from .config import Launch, backward_configs
 
 
@@ -56,14 +56,14 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, l
         else:
             lse = tl.load(lse_ptr + rows)
             delta = tl.load(delta_ptr + rows)
-        s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
+        s_t = mma(k, tl.trans(q), None, INPUT_PRECISION) * qk_scale
         p_t = tl.math.exp2(s_t - lse[None, :] * LOG2E)
         if MASKED:
             p_t = tl.where(visible(rows[None, :], offs_n[:, None], seqlen_k, causal_offset, CAUSAL), p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        dv = mma(p_t.to(do.dtype), do, dv, INPUT_PRECISION)
+        dp_t = mma(v, tl.trans(do), None, INPUT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+        dk = mma(ds_t.to(q.dtype), q, dk, INPUT_PRECISION)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
     return dk, dv
@@ -162,13 +162,13 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_
         cols = start_n + offs_n
         k = load_tile(k_ptrs, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D)
         v = load_tile(v_ptrs, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        s = mma(q, tl.trans(k), None, INPUT_PRECISION) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
             p = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_k, causal_offset, CAUSAL), p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        dp = mma(do, tl.trans(v), None, INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+        dq = mma(ds.to(k.dtype), k, dq, INPUT_PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return dq

@@ -25,6 +25,16 @@ def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_
 
 
 @triton.jit
+def mma(a, b, acc, INPUT_PRECISION: tl.constexpr):
+    """a @ b (+ acc) in fp32. With TF32, operands are first rounded to nearest TF32: the tensor
+    cores would otherwise drop the 13 low mantissa bits, a bias that triples the error."""
+    if INPUT_PRECISION == "tf32":
+        a = ((a.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        b = ((b.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
 def tile_ptrs(base, off_b, stride_b, off_h, stride_h, start, stride_row, rows, cols):
     """Pointers to rows start + rows, columns cols of one (batch, head) of a (B, N, H, D) tensor.
     off_b and off_h are int64 and start is widened, so offsets past 2^31 elements stay exact."""

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, key_range, load_tile, store_tile, tile_ptrs, visible
+from .common import LN2, LOG2E, key_range, load_tile, mma, store_tile, tile_ptrs, visible
 from .config import Launch, forward_config
 
 
@@ -22,7 +22,7 @@ def _attn_fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = load_tile(k_ptrs, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        s = mma(q, tl.trans(k), None, INPUT_PRECISION) * qk_scale
         if MASKED:
             s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_k, causal_offset, CAUSAL),
                          s, float("-inf"))
@@ -36,7 +36,7 @@ def _attn_fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs
         alpha = tl.math.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(v_ptrs, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
