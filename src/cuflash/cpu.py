@@ -102,7 +102,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     qg = _grouped(q, nheads_k, dtype)
     dog = _grouped(dout, nheads_k, dtype)
     delta = (dog * _grouped(out, nheads_k, dtype)).sum(-1)  # (B, Hk, G, Nq)
-    lseg = lse.view(batch, nheads_k, group, seqlen_q).to(dtype)
+    lseg = lse.reshape(batch, nheads_k, group, seqlen_q).to(dtype)
     kg = k.to(dtype).transpose(1, 2).contiguous()  # (B, Hk, Nk, D): matmuls on strided K run slower
     vg = v.to(dtype).transpose(1, 2).contiguous()
     dq = torch.empty(batch, nheads_k, group, seqlen_q, head_dim, dtype=dtype, device=q.device)
