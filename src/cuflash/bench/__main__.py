@@ -68,6 +68,11 @@ def main(argv=None) -> int:
             writer.writeheader()
             writer.writerows(rows)
         (out / "results.md").write_text(table + "\n")
+        try:
+            from .plot import plot
+            print(f"plot: {plot(out / 'results.csv', out / 'results.png', header)}")
+        except ImportError:
+            print("plot skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,27 @@
+"""The benchmark harness on the CPU: rows, CSV, markdown table and plot."""
+import csv
+
+import pytest
+
+from cuflash.bench.__main__ import main
+
+
+def test_cpu_bench_writes_csv_table_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rc = main(["--device", "cpu", "--providers", "cuflash,sdpa", "--seqlens", "64,128", "--hdims", "16",
+               "--batch", "1", "--nheads", "2", "--dtype", "fp32", "--modes", "fwd,fwd+bwd", "--iters", "2",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * 2 * 2 * 2  # providers x seqlens x modes x causal
+    assert all(float(r["ms"]) > 0 and float(r["rel_err"]) < 1e-5 for r in rows)
+    table = (tmp_path / "results.md").read_text()
+    assert "vs sdpa" in table and table.count("\n| fwd |") == 4 and table.count("\n| fwd+bwd |") == 4
+    assert (tmp_path / "results.png").stat().st_size > 10_000
+    assert "cuflash GFLOP/s" in capsys.readouterr().out
+
+
+def test_unknown_provider_is_refused():
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--providers", "cuflash,fastest"])
