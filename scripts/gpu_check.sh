@@ -12,5 +12,5 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 python3 -m pytest tests -m gpu -q $parallel -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -n 15
 tests=$?
-python3 -m cuflash.bench --out "$out" "$@" 2>&1 | tee "$out/bench.log" | tail -n 30
+python3 -m cuflash.bench --quick --out "$out" "$@" 2>&1 | tee "$out/bench.log" | tail -n 30
 exit $tests

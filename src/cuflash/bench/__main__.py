@@ -19,11 +19,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cuflash.bench", description=__doc__)
     p.add_argument("--providers", default="cuflash,sdpa-cudnn,sdpa-flash", help=f"from {','.join(PROVIDERS)}")
-    p.add_argument("--seqlens", default="2048,8192")
-    p.add_argument("--hdims", default="64,128")
+    p.add_argument("--quick", action="store_true",
+                   help="a few minutes' subset: seqlens 2048,8192, head dims 64,128, fwd and bwd")
+    p.add_argument("--seqlens", default=None, help="default 512,1024,2048,4096,8192,16384")
+    p.add_argument("--hdims", default=None, help="default 64,128,256")
     p.add_argument("--dtype", default="bf16", choices=DTYPES)
     p.add_argument("--causal", default="both", choices=["both", "true", "false"])
-    p.add_argument("--modes", default="fwd,bwd")
+    p.add_argument("--modes", default=None, help="from fwd,bwd,fwd+bwd (default all)")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen (the papers' setting)")
     p.add_argument("--hidden", type=int, default=2048, help="nheads * head_dim")
     p.add_argument("--batch", type=int, default=None, help="fixed batch (overrides --tokens)")
@@ -32,6 +34,10 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=None, help="folder for results.csv and results.md")
     args = p.parse_args(argv)
+    defaults = ("2048,8192", "64,128", "fwd,bwd") if args.quick else \
+        ("512,1024,2048,4096,8192,16384", "64,128,256", "fwd,bwd,fwd+bwd")
+    args.seqlens, args.hdims, args.modes = (given or default for given, default in
+                                            zip((args.seqlens, args.hdims, args.modes), defaults))
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU here; pass --device cpu to time the CPU path", file=sys.stderr)
         return 2
