@@ -7,8 +7,7 @@ import sys
 
 import torch
 
-# ||out - ref|| / ||ref|| bounds against the float64 oracle (DESIGN.md).
-BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+from .reference import ERROR_BOUNDS
 
 
 def demo(args) -> int:
@@ -36,22 +35,18 @@ def demo(args) -> int:
                     continue
                 print(f"{provider:10s} {mode:8s} {causal!s:6s} {r['ms']:9.2f} {r['tflops'] * scale:9.1f} "
                       f"{r['rel_err']:9.1e}")
-                if provider == "cuflash" and not r["rel_err"] < BOUNDS[dtype]:
+                if provider == "cuflash" and not r["rel_err"] < ERROR_BOUNDS[dtype]:
                     ok = False
-    print(f"\nerror: ||out - ref|| / ||ref|| against float64 attention (bound {BOUNDS[dtype]:g}): "
+    print(f"\nerror: ||out - ref|| / ||ref|| against float64 attention (bound {ERROR_BOUNDS[dtype]:g}): "
           f"{'all within' if ok else 'OUT OF BOUNDS'}")
     return 0 if ok else 1
 
 
 def info(args) -> int:
     from . import __version__
-    from .ops import backend_name
+    from .ops import backend_name, triton_version
     print(f"cuflash {__version__}, python {platform.python_version()}, torch {torch.__version__}")
-    try:
-        import triton
-        print(f"triton {triton.__version__}")
-    except ImportError:
-        print("triton not installed: the CPU path only")
+    print(f"triton {triton_version()}" if triton_version() else "triton not installed: the CPU path only")
     for device in (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]:
         name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
         print(f"{device}: {name}; backend: {backend_name(torch.device(device), torch.float32)}")

@@ -15,6 +15,15 @@ from .errors import ErrorCode, fail, lse_dtype
 BACKENDS = ("auto", "triton", "cpu")
 
 
+def triton_version() -> str | None:
+    """The installed Triton's version, or None without Triton."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
 def backend_name(device: torch.device, dtype: torch.dtype) -> str:
     """The backend that will run for tensors on `device`; raises FlashAttentionError when none can."""
     choice = os.environ.get("CUFLASH_BACKEND", "auto").lower()
@@ -25,9 +34,7 @@ def backend_name(device: torch.device, dtype: torch.dtype) -> str:
     if choice == "triton":
         if dtype == torch.float64:
             fail(ErrorCode.UNSUPPORTED_DTYPE, "the Triton kernels take float16, bfloat16 and float32, got float64")
-        try:
-            import triton  # noqa: F401
-        except ImportError:
+        if triton_version() is None:
             fail(ErrorCode.UNSUPPORTED_DEVICE, "the Triton kernels need the `triton` package, which is not installed")
         if device.type == "cuda":
             if os.environ.get("TRITON_INTERPRET") == "1":

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..ops import triton_version
 from .harness import PROVIDERS, Case, run_case
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     print(file=sys.stderr)
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     header = (f"{device} | torch {torch.__version__} | triton "
-              f"{_triton_version()} | cuDNN {torch.backends.cudnn.version()} | "
+              f"{triton_version() or 'none'} | cuDNN {torch.backends.cudnn.version()} | "
               f"{datetime.date.today()} | python {platform.python_version()}")
     table = _markdown(rows, providers, header, "GFLOP/s" if args.device == "cpu" else "TFLOP/s")
     print(table)
@@ -82,14 +83,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def _triton_version() -> str:
-    try:
-        import triton
-        return triton.__version__
-    except ImportError:
-        return "none"
-
-
 def _markdown(rows, providers, header, unit) -> str:
     """One line per case: TFLOP/s of each provider and cuflash's ratio to each of the others."""
     others = [p for p in providers if p != "cuflash"]
@@ -97,6 +90,7 @@ def _markdown(rows, providers, header, unit) -> str:
              "| mode | B | H | D | N | causal | " + " | ".join(f"{p} {unit}" for p in providers) + " | "
              + " | ".join(f"vs {p}" for p in others) + " | cuflash err |",
              "|---" * (7 + len(providers) + len(others)) + "|"]
+    scale = 1e3 if unit == "GFLOP/s" else 1.0
     keys = []
     for r in rows:
         key = (r["mode"], r["batch"], r["nheads"], r["head_dim"], r["seqlen"], r["causal"])
@@ -105,7 +99,6 @@ def _markdown(rows, providers, header, unit) -> str:
     for key in keys:
         by = {r["provider"]: r for r in rows
               if (r["mode"], r["batch"], r["nheads"], r["head_dim"], r["seqlen"], r["causal"]) == key}
-        scale = 1e3 if unit == "GFLOP/s" else 1.0
         tf = {p: by[p]["tflops"] * scale for p in providers if by.get(p, {}).get("tflops")}
         cells = [f"{tf[p]:.1f}" if tf.get(p) else "n/a" for p in providers]
         ratios = [f"{tf['cuflash'] / tf[p]:.2f}x" if tf.get("cuflash") and tf.get(p) else "n/a" for p in others]

@@ -112,7 +112,6 @@ def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: 
         return {**row, "note": "skipped: the math backend would materialize the scores (> 8 GB)"}
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if cuda else 0
     sets = max(1, min(8, math.ceil(3 * l2 / (4 * one))))
-    data = outs = None
     try:
         data = _inputs(case, device, case.mode != "fwd", sets)
         if cuda:
@@ -132,10 +131,9 @@ def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: 
         peak = torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None
         err = error_vs_oracle(provider, case, device)
     except Exception as exc:  # an SDPA backend that does not support the case says why
+        data = outs = None  # noqa: F841 (drop the inputs before handing their memory back)
         if cuda:
             torch.cuda.empty_cache()
         return {**row, "note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
-    finally:
-        data = outs = None
     return {**row, "ms": ms, "tflops": case.flops() / ms / 1e9, "gbps": case.bytes() / ms / 1e6,
             "peak_gb": peak, "rel_err": err, "note": ""}
