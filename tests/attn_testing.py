@@ -17,6 +17,13 @@ interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                reason="needs TRITON_INTERPRET=1 (set by conftest when there is no GPU)")
 
 
+@pytest.fixture(params=["cpu", pytest.param("triton", marks=[interpret, pytest.mark.interpret])])
+def backend(request, monkeypatch):
+    """Runs a test on the blocked CPU path and on the Triton kernels through the interpreter."""
+    monkeypatch.setenv("CUFLASH_BACKEND", request.param)
+    return request.param
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(x).all(), "non-finite values (unwritten or NaN output)"
     ref = ref.double()
@@ -54,12 +61,13 @@ def run_and_grad(fn, q, k, v, dout):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def check_against_oracle(fn, q, k, v, causal, with_sdpa=True, grads=True):
+def check_against_oracle(fn, q, k, v, causal, with_sdpa=True, grads=True, **options):
     """Runs fn(q, k, v) (flash layout) forward and backward and checks output and gradients
-    against the float64 oracle, and against torch SDPA's own error in the same dtype."""
+    against the float64 oracle (given `options` of attention_reference: window, softcap, ...),
+    and against torch SDPA's own error in the same dtype."""
     dtype = q.dtype
     dout = torch.randn(q.shape, dtype=dtype, device=q.device)
-    ref = run_and_grad(lambda a, b, c: attention_reference(a, b, c, causal=causal)[0],
+    ref = run_and_grad(lambda a, b, c: attention_reference(a, b, c, causal=causal, **options)[0],
                        q.double(), k.double(), v.double(), dout.double())
     if grads:
         ours = run_and_grad(fn, q, k, v, dout)

@@ -1,19 +1,12 @@
 """Correctness on the CPU: the blocked PyTorch path and the Triton kernels through the
 interpreter, against the float64 oracle, through every public entry point."""
-import os
 
 import pytest
 import torch
 
 import cuflash
-from attn_testing import check_against_oracle, interpret, make_qkv, rel_err
+from attn_testing import backend, check_against_oracle, make_qkv, rel_err  # noqa: F401 (fixture)
 from cuflash.reference import attention_reference
-
-
-@pytest.fixture(params=["cpu", pytest.param("triton", marks=[interpret, pytest.mark.interpret])])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("CUFLASH_BACKEND", request.param)
-    return request.param
 
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim): odd sizes, seqlen 1, seqlen_q != seqlen_k

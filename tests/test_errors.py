@@ -153,19 +153,59 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
         cuflash.flash_attn_func(q, k, v)
 
 
-@pytest.mark.parametrize("kwargs,code,word", [
-    (dict(dropout_p=0.1), ErrorCode.UNSUPPORTED_FEATURE, "dropout_p"),
-    (dict(dropout_p=1.0), ErrorCode.INVALID_ARGUMENT, "dropout_p"),
-    (dict(dropout_p=-0.1), ErrorCode.INVALID_ARGUMENT, "dropout_p"),
-    (dict(window_size=(4, 0)), ErrorCode.UNSUPPORTED_FEATURE, "window_size"),
-    (dict(window_size=(-2, 0)), ErrorCode.INVALID_ARGUMENT, "window_size"),
-    (dict(softcap=30.0), ErrorCode.UNSUPPORTED_FEATURE, "softcap"),
-    (dict(alibi_slopes=torch.ones(4)), ErrorCode.UNSUPPORTED_FEATURE, "alibi_slopes"),
+@pytest.mark.parametrize("kwargs,code,words", [
+    (dict(dropout_p=1.0), ErrorCode.INVALID_ARGUMENT, ["dropout_p", "[0, 1)"]),
+    (dict(dropout_p=-0.1), ErrorCode.INVALID_ARGUMENT, ["dropout_p"]),
+    (dict(dropout_p=True), ErrorCode.INVALID_ARGUMENT, ["dropout_p"]),
+    (dict(window_size=(-2, 0)), ErrorCode.INVALID_ARGUMENT, ["window_size", ">= -1"]),
+    (dict(window_size=(3,)), ErrorCode.INVALID_ARGUMENT, ["window_size"]),
+    (dict(window_size=(1.5, 0)), ErrorCode.INVALID_ARGUMENT, ["window_size"]),
+    (dict(softcap=-1.0), ErrorCode.INVALID_ARGUMENT, ["softcap"]),
+    (dict(softcap=math.nan), ErrorCode.INVALID_ARGUMENT, ["softcap"]),
+    (dict(alibi_slopes=torch.ones(3)), ErrorCode.SHAPE_MISMATCH, ["alibi_slopes", "(4,)", "(2, 4)"]),
+    (dict(alibi_slopes=torch.ones(2, 4, 1)), ErrorCode.SHAPE_MISMATCH, ["alibi_slopes"]),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), ErrorCode.UNSUPPORTED_DTYPE, ["alibi_slopes", "float32"]),
+    (dict(alibi_slopes=[1.0] * 4), ErrorCode.INVALID_ARGUMENT, ["alibi_slopes"]),
+    (dict(alibi_slopes=torch.ones(4, requires_grad=True)), ErrorCode.UNSUPPORTED_FEATURE, ["alibi_slopes", "grad"]),
 ])
-def test_options_not_supported_yet_are_never_ignored(kwargs, code, word):
+def test_bad_options(kwargs, code, words):
     q, k, v = qkv()
-    with raises(code, word):
+    with raises(code, *words):
         cuflash.flash_attn_func(q, k, v, **kwargs)
+
+
+def _varlen(**overrides):
+    """A valid varlen call (3 sequences of 3, 0 and 5 query rows), with some arguments replaced."""
+    args = dict(q=torch.randn(8, 2, 16), k=torch.randn(10, 2, 16), v=torch.randn(10, 2, 16),
+                cu_seqlens_q=torch.tensor([0, 3, 3, 8], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 4, 6, 10], dtype=torch.int32), max_seqlen_q=5, max_seqlen_k=4)
+    args.update(overrides)
+    return cuflash.flash_attn_varlen_func(**args)
+
+
+@pytest.mark.parametrize("overrides,code,words", [
+    (dict(cu_seqlens_q=torch.tensor([0, 3, 3, 8])), ErrorCode.UNSUPPORTED_DTYPE, ["cu_seqlens_q", "int32"]),
+    (dict(cu_seqlens_k=[0, 4, 6, 10]), ErrorCode.INVALID_ARGUMENT, ["cu_seqlens_k", "int32"]),
+    (dict(cu_seqlens_q=torch.tensor([0, 5, 3, 8], dtype=torch.int32)), ErrorCode.INVALID_ARGUMENT,
+     ["cu_seqlens_q", "never decrease"]),
+    (dict(cu_seqlens_q=torch.tensor([1, 3, 3, 8], dtype=torch.int32)), ErrorCode.INVALID_ARGUMENT,
+     ["cu_seqlens_q", "start at 0"]),
+    (dict(cu_seqlens_k=torch.tensor([0, 4, 10], dtype=torch.int32)), ErrorCode.SHAPE_MISMATCH,
+     ["cu_seqlens_k", "same batch"]),
+    (dict(cu_seqlens_q=torch.tensor([0], dtype=torch.int32)), ErrorCode.SHAPE_MISMATCH, ["cu_seqlens_q"]),
+    (dict(cu_seqlens_q=torch.tensor([[0, 3, 3, 8]], dtype=torch.int32)), ErrorCode.SHAPE_MISMATCH,
+     ["cu_seqlens_q", "(batch + 1,)"]),
+    (dict(cu_seqlens_k=torch.tensor([0, 4, 6, 9], dtype=torch.int32)), ErrorCode.SHAPE_MISMATCH,
+     ["cu_seqlens_k", "ends at 9", "10 rows"]),
+    (dict(max_seqlen_q=4), ErrorCode.INVALID_ARGUMENT, ["max_seqlen_q=4", "5 tokens"]),
+    (dict(max_seqlen_k=0), ErrorCode.INVALID_ARGUMENT, ["max_seqlen_k"]),
+    (dict(q=torch.randn(2, 8, 2, 16)), ErrorCode.INVALID_DIMENSION, ["q", "(total_q, nheads, headdim)"]),
+    (dict(k=torch.randn(10, 3, 16), v=torch.randn(10, 3, 16)), ErrorCode.SHAPE_MISMATCH, ["heads"]),
+    (dict(block_table=torch.zeros(3, 1, dtype=torch.int32)), ErrorCode.UNSUPPORTED_FEATURE, ["block_table"]),
+])
+def test_bad_varlen_arguments(overrides, code, words):
+    with raises(code, *words):
+        _varlen(**overrides)
 
 
 def test_packed_wrong_size():
@@ -177,8 +217,16 @@ def test_packed_wrong_size():
 
 def test_sdpa_errors():
     query, key, value = (torch.randn(2, 4, 8, 16) for _ in range(3))
-    with raises(ErrorCode.UNSUPPORTED_FEATURE, "attn_mask"):
-        cuflash.scaled_dot_product_attention(query, key, value, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    with raises(ErrorCode.SHAPE_MISMATCH, "attn_mask", "(3, 8)", "broadcast"):
+        cuflash.scaled_dot_product_attention(query, key, value, attn_mask=torch.ones(3, 8, dtype=torch.bool))
+    with raises(ErrorCode.UNSUPPORTED_DTYPE, "attn_mask", "torch.int64"):
+        cuflash.scaled_dot_product_attention(query, key, value, attn_mask=torch.ones(8, 8, dtype=torch.int64))
+    with raises(ErrorCode.UNSUPPORTED_FEATURE, "attn_mask", "grad"):
+        cuflash.scaled_dot_product_attention(query, key, value, attn_mask=torch.zeros(8, 8, requires_grad=True))
+    with raises(ErrorCode.INVALID_ARGUMENT, "attn_mask", "is_causal"):
+        cuflash.scaled_dot_product_attention(query, key, value, attn_mask=torch.zeros(8, 8), is_causal=True)
+    with raises(ErrorCode.INVALID_ARGUMENT, "dropout_p"):
+        cuflash.scaled_dot_product_attention(query, key, value, dropout_p=1.5)
     with raises(ErrorCode.SHAPE_MISMATCH, "enable_gqa"):
         cuflash.scaled_dot_product_attention(query, key[:, :2], value[:, :2])
     with raises(ErrorCode.SHAPE_MISMATCH, "value", "head dim"):

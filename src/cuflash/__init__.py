@@ -1,12 +1,14 @@
 """cuflash: exact FlashAttention-2 for PyTorch, forward and backward, in Triton (GPU) and
 blocked PyTorch (CPU)."""
 from .errors import ErrorCode, FlashAttentionError
-from .interface import (backward, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, forward,
-                        scaled_dot_product_attention)
+from .interface import (backward, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                        flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
+                        forward, scaled_dot_product_attention)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ErrorCode", "FlashAttentionError", "flash_attn_func", "flash_attn_qkvpacked_func",
-    "flash_attn_kvpacked_func", "scaled_dot_product_attention", "forward", "backward", "__version__",
+    "flash_attn_kvpacked_func", "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func", "scaled_dot_product_attention", "forward", "backward", "__version__",
 ]

@@ -4,12 +4,15 @@ over K/V tiles, recomputation from the log-sum-exp in the backward), for tensors
 Working memory is O(seqlen): one (block_m x block_n) score tile per head at a time, plus the
 fp32 output and gradient accumulators. The query heads that share a KV head are folded into the
 rows of one matrix, so K/V are never repeated and the GQA sums of dK/dV come out of the matmuls.
+Every option of AttentionParams is supported; a varlen batch runs one sequence at a time.
 """
 from __future__ import annotations
 
 import torch
 
+from .dropout import keep_mask
 from .errors import lse_dtype
+from .params import AttentionParams
 
 BLOCK_M = 256
 BLOCK_N = 512
@@ -31,36 +34,123 @@ def _rows(x: torch.Tensor, m0: int, m1: int) -> torch.Tensor:
     return blk.reshape(blk.shape[0], blk.shape[1], -1, *blk.shape[4:])
 
 
-def _key_range(m0: int, m1: int, seqlen_k: int, causal: bool, causal_offset: int):
-    """Keys [0, full_end) are visible to all rows m0:m1, [full_end, end) to some of them."""
-    if not causal:
-        return seqlen_k, seqlen_k
-    end = max(0, min(seqlen_k, m1 + causal_offset))
-    full_end = max(0, min(seqlen_k, m0 + causal_offset + 1))
-    return full_end, end
+class _Tiles:
+    """The score tiles of one dense problem: which key tiles a query tile visits, and the logits
+    of a tile with softcap, ALiBi, attn_mask, window/causal mask and the dropout pattern. Tiles are
+    handled as (B, Hk, G, bm, bn) views of the (B, Hk, G*bm, bn) matmul results."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_batch: int = 0):
+        self.batch, self.seqlen_q, self.nheads, _ = q.shape
+        self.seqlen_k, self.nheads_k = k.shape[1], k.shape[2]
+        self.group = self.nheads // self.nheads_k
+        self.p = p
+        self.offset = self.seqlen_k - self.seqlen_q if p.bottom_right else 0
+        self.dtype = _compute_dtype(q.dtype)
+        grouped = (self.batch, self.nheads_k, self.group)
+        self.slopes = None
+        if p.alibi_slopes is not None:
+            slopes = p.alibi_slopes.expand(self.batch, self.nheads) if p.alibi_slopes.dim() == 1 else p.alibi_slopes
+            self.slopes = slopes.to(self.dtype).reshape(*grouped, 1, 1)
+        self.mask = None
+        if p.attn_mask is not None:
+            self.mask = p.attn_mask.view(*grouped, self.seqlen_q, self.seqlen_k)
+        # (batch * nheads + head) of each (B, Hk, G): the dropout stream of that head.
+        self.off_bh = (torch.arange(first_batch, first_batch + self.batch, device=q.device)[:, None] * self.nheads
+                       + torch.arange(self.nheads, device=q.device)).view(*grouped, 1, 1)
+
+    def blocks(self, m0: int, m1: int):
+        """(n0, n1, masked) for the key tiles that rows m0:m1 visit: keys [full_lo, full_hi) are
+        visible to all of them (no mask needed), [lo, full_lo) and [full_hi, hi) to some."""
+        p, off = self.p, self.offset
+        lo, full_lo, hi, full_hi = 0, 0, self.seqlen_k, self.seqlen_k
+        if p.window_left >= 0:
+            lo = max(0, m0 + off - p.window_left)
+            full_lo = max(0, m1 - 1 + off - p.window_left)
+        if p.window_right >= 0:
+            hi = min(self.seqlen_k, max(0, m1 + off + p.window_right))
+            full_hi = min(self.seqlen_k, max(0, m0 + off + p.window_right + 1))
+        hi = max(hi, lo)
+        full_lo = min(max(full_lo, lo), hi)
+        full_hi = min(max(full_hi, full_lo), hi)
+        for start, end, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
+            for n0 in range(start, end, BLOCK_N):
+                yield n0, min(n0 + BLOCK_N, end), masked
+
+    def logits(self, qk: torch.Tensor) -> torch.Tensor:
+        """softcap * tanh(x / softcap) of the scaled logits x, in place."""
+        if self.p.softcap > 0:
+            qk.div_(self.p.softcap).tanh_().mul_(self.p.softcap)
+        return qk
+
+    def _coords(self, m0, m1, n0, n1, device):
+        return torch.arange(m0, m1, device=device)[:, None], torch.arange(n0, n1, device=device)[None, :]
+
+    def scores(self, x: torch.Tensor, m0: int, m1: int, n0: int, n1: int, masked: bool) -> torch.Tensor:
+        """Adds ALiBi and an additive attn_mask to the logits tile x and sets hidden keys to -inf,
+        in place."""
+        p = self.p
+        s = x.view(self.batch, self.nheads_k, self.group, m1 - m0, n1 - n0)
+        rows, cols = self._coords(m0, m1, n0, n1, x.device)
+        if self.slopes is not None:
+            s.sub_(self.slopes * (rows + self.offset - cols).abs().to(s.dtype))
+        if self.mask is not None:
+            tile = self.mask[:, :, :, m0:m1, n0:n1]
+            if tile.dtype == torch.bool:
+                s.masked_fill_(~tile, float("-inf"))
+            else:
+                s.add_(tile.to(s.dtype))
+        if masked:
+            hidden = torch.zeros(rows.shape[0], cols.shape[1], dtype=torch.bool, device=x.device)
+            if p.window_right >= 0:
+                hidden |= cols > rows + self.offset + p.window_right
+            if p.window_left >= 0:
+                hidden |= cols < rows + self.offset - p.window_left
+            s.masked_fill_(hidden, float("-inf"))
+        return x
+
+    def keep(self, m0: int, m1: int, n0: int, n1: int) -> torch.Tensor:
+        """The dropout scale of each probability of the tile: 0 (dropped) or 1 / (1 - dropout_p)."""
+        rows, cols = self._coords(m0, m1, n0, n1, self.off_bh.device)
+        kept = keep_mask(self.p.rng_seed, self.off_bh, rows, cols, self.p.dropout_p)
+        scale = torch.where(kept, 1.0 / (1.0 - self.p.dropout_p), 0.0).to(self.dtype)
+        return scale.reshape(self.batch, self.nheads_k, -1, n1 - n0)
 
 
-def _mask(s: torch.Tensor, m0: int, m1: int, n0: int, n1: int, group: int, causal_offset: int) -> torch.Tensor:
-    rows = torch.arange(m0, m1, device=s.device).repeat(group)
-    cols = torch.arange(n0, n1, device=s.device)
-    return s.masked_fill_(cols[None, :] > rows[:, None] + causal_offset, float("-inf"))
+def _sequences(p: AttentionParams):
+    """(b, its query rows, its key rows, its params) for each sequence of a varlen batch."""
+    cu_q, cu_k = p.cu_seqlens_q.tolist(), p.cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), p.sequence(b)
 
 
-def _blocks(full_end: int, end: int):
-    """Key tiles: unmasked ones up to full_end, then masked ones up to end."""
-    n0 = 0
-    while n0 < end:
-        n1 = min(n0 + BLOCK_N, full_end) if n0 < full_end else min(n0 + BLOCK_N, end)
-        yield n0, n1, n0 >= full_end
-        n0 = n1
+def attention_forward(q, k, v, params: AttentionParams):
+    """Same contract as kernels.attention_forward."""
+    if not params.varlen:
+        return _forward(q, k, v, params)
+    outs, lses = [], []
+    for b, q_rows, k_rows, p in _sequences(params):
+        out, lse = _forward(q[None, q_rows], k[None, k_rows], v[None, k_rows], p, b)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
 
 
-def attention_forward(q, k, v, softmax_scale: float, causal: bool, causal_offset: int):
-    """Same contract as kernels.attention_forward: out (B, Nq, H, D), softmax_lse (B, H, Nq)."""
+def attention_backward(dout, q, k, v, out, lse, params: AttentionParams):
+    """Same contract as kernels.attention_backward."""
+    if not params.varlen:
+        return _backward(dout, q, k, v, out, lse, params)
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    for b, q_rows, k_rows, p in _sequences(params):
+        dq[q_rows], dk[k_rows], dv[k_rows] = (g[0] for g in _backward(
+            dout[None, q_rows], q[None, q_rows], k[None, k_rows], v[None, k_rows], out[None, q_rows],
+            lse[None, :, q_rows], p, b))
+    return dq, dk, dv
+
+
+def _forward(q, k, v, p: AttentionParams, first_batch: int = 0):
     batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    group = nheads // nheads_k
-    dtype = _compute_dtype(q.dtype)
+    tiles = _Tiles(q, k, p, first_batch)
+    nheads_k, group, dtype = tiles.nheads_k, tiles.group, tiles.dtype
     qg = _grouped(q, nheads_k, dtype)
     kg = k.to(dtype).transpose(1, 2).contiguous()  # (B, Hk, Nk, D): matmuls on strided K run slower
     vg = v.to(dtype).transpose(1, 2).contiguous()
@@ -68,21 +158,21 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, causal_offset
     lse = torch.empty(batch, nheads_k, group, seqlen_q, dtype=lse_dtype(q.dtype), device=q.device)
     for m0 in range(0, seqlen_q, BLOCK_M):
         m1 = min(m0 + BLOCK_M, seqlen_q)
-        q_blk = _rows(qg, m0, m1) * softmax_scale
+        q_blk = _rows(qg, m0, m1) * p.softmax_scale
         rows = q_blk.shape[2]
         m_i = torch.full((batch, nheads_k, rows), float("-inf"), dtype=dtype, device=q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(batch, nheads_k, rows, head_dim, dtype=dtype, device=q.device)
-        for n0, n1, masked in _blocks(*_key_range(m0, m1, seqlen_k, causal, causal_offset)):
-            s = q_blk @ kg[:, :, n0:n1].transpose(-1, -2)
-            if masked:
-                _mask(s, m0, m1, n0, n1, group, causal_offset)
+        for n0, n1, masked in tiles.blocks(m0, m1):
+            s = tiles.scores(tiles.logits(q_blk @ kg[:, :, n0:n1].transpose(-1, -2)), m0, m1, n0, n1, masked)
             m_new = torch.maximum(m_i, s.amax(-1))
             m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
-            p = s.sub_(m_safe[..., None]).exp_()
+            p_blk = s.sub_(m_safe[..., None]).exp_()
             alpha = torch.exp(m_i - m_safe)
-            l_i = l_i * alpha + p.sum(-1)
-            acc.mul_(alpha[..., None]).add_(p @ vg[:, :, n0:n1])
+            l_i = l_i * alpha + p_blk.sum(-1)
+            if p.dropout_p > 0:  # the softmax sum counts every probability, the output only the kept
+                p_blk.mul_(tiles.keep(m0, m1, n0, n1))
+            acc.mul_(alpha[..., None]).add_(p_blk @ vg[:, :, n0:n1])
             m_i = m_new
         empty = l_i == 0  # rows that saw no key: out 0, lse +inf
         l_safe = torch.where(empty, 1.0, l_i)
@@ -93,12 +183,10 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, causal_offset
     return out.to(q.dtype).contiguous(), lse.view(batch, nheads, seqlen_q)
 
 
-def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, causal_offset: int):
-    """Same contract as kernels.attention_backward: dq, dk, dv shaped like q, k, v."""
+def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0):
     batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    group = nheads // nheads_k
-    dtype = _compute_dtype(q.dtype)
+    tiles = _Tiles(q, k, p, first_batch)
+    nheads_k, group, dtype, seqlen_k = tiles.nheads_k, tiles.group, tiles.dtype, tiles.seqlen_k
     qg = _grouped(q, nheads_k, dtype)
     dog = _grouped(dout, nheads_k, dtype)
     delta = (dog * _grouped(out, nheads_k, dtype)).sum(-1)  # (B, Hk, G, Nq)
@@ -113,17 +201,25 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
         q_blk, do_blk = _rows(qg, m0, m1), _rows(dog, m0, m1)
         lse_blk, delta_blk = _rows(lseg, m0, m1), _rows(delta, m0, m1)
         dq_blk = torch.zeros_like(q_blk)
-        for n0, n1, masked in _blocks(*_key_range(m0, m1, seqlen_k, causal, causal_offset)):
+        for n0, n1, masked in tiles.blocks(m0, m1):
             k_blk, v_blk = kg[:, :, n0:n1], vg[:, :, n0:n1]
-            s = (q_blk @ k_blk.transpose(-1, -2)).mul_(softmax_scale)
-            if masked:
-                _mask(s, m0, m1, n0, n1, group, causal_offset)
-            p = s.sub_(lse_blk[..., None]).exp_()  # lse = +inf gives p = 0
-            dv[:, :, n0:n1] += p.transpose(-1, -2) @ do_blk
-            ds = p.mul_((do_blk @ v_blk.transpose(-1, -2)).sub_(delta_blk[..., None]))
+            x = tiles.logits((q_blk @ k_blk.transpose(-1, -2)).mul_(p.softmax_scale))
+            softcap_grad = 1 - (x / p.softcap) ** 2 if p.softcap > 0 else None
+            s = tiles.scores(x, m0, m1, n0, n1, masked)
+            p_blk = s.sub_(lse_blk[..., None]).exp_()  # lse = +inf gives p = 0
+            dp = do_blk @ v_blk.transpose(-1, -2)
+            if p.dropout_p > 0:
+                keep = tiles.keep(m0, m1, n0, n1)
+                dv[:, :, n0:n1] += (p_blk * keep).transpose(-1, -2) @ do_blk
+                dp.mul_(keep)
+            else:
+                dv[:, :, n0:n1] += p_blk.transpose(-1, -2) @ do_blk
+            ds = p_blk.mul_(dp.sub_(delta_blk[..., None]))
+            if softcap_grad is not None:
+                ds.mul_(softcap_grad)
             dq_blk += ds @ k_blk
             dk[:, :, n0:n1] += ds.transpose(-1, -2) @ q_blk
         dq[:, :, :, m0:m1] = dq_blk.view(batch, nheads_k, group, m1 - m0, head_dim)
-    dq = (dq * softmax_scale).permute(0, 3, 1, 2, 4).reshape(q.shape)
-    dk = (dk * softmax_scale).transpose(1, 2)
+    dq = (dq * p.softmax_scale).permute(0, 3, 1, 2, 4).reshape(q.shape)
+    dk = (dk * p.softmax_scale).transpose(1, 2)
     return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.transpose(1, 2).to(v.dtype).contiguous())

@@ -126,3 +126,95 @@ def resolve_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> 
 
 def not_supported_yet(name: str, value, accepted: str) -> None:
     fail(ErrorCode.UNSUPPORTED_FEATURE, f"{name}={value!r} is not supported yet; accepted: {accepted}")
+
+
+def check_dropout(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        fail(ErrorCode.INVALID_ARGUMENT, f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def check_window(window_size) -> tuple[int, int]:
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size)):
+        fail(ErrorCode.INVALID_ARGUMENT,
+             f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def check_softcap(softcap) -> float:
+    if (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap)
+            or softcap < 0):
+        fail(ErrorCode.INVALID_ARGUMENT, f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    return float(softcap)
+
+
+def check_alibi(alibi_slopes, batch: int, nheads: int, device: torch.device):
+    """alibi_slopes: None, or fp32 of shape (nheads,) or (batch, nheads), without gradient."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        fail(ErrorCode.INVALID_ARGUMENT, f"alibi_slopes must be a tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        fail(ErrorCode.UNSUPPORTED_DTYPE, f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        fail(ErrorCode.SHAPE_MISMATCH, f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected "
+             f"(nheads,) = ({nheads},) or (batch, nheads) = ({batch}, {nheads})")
+    if alibi_slopes.device != device:
+        fail(ErrorCode.DEVICE_MISMATCH, f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
+    if alibi_slopes.requires_grad and torch.is_grad_enabled():
+        fail(ErrorCode.UNSUPPORTED_FEATURE, "alibi_slopes requires grad; its gradient is not computed "
+             "(flash-attn does not either): pass alibi_slopes.detach()")
+    return alibi_slopes.contiguous()
+
+
+def check_cu_seqlens(name: str, cu_seqlens, max_name: str, max_seqlen, total: int, total_name: str,
+                     device: torch.device, batch: int | None = None) -> int:
+    """Checks int32 prefix sums cu_seqlens (batch + 1,) starting at 0, non-decreasing, ending at
+    `total` (the rows of the tensor they index), the longest sequence <= max_seqlen. Returns batch."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        fail(ErrorCode.INVALID_ARGUMENT, f"{name} must be an int32 tensor of shape (batch + 1,), "
+             f"got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        fail(ErrorCode.UNSUPPORTED_DTYPE, f"{name} must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        fail(ErrorCode.SHAPE_MISMATCH, f"{name} must have shape (batch + 1,) with batch >= 1, "
+             f"got {tuple(cu_seqlens.shape)}")
+    if batch is not None and cu_seqlens.numel() != batch + 1:
+        fail(ErrorCode.SHAPE_MISMATCH, f"{name} has {cu_seqlens.numel()} entries but cu_seqlens_q has "
+             f"{batch + 1}; both describe the same batch")
+    if cu_seqlens.device != device:
+        fail(ErrorCode.DEVICE_MISMATCH, f"{name} is on {cu_seqlens.device} but q is on {device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+        fail(ErrorCode.INVALID_ARGUMENT, f"{max_name} must be an int >= 1, got {max_seqlen!r}")
+    if not torch.compiler.is_compiling():  # the values need a host copy; a compiled graph trusts them
+        values = cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if values[0] != 0 or min(lengths) < 0:
+            fail(ErrorCode.INVALID_ARGUMENT, f"{name} must start at 0 and never decrease, got {values}")
+        if values[-1] != total:
+            fail(ErrorCode.SHAPE_MISMATCH, f"{name} ends at {values[-1]} but {total_name} has {total} rows; "
+                 f"they must be equal")
+        if max(lengths) > max_seqlen:
+            fail(ErrorCode.INVALID_ARGUMENT, f"{max_name}={max_seqlen} but the longest sequence in {name} "
+                 f"has {max(lengths)} tokens")
+    return cu_seqlens.numel() - 1
+
+
+def check_attn_mask(attn_mask, shape: tuple, device: torch.device) -> torch.Tensor:
+    """attn_mask: bool (True = attend) or floating (added to the logits), broadcastable to `shape`
+    (batch, nheads, seqlen_q, seqlen_k); returns the broadcast view (no copy)."""
+    if not isinstance(attn_mask, torch.Tensor):
+        fail(ErrorCode.INVALID_ARGUMENT, f"attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+        fail(ErrorCode.UNSUPPORTED_DTYPE, f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    if attn_mask.device != device:
+        fail(ErrorCode.DEVICE_MISMATCH, f"attn_mask is on {attn_mask.device} but query is on {device}")
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        fail(ErrorCode.UNSUPPORTED_FEATURE, "attn_mask requires grad; its gradient is not supported: "
+             "pass attn_mask.detach()")
+    try:
+        return attn_mask.expand(shape)
+    except RuntimeError:
+        fail(ErrorCode.SHAPE_MISMATCH, f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+             f"{tuple(shape)} (..., nheads, seqlen_q, seqlen_k)")

@@ -1,36 +1,50 @@
 """User-facing functions: flash-attn 2 compatible, torch SDPA compatible, and the explicit passes.
-Each validates its arguments, normalizes them to the flash-attn layout and calls the custom ops."""
+Each validates its arguments, describes the call as one AttentionParams and calls the custom ops."""
 from __future__ import annotations
 
 import torch
 
 from . import ops
-from .errors import (ErrorCode, check_attention_inputs, check_same, check_tensor, fail, lse_dtype,
+from .dropout import draw_seed, keep_mask
+from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_attn_mask, check_cu_seqlens,
+                     check_dropout, check_same, check_softcap, check_tensor, check_window, fail, lse_dtype,
                      not_supported_yet, resolve_scale)
+from .params import AttentionParams
 from .reference import attention_probs
 
 
-def _check_options(dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
-    """Options of the flash-attn API that are not implemented yet raise, never pass silently."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        fail(ErrorCode.INVALID_ARGUMENT, f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0.0:
-        not_supported_yet("dropout_p", dropout_p, "0.0")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size)):
-        fail(ErrorCode.INVALID_ARGUMENT, f"window_size must be a pair of ints >= -1, got {window_size!r}")
-    if tuple(window_size) != (-1, -1):
-        not_supported_yet("window_size", tuple(window_size), "(-1, -1)")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
-        fail(ErrorCode.INVALID_ARGUMENT, f"softcap must be a number >= 0, got {softcap!r}")
-    if softcap > 0:
-        not_supported_yet("softcap", softcap, "0.0")
-    if alibi_slopes is not None:
-        not_supported_yet("alibi_slopes", f"<tensor {tuple(getattr(alibi_slopes, 'shape', ()))}>", "None")
+def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+            **fields) -> AttentionParams:
+    """The flash-attn options, checked, as AttentionParams (bottom-right aligned, like flash-attn)."""
+    dropout_p = check_dropout(dropout_p)
+    left, right = check_window(window_size)
+    return AttentionParams(
+        softmax_scale=resolve_scale(softmax_scale, q.shape[-1]),
+        window_left=left, window_right=0 if causal else right,
+        softcap=check_softcap(softcap),
+        alibi_slopes=check_alibi(alibi_slopes, batch, q.shape[-2], q.device),
+        dropout_p=dropout_p, rng_seed=draw_seed(q.device) if dropout_p > 0 else None, **fields)
 
 
 def _check_device(q: torch.Tensor) -> None:
     ops.backend_name(q.device, q.dtype)  # raises if no backend can run here
+
+
+def _probs(q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_batch: int = 0) -> torch.Tensor:
+    """(B, H, Nq, Nk) fp32 probabilities of a dense problem, with flash-attn's dropout encoding:
+    a dropped probability is returned negated."""
+    offset = k.shape[1] - q.shape[1] if p.bottom_right else 0
+    probs, _ = attention_probs(q.detach(), k.detach(), p.softmax_scale, False, offset, torch.float32,
+                               window_size=(p.window_left, p.window_right), softcap=p.softcap,
+                               alibi_slopes=p.alibi_slopes, attn_mask=p.attn_mask)
+    if p.dropout_p > 0:
+        batch, nheads, seqlen_q, seqlen_k = probs.shape
+        off_bh = (torch.arange(first_batch, first_batch + batch, device=q.device)[:, None] * nheads
+                  + torch.arange(nheads, device=q.device))[:, :, None, None]
+        kept = keep_mask(p.rng_seed, off_bh, torch.arange(seqlen_q, device=q.device)[:, None],
+                         torch.arange(seqlen_k, device=q.device)[None, :], p.dropout_p)
+        probs = torch.where(kept, probs, -probs)
+    return probs
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -40,27 +54,31 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Args:
         q: (batch, seqlen_q, nheads, headdim), fp16/bf16/fp32 (fp64 on the CPU path).
         k, v: (batch, seqlen_k, nheads_k, headdim); nheads a multiple of nheads_k (MQA/GQA).
-        dropout_p: must be 0.0 for now.
+        dropout_p: probability of dropping each attention probability (the rest are scaled by
+            1 / (1 - dropout_p)); drawn from torch's generator, so torch.manual_seed reproduces it.
+            Applied whenever > 0: pass 0.0 at evaluation, as with flash-attn.
         softmax_scale: scale of QK^T before the softmax; default 1/sqrt(headdim).
         causal: causal mask aligned to the bottom-right corner of the (seqlen_q, seqlen_k) score
             matrix: query i sees keys j <= i + seqlen_k - seqlen_q.
-        window_size, softcap, alibi_slopes: must keep their defaults for now.
-        deterministic: accepted; the backward is always deterministic.
+        window_size: (left, right) sliding window, -1 for unbounded: query i sees keys
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (causal: right = 0).
+            Tiles outside the window are skipped, so the cost grows with the window.
+        softcap: if > 0, the scaled logits x become softcap * tanh(x / softcap).
+        alibi_slopes: (nheads,) or (batch, nheads) fp32: adds -slope * |i + seqlen_k - seqlen_q - j|.
+        deterministic: accepted; the backward is always deterministic (no atomics).
         return_attn_probs: also return softmax_lse and the attention probabilities (for tests:
-            it materializes (batch, nheads, seqlen_q, seqlen_k)).
+            it materializes (batch, nheads, seqlen_q, seqlen_k); dropped ones are negated).
     Returns:
         out (batch, seqlen_q, nheads, headdim); with return_attn_probs,
         (out, softmax_lse (batch, nheads, seqlen_q) fp32, probs (batch, nheads, seqlen_q, seqlen_k)).
+        Rows that see no key give out = 0 and softmax_lse = +inf.
     """
-    _check_options(dropout_p, window_size, softcap, alibi_slopes)
     check_attention_inputs(q, k, v)
     _check_device(q)
-    scale = resolve_scale(softmax_scale, q.shape[-1])
-    causal_offset = k.shape[1] - q.shape[1]
-    out, lse = ops.attention_forward(q, k, v, scale, bool(causal), causal_offset)
+    p = _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
+    out, lse = ops.forward(q, k, v, p)
     if return_attn_probs:
-        probs, _ = attention_probs(q.detach(), k.detach(), scale, bool(causal), causal_offset, torch.float32)
-        return out, lse, probs.to(q.dtype)
+        return out, lse, _probs(q, k, p).to(q.dtype)
     return out
 
 
@@ -85,6 +103,72 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                            softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+    """Attention over a batch of sequences of different lengths packed without padding,
+    flash-attn 2 compatible. No compute is spent on padding.
+
+    Args:
+        q: (total_q, nheads, headdim): the queries of every sequence, one after the other.
+        k, v: (total_k, nheads_k, headdim).
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 prefix sums: sequence b is rows
+            cu_seqlens[b]:cu_seqlens[b + 1]. Must start at 0, never decrease and end at total.
+        max_seqlen_q, max_seqlen_k: ints >= the longest sequence.
+        causal, window_size, alibi_slopes: as in flash_attn_func, per sequence (aligned to the
+            bottom-right corner of each sequence's score matrix); the other options likewise.
+        block_table: paged K/V; not supported here (see flash_attn_with_kvcache).
+    Returns:
+        out (total_q, nheads, headdim); with return_attn_probs, (out, softmax_lse (nheads, total_q)
+        fp32, probs (batch, nheads, max_seqlen_q, max_seqlen_k), zero-padded).
+    """
+    if block_table is not None:
+        not_supported_yet("block_table", "<tensor>", "None")
+    check_tensor("q", q, 3, "(total_q, nheads, headdim)")
+    check_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
+    check_tensor("v", v, 3, "(total_k, nheads_k, headdim)")
+    check_attention_inputs(q[None], k[None], v[None])
+    _check_device(q)
+    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q.shape[0], "q", q.device)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, k.shape[0], "k", q.device, batch)
+    p = _params(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k)
+    out, lse = ops.forward(q, k, v, p)
+    if not return_attn_probs:
+        return out
+    probs = q.new_zeros((batch, q.shape[1], max_seqlen_q, max_seqlen_k), dtype=torch.float32)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(batch):
+        q_b, k_b = q[None, cu_q[b]:cu_q[b + 1]], k[None, cu_k[b]:cu_k[b + 1]]
+        probs[b, :, :q_b.shape[1], :k_b.shape[1]] = _probs(q_b, k_b, p.sequence(b), first_batch=b)[0]
+    return out, lse, probs.to(q.dtype)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                     deterministic=False, return_attn_probs=False):
+    """flash_attn_varlen_func on qkv (total, 3, nheads, headdim); see flash_attn_varlen_func."""
+    check_tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
+    if qkv.shape[1] != 3:
+        fail(ErrorCode.SHAPE_MISMATCH, f"qkv must have size 3 in dim 1, got shape {tuple(qkv.shape)}")
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_varlen_func on q (total_q, nheads, headdim) and kv (total_k, 2, nheads_k, headdim)."""
+    check_tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
+    if kv.shape[1] != 2:
+        fail(ErrorCode.SHAPE_MISMATCH, f"kv must have size 2 in dim 1, got shape {tuple(kv.shape)}")
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention.
@@ -92,16 +176,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Args:
         query: (..., nheads, L, E); key, value: (..., nheads_k, S, E), at least 3 dims, the leading
             dims (batch) equal. nheads_k == nheads unless enable_gqa, then nheads % nheads_k == 0.
-        attn_mask: must be None for now.
-        dropout_p: must be 0.0 for now.
+        attn_mask: bool (True = attend) or floating (added to the logits), broadcastable to
+            (..., nheads, L, S); read through its strides, never expanded in memory (with more than
+            one leading dim, they are merged, which copies only a mask whose batch dims cannot merge).
+            It gets no gradient.
+        dropout_p: as torch, applied whenever > 0.
         is_causal: causal mask aligned to the top-left corner, as torch does: query i sees keys j <= i.
+            Not together with attn_mask (torch refuses that too).
         scale: default 1/sqrt(E).
     Returns:
-        (..., nheads, L, E), a view in torch's layout of a (batch, L, nheads, E) buffer.
+        (..., nheads, L, E), a view in torch's layout of a (batch, L, nheads, E) buffer. Rows that
+        see no key give 0 (torch gives NaN).
     """
-    if attn_mask is not None:
-        not_supported_yet("attn_mask", "<tensor>", "None")
-    _check_options(dropout_p)
+    dropout_p = check_dropout(dropout_p)
     names = ("query", "key", "value")
     for name, t in zip(names, (query, key, value)):
         check_tensor(name, t, max(3, getattr(t, "ndim", 3)), "(..., nheads, seqlen, headdim)")
@@ -121,26 +208,39 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     q, k, v = to_flash(query), to_flash(key), to_flash(value)
     check_attention_inputs(q, k, v, names)
     _check_device(q)
-    softmax_scale = resolve_scale(scale, q.shape[-1], "scale")
-    out, _ = ops.attention_forward(q, k, v, softmax_scale, bool(is_causal), 0)
+    mask = None
+    if attn_mask is not None:
+        if is_causal:
+            fail(ErrorCode.INVALID_ARGUMENT, "pass either attn_mask or is_causal=True, not both (as torch)")
+        mask = check_attn_mask(attn_mask, (*query.shape[:-1], key.shape[-2]), q.device)
+        mask = mask.reshape(-1, *mask.shape[-3:])
+    p = AttentionParams(resolve_scale(scale, q.shape[-1], "scale"), window_right=0 if is_causal else -1,
+                        bottom_right=False, attn_mask=mask, dropout_p=dropout_p,
+                        rng_seed=draw_seed(q.device) if dropout_p > 0 else None)
+    out, _ = ops.forward(q, k, v, p)
     return out.transpose(1, 2).reshape(query.shape)
 
 
-def forward(q, k, v, *, softmax_scale=None, causal=False):
+def _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes) -> AttentionParams:
+    check_attention_inputs(q, k, v)
+    _check_device(q)
+    return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0)
+
+
+def forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """The explicit forward pass, no autograd: q (batch, seqlen_q, nheads, headdim), k, v
-    (batch, seqlen_k, nheads_k, headdim) -> (out like q, softmax_lse (batch, nheads, seqlen_q) fp32)."""
-    check_attention_inputs(q, k, v)
-    _check_device(q)
-    scale = resolve_scale(softmax_scale, q.shape[-1])
+    (batch, seqlen_k, nheads_k, headdim) -> (out like q, softmax_lse (batch, nheads, seqlen_q) fp32).
+    The options are flash_attn_func's."""
+    p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
     with torch.no_grad():
-        return ops.attention_forward(q, k, v, scale, bool(causal), k.shape[1] - q.shape[1])
+        return ops.forward(q, k, v, p)
 
 
-def backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, causal=False):
+def backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+             softcap=0.0, alibi_slopes=None):
     """The explicit backward pass: gradients (dq, dk, dv) shaped like q, k, v, from the forward's
-    out and softmax_lse (batch, nheads, seqlen_q)."""
-    check_attention_inputs(q, k, v)
-    _check_device(q)
+    out and softmax_lse (batch, nheads, seqlen_q), with the forward's options."""
+    p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
     check_same("dout", dout, q, "q")
     check_same("out", out, q, "q")
     check_same("softmax_lse", softmax_lse, q, "q", shape=(q.shape[0], q.shape[2], q.shape[1]))
@@ -150,7 +250,5 @@ def backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, causal=Fals
     if softmax_lse.dtype != lse_dtype(q.dtype):
         fail(ErrorCode.UNSUPPORTED_DTYPE, f"softmax_lse must be {lse_dtype(q.dtype)} for {q.dtype} inputs, "
              f"got {softmax_lse.dtype}")
-    scale = resolve_scale(softmax_scale, q.shape[-1])
     with torch.no_grad():
-        return ops.attention_backward(dout, q, k, v, out, softmax_lse, scale, bool(causal),
-                                      k.shape[1] - q.shape[1])
+        return ops.backward(dout, q, k, v, out, softmax_lse, p)

@@ -7,10 +7,12 @@ blocked PyTorch implementation in cpu.py (CPU tensors). CUFLASH_BACKEND=triton|c
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
 from .errors import ErrorCode, fail, lse_dtype
+from .params import FIELD_NAMES, TENSOR_FIELDS, AttentionParams
 
 BACKENDS = ("auto", "triton", "cpu")
 
@@ -63,49 +65,78 @@ def _backend(device: torch.device, dtype: torch.dtype):
 
 @torch.library.custom_op("cuflash::fwd", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                      causal: bool, causal_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Nq, H, D), k and v (B, Nk, Hk, D) -> out (B, Nq, H, D), softmax_lse (B, H, Nq) fp32.
-    When causal, query row i attends to keys j <= i + causal_offset."""
-    return _backend(q.device, q.dtype).attention_forward(q, k, v, softmax_scale, causal, causal_offset)
+                      window_left: int, window_right: int, bottom_right: bool, softcap: float,
+                      alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], dropout_p: float,
+                      rng_seed: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                      cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int,
+                      max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, Nq, H, D), k and v (B, Nk, Hk, D) (varlen: (total, H, D)) -> out shaped like q and
+    softmax_lse (B, H, Nq) (varlen: (H, total_q)), fp32. The other arguments are the fields of
+    AttentionParams, in order; forward() and backward() below take the dataclass."""
+    params = AttentionParams(softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
+                             attn_mask, dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _backend(q.device, q.dtype).attention_forward(q, k, v, params)
+
+
+def _lse_shape(q: torch.Tensor, varlen: bool) -> tuple:
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
 
 
 @attention_forward.register_fake
-def _(q, k, v, softmax_scale, causal, causal_offset):
-    batch, seqlen_q, nheads, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        q.new_empty((batch, nheads, seqlen_q), dtype=lse_dtype(q.dtype))
+def _(q, k, v, *params):
+    varlen = params[FIELD_NAMES.index("cu_seqlens_q")] is not None
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(_lse_shape(q, varlen), dtype=lse_dtype(q.dtype)))
 
 
 @torch.library.custom_op("cuflash::bwd", mutates_args=())
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, softmax_lse: torch.Tensor, softmax_scale: float, causal: bool,
-                       causal_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       out: torch.Tensor, softmax_lse: torch.Tensor, softmax_scale: float,
+                       window_left: int, window_right: int, bottom_right: bool, softcap: float,
+                       alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], dropout_p: float,
+                       rng_seed: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                       cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int,
+                       max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention_forward, shaped like q, k, v."""
-    return _backend(q.device, q.dtype).attention_backward(dout, q, k, v, out, softmax_lse, softmax_scale,
-                                                          causal, causal_offset)
+    params = AttentionParams(softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
+                             attn_mask, dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _backend(q.device, q.dtype).attention_backward(dout, q, k, v, out, softmax_lse, params)
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, softmax_lse, softmax_scale, causal, causal_offset):
+def _(dout, q, k, v, out, softmax_lse, *params):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
+    """(out, softmax_lse) through the custom op: differentiable in q, k, v."""
+    return attention_forward(q, k, v, *params.as_args())
+
+
+def backward(dout, q, k, v, out, softmax_lse, params: AttentionParams):
+    """(dq, dk, dv) through the custom op."""
+    return attention_backward(dout, q, k, v, out, softmax_lse, *params.as_args())
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, causal_offset = inputs
+    q, k, v, *params = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale, ctx.causal, ctx.causal_offset = softmax_scale, causal, causal_offset
+    ctx.save_for_backward(q, k, v, out, lse, *(params[i] for i in TENSOR_FIELDS))
+    ctx.params = [None if i in TENSOR_FIELDS else a for i, a in enumerate(params)]
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    params = list(ctx.params)
+    for i, t in zip(TENSOR_FIELDS, tensors):
+        params[i] = t
     # Gradients can arrive with any strides (a broadcast from .sum() has stride 0 everywhere);
     # the kernels need a contiguous last dim.
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.causal_offset)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, *params)
+    return (dq, dk, dv) + (None,) * len(params)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .. import ops
 from ..errors import ErrorCode, check_attention_inputs, fail, lse_dtype, resolve_scale
+from ..params import AttentionParams
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -87,6 +88,11 @@ def _merge(out, lse, block_out, block_lse):
     return out * wa + block_out.to(out.dtype) * wb, torch.where(torch.isneginf(new), float("inf"), new)
 
 
+def _block_params(scale: float, causal: bool) -> AttentionParams:
+    # Causal blocks are the square diagonal blocks: top-left aligned, row i sees keys j <= i.
+    return AttentionParams(scale, window_right=0 if causal else -1, bottom_right=False)
+
+
 def _ring_forward(q, k, v, scale, causal, layout, group):
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     ring = _Ring(group)
@@ -100,7 +106,7 @@ def _ring_forward(q, k, v, scale, causal, layout, group):
             incoming = ring.start(kv)
         src = (rank - step) % size
         for qs, ks, blk_causal in _blocks(rank, src, seqlen, causal, layout):
-            o, l = ops.attention_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], scale, blk_causal, 0)
+            o, l = ops.forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], _block_params(scale, blk_causal))
             out[:, qs], lse[..., qs] = _merge(out[:, qs], lse[..., qs], o, l)
         if step + 1 < size:
             ring.wait()
@@ -122,8 +128,8 @@ def _ring_backward(dout, q, k, v, out, lse, scale, causal, layout, group):
         # The K/V shards can leave as soon as they arrive; the accumulators only after this step.
         incoming_kv = ring.start([kk, vv]) if step + 1 < size else None
         for qs, ks, blk_causal in _blocks(rank, src, q.shape[1], causal, layout):
-            g_q, g_k, g_v = ops.attention_backward(dout[:, qs], q[:, qs], kk[:, ks], vv[:, ks], out[:, qs],
-                                                   lse[..., qs], scale, blk_causal, 0)
+            g_q, g_k, g_v = ops.backward(dout[:, qs], q[:, qs], kk[:, ks], vv[:, ks], out[:, qs],
+                                         lse[..., qs], _block_params(scale, blk_causal))
             dq[:, qs] += g_q
             dk[:, ks] += g_k
             dv[:, ks] += g_v

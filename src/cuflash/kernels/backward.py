@@ -7,19 +7,25 @@ Three launches, none of them atomic, so the result is bitwise reproducible:
   _attn_bwd_dq     one program per query tile: streams the K/V tiles, accumulating dQ.
 With P = exp(S - lse):  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),
 dQ = scale * dS K,  dK = scale * dS^T Q.
+Dropout regenerates the forward's keep mask Z: dV = (Z * P)^T dO / (1 - p) and dP is multiplied
+by Z / (1 - p); delta = rowsum(dO * O) still holds. Softcap multiplies dS by 1 - tanh^2.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, key_range, load_tile, mma, store_tile, tile_ptrs, visible
+from ..params import AttentionParams
+from .common import LOG2E, NO_MASK, band, dropout_key, dropout_keep, load_tile, logits, mma, score_tile, \
+    sequence, softcap_grad, store_tile, tile_ptrs
 from .config import Launch, backward_configs
+from .variant import lse_strides, problem, variant_args
 
 
 @triton.jit
 def _attn_bwd_delta(Out, DO, Delta,
                     stride_ob, stride_om, stride_oh,
                     stride_dob, stride_dom, stride_doh,
+                    stride_lb, stride_lh,
                     nheads, seqlen_q, head_dim,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
@@ -33,15 +39,18 @@ def _attn_bwd_delta(Out, DO, Delta,
     do_ptrs = tile_ptrs(DO, off_b, stride_dob, off_h, stride_doh, start_m, stride_dom, rows, offs_d)
     o = load_tile(o_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, True).to(tl.float32)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, True).to(tl.float32)
-    tl.store(Delta + off_bh.to(tl.int64) * seqlen_q + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
+    tl.store(Delta + off_b * stride_lb + off_h * stride_lh + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
 
 
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr,
-                         offs_n, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, head_dim,
-                         causal_offset, qk_scale,
-                         BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                         EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                         mask_ptrs, stride_mask_m, stride_mask_n, offs_n, offs_m, offs_d, lo, hi,
+                         seqlen_q, seqlen_k, head_dim, offset, window_left, window_right, qk_scale, softcap,
+                         slope, drop_key, drop_threshold, drop_scale,
+                         BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                         HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                         MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                         INPUT_PRECISION: tl.constexpr):
     # Works on transposed scores (keys along rows) so that dK, dV need no transposes.
     q_ptrs += tl.cast(lo, tl.int64) * stride_qm
     do_ptrs += tl.cast(lo, tl.int64) * stride_dom
@@ -56,13 +65,21 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, l
         else:
             lse = tl.load(lse_ptr + rows)
             delta = tl.load(delta_ptr + rows)
-        s_t = mma(k, tl.trans(q), None, INPUT_PRECISION) * qk_scale
-        p_t = tl.math.exp2(s_t - lse[None, :] * LOG2E)
-        if MASKED:
-            p_t = tl.where(visible(rows[None, :], offs_n[:, None], seqlen_k, causal_offset, CAUSAL), p_t, 0.0)
-        dv = mma(p_t.to(do.dtype), do, dv, INPUT_PRECISION)
+        x_t = logits(mma(k, tl.trans(q), None, INPUT_PRECISION), qk_scale, softcap, SOFTCAP)
+        s_t = score_tile(x_t, rows[None, :], offs_n[:, None], seqlen_q, seqlen_k, offset, window_left,
+                         window_right, slope, mask_ptrs, stride_mask_m, stride_mask_n,
+                         MASKED, HAS_LEFT, HAS_RIGHT, ALIBI, MASK_KIND)
+        p_t = tl.math.exp2(s_t - lse[None, :] * LOG2E)  # 0 where s = -inf or lse = +inf
         dp_t = mma(v, tl.trans(do), None, INPUT_PRECISION)
+        if DROPOUT:
+            keep = dropout_keep(drop_key, rows[None, :], offs_n[:, None], drop_threshold)
+            dv = mma(tl.where(keep, p_t, 0.0).to(do.dtype), do, dv, INPUT_PRECISION)
+            dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
+        else:
+            dv = mma(p_t.to(do.dtype), do, dv, INPUT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t *= softcap_grad(x_t, softcap)
         dk = mma(ds_t.to(q.dtype), q, dk, INPUT_PRECISION)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
@@ -70,46 +87,46 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, l
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
+def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
                    stride_qb, stride_qm, stride_qh,
                    stride_kb, stride_kn, stride_kh,
                    stride_vb, stride_vn, stride_vh,
                    stride_dob, stride_dom, stride_doh,
                    stride_dkb, stride_dkn, stride_dkh,
                    stride_dvb, stride_dvn, stride_dvh,
-                   nheads_k, seqlen_q, seqlen_k, head_dim, group_size, causal_offset,
-                   softmax_scale, qk_scale,
+                   stride_lb, stride_lh, stride_slope_b,
+                   stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                   nheads_k, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
+                   softmax_scale, qk_scale, softcap, drop_threshold, drop_scale,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                   SPLIT_GROUP_ACC: tl.constexpr):
+                   VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                   EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_GROUP_ACC: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
     off_b = (off_bhk // nheads_k).to(tl.int64)
     off_hk = (off_bhk % nheads_k).to(tl.int64)
+    q_first, seqlen_q = sequence(CuSeqlensQ, off_b, seqlen_q, VARLEN)
+    k_first, seqlen_k = sequence(CuSeqlensK, off_b, seqlen_k, VARLEN)
+    if VARLEN:
+        if start_n >= seqlen_k:  # the grid covers the longest sequence
+            return
+    offset = bottom_right * (seqlen_k - seqlen_q)
     cols = tl.arange(0, BLOCK_N)
     offs_n = start_n + cols
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k_ptrs = tile_ptrs(K, off_b, stride_kb, off_hk, stride_kh, start_n, stride_kn, cols, offs_d)
-    v_ptrs = tile_ptrs(V, off_b, stride_vb, off_hk, stride_vh, start_n, stride_vn, cols, offs_d)
+    k_ptrs = tile_ptrs(K, off_b, stride_kb, off_hk, stride_kh, k_first + start_n, stride_kn, cols, offs_d)
+    v_ptrs = tile_ptrs(V, off_b, stride_vb, off_hk, stride_vh, k_first + start_n, stride_vn, cols, offs_d)
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, head_dim, True, not EVEN_D)
     v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, head_dim, True, not EVEN_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query tiles [lo, full_lo) straddle the causal diagonal and need the mask, [full_lo, full_hi)
-    # see every key of this tile, [full_hi, seqlen_q) is the ragged last tile. Rows before lo
-    # cannot see any key of this tile and are skipped.
-    if CAUSAL:
-        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-        full_lo = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M,
-                             seqlen_q)
-    else:
-        lo = 0
-        full_lo = 0
-    full_hi = tl.maximum(full_lo, seqlen_q // BLOCK_M * BLOCK_M)
-
+    # Query row i sees key j when j - offset - window_right <= i <= j - offset + window_left.
+    lo, full_lo, full_hi, hi = band(start_n, BLOCK_N, seqlen_q, BLOCK_M, -offset - window_right,
+                                    window_left - offset, HAS_RIGHT, HAS_LEFT)
     for g in range(0, group_size):
         if SPLIT_GROUP_ACC:
             # fp32: each query head of the group sums into fresh registers, added at the end, so
@@ -121,23 +138,38 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
             dk_head = dk
             dv_head = dv
         off_h = off_hk * group_size + g
-        off_bh = off_b * nheads_k * group_size + off_h
-        q_ptrs = tile_ptrs(Q, off_b, stride_qb, off_h, stride_qh, 0, stride_qm, offs_m, offs_d)
-        do_ptrs = tile_ptrs(DO, off_b, stride_dob, off_h, stride_doh, 0, stride_dom, offs_m, offs_d)
-        lse_ptr = Lse + off_bh * seqlen_q
-        delta_ptr = Delta + off_bh * seqlen_q
+        q_ptrs = tile_ptrs(Q, off_b, stride_qb, off_h, stride_qh, q_first, stride_qm, offs_m, offs_d)
+        do_ptrs = tile_ptrs(DO, off_b, stride_dob, off_h, stride_doh, q_first, stride_dom, offs_m, offs_d)
+        lse_ptr = Lse + off_b * stride_lb + off_h * stride_lh + q_first
+        delta_ptr = Delta + off_b * stride_lb + off_h * stride_lh + q_first
+        mask_ptrs = Mask
+        if MASK_KIND != NO_MASK:
+            mask_ptrs = Mask + off_b * stride_mask_b + off_h * stride_mask_h
+        slope = 0.0
+        if ALIBI:
+            slope = tl.load(Slopes + off_b * stride_slope_b + off_h) * LOG2E
+        drop_key = 0
+        if DROPOUT:
+            drop_key = dropout_key(Rng, off_b * nheads_k * group_size + off_h)
+        if HAS_RIGHT:  # only a causal diagonal or window's right edge cuts query tiles before the band
+            dk_head, dv_head = _attn_bwd_dkdv_inner(
+                dk_head, dv_head, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr,
+                mask_ptrs, stride_mask_m, stride_mask_n, offs_n, offs_m, offs_d, lo, full_lo,
+                seqlen_q, seqlen_k, head_dim, offset, window_left, window_right, qk_scale, softcap,
+                slope, drop_key, drop_threshold, drop_scale,
+                BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
         dk_head, dv_head = _attn_bwd_dkdv_inner(
-            dk_head, dv_head, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr, offs_n, offs_m,
-            offs_d, lo, full_lo, seqlen_q, seqlen_k, head_dim, causal_offset, qk_scale,
-            BLOCK_M, CAUSAL, True, EVEN_D, INPUT_PRECISION)
+            dk_head, dv_head, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr,
+            mask_ptrs, stride_mask_m, stride_mask_n, offs_n, offs_m, offs_d, full_lo, full_hi,
+            seqlen_q, seqlen_k, head_dim, offset, window_left, window_right, qk_scale, softcap,
+            slope, drop_key, drop_threshold, drop_scale,
+            BLOCK_M, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
         dk_head, dv_head = _attn_bwd_dkdv_inner(
-            dk_head, dv_head, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr, offs_n, offs_m,
-            offs_d, full_lo, full_hi, seqlen_q, seqlen_k, head_dim, causal_offset, qk_scale,
-            BLOCK_M, CAUSAL, False, EVEN_D, INPUT_PRECISION)
-        dk_head, dv_head = _attn_bwd_dkdv_inner(
-            dk_head, dv_head, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr, offs_n, offs_m,
-            offs_d, full_hi, seqlen_q, seqlen_q, seqlen_k, head_dim, causal_offset, qk_scale,
-            BLOCK_M, CAUSAL, True, EVEN_D, INPUT_PRECISION)
+            dk_head, dv_head, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr,
+            mask_ptrs, stride_mask_m, stride_mask_n, offs_n, offs_m, offs_d, full_hi, hi,
+            seqlen_q, seqlen_k, head_dim, offset, window_left, window_right, qk_scale, softcap,
+            slope, drop_key, drop_threshold, drop_scale,
+            BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
         if SPLIT_GROUP_ACC:
             dk += dk_head
             dv += dv_head
@@ -145,29 +177,40 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
             dk = dk_head
             dv = dv_head
 
-    dk_ptrs = tile_ptrs(DK, off_b, stride_dkb, off_hk, stride_dkh, start_n, stride_dkn, cols, offs_d)
-    dv_ptrs = tile_ptrs(DV, off_b, stride_dvb, off_hk, stride_dvh, start_n, stride_dvn, cols, offs_d)
+    if DROPOUT:
+        dv = dv * drop_scale
+    dk_ptrs = tile_ptrs(DK, off_b, stride_dkb, off_hk, stride_dkh, k_first + start_n, stride_dkn, cols, offs_d)
+    dv_ptrs = tile_ptrs(DV, off_b, stride_dvb, off_hk, stride_dvh, k_first + start_n, stride_dvn, cols, offs_d)
     store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, head_dim, not EVEN_D)
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, head_dim, not EVEN_D)
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                       offs_m, offs_n, offs_d, lo, hi, seqlen_k, head_dim, causal_offset, qk_scale,
-                       BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                       EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m,
+                       stride_mask_n, offs_m, offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, head_dim, offset,
+                       window_left, window_right, qk_scale, softcap, slope, drop_key, drop_threshold, drop_scale,
+                       BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                       HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                       MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                       INPUT_PRECISION: tl.constexpr):
     k_ptrs += tl.cast(lo, tl.int64) * stride_kn
     v_ptrs += tl.cast(lo, tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = load_tile(k_ptrs, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D)
         v = load_tile(v_ptrs, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D)
-        s = mma(q, tl.trans(k), None, INPUT_PRECISION) * qk_scale
+        x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), qk_scale, softcap, SOFTCAP)
+        s = score_tile(x, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, offset, window_left,
+                       window_right, slope, mask_ptrs, stride_mask_m, stride_mask_n,
+                       MASKED, HAS_LEFT, HAS_RIGHT, ALIBI, MASK_KIND)
         p = tl.math.exp2(s - lse[:, None])
-        if MASKED:
-            p = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_k, causal_offset, CAUSAL), p, 0.0)
         dp = mma(do, tl.trans(v), None, INPUT_PRECISION)
+        if DROPOUT:
+            keep = dropout_keep(drop_key, offs_m[:, None], cols[None, :], drop_threshold)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds *= softcap_grad(x, softcap)
         dq = mma(ds.to(k.dtype), k, dq, INPUT_PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -175,95 +218,114 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ,
+def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
                  stride_qb, stride_qm, stride_qh,
                  stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh,
                  stride_dob, stride_dom, stride_doh,
                  stride_dqb, stride_dqm, stride_dqh,
-                 nheads, seqlen_q, seqlen_k, head_dim, group_size, causal_offset,
-                 softmax_scale, qk_scale,
+                 stride_lb, stride_lh, stride_slope_b,
+                 stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                 nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
+                 softmax_scale, qk_scale, softcap, drop_threshold, drop_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                 VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                 EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
     off_hk = off_h // group_size
+    q_first, seqlen_q = sequence(CuSeqlensQ, off_b, seqlen_q, VARLEN)
+    k_first, seqlen_k = sequence(CuSeqlensK, off_b, seqlen_k, VARLEN)
+    if VARLEN:
+        if start_m >= seqlen_q:
+            return
+    offset = bottom_right * (seqlen_k - seqlen_q)
     rows = tl.arange(0, BLOCK_M)
     offs_m = start_m + rows
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q_ptrs = tile_ptrs(Q, off_b, stride_qb, off_h, stride_qh, start_m, stride_qm, rows, offs_d)
-    do_ptrs = tile_ptrs(DO, off_b, stride_dob, off_h, stride_doh, start_m, stride_dom, rows, offs_d)
+    q_ptrs = tile_ptrs(Q, off_b, stride_qb, off_h, stride_qh, q_first + start_m, stride_qm, rows, offs_d)
+    do_ptrs = tile_ptrs(DO, off_b, stride_dob, off_h, stride_doh, q_first + start_m, stride_dom, rows, offs_d)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, not EVEN_D)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, not EVEN_D)
-    row_ptr = off_bh.to(tl.int64) * seqlen_q + offs_m
+    row_ptr = off_b * stride_lb + off_h * stride_lh + q_first + offs_m
     lse = tl.load(Lse + row_ptr, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
     delta = tl.load(Delta + row_ptr, mask=offs_m < seqlen_q, other=0.0)
-    k_ptrs = tile_ptrs(K, off_b, stride_kb, off_hk, stride_kh, 0, stride_kn, offs_n, offs_d)
-    v_ptrs = tile_ptrs(V, off_b, stride_vb, off_hk, stride_vh, 0, stride_vn, offs_n, offs_d)
+    k_ptrs = tile_ptrs(K, off_b, stride_kb, off_hk, stride_kh, k_first, stride_kn, offs_n, offs_d)
+    v_ptrs = tile_ptrs(V, off_b, stride_vb, off_hk, stride_vh, k_first, stride_vn, offs_n, offs_d)
+    mask_ptrs = Mask
+    if MASK_KIND != NO_MASK:
+        mask_ptrs = Mask + off_b * stride_mask_b + off_h * stride_mask_h
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(Slopes + off_b * stride_slope_b + off_h) * LOG2E
+    drop_key = 0
+    if DROPOUT:
+        drop_key = dropout_key(Rng, off_bh)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_end, end = key_range(start_m, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                            offs_m, offs_n, offs_d, 0, full_end, seqlen_k, head_dim, causal_offset,
-                            qk_scale, BLOCK_N, CAUSAL, False, EVEN_D, INPUT_PRECISION)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                            offs_m, offs_n, offs_d, full_end, end, seqlen_k, head_dim, causal_offset,
-                            qk_scale, BLOCK_N, CAUSAL, True, EVEN_D, INPUT_PRECISION)
-    dq_ptrs = tile_ptrs(DQ, off_b, stride_dqb, off_h, stride_dqh, start_m, stride_dqm, rows, offs_d)
+    lo, full_lo, full_hi, hi = band(start_m, BLOCK_M, seqlen_k, BLOCK_N, offset - window_left,
+                                    offset + window_right, HAS_LEFT, HAS_RIGHT)
+    if HAS_LEFT:
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
+            offs_m, offs_n, offs_d, lo, full_lo, seqlen_q, seqlen_k, head_dim, offset, window_left, window_right,
+            qk_scale, softcap, slope, drop_key, drop_threshold, drop_scale,
+            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
+        offs_m, offs_n, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, head_dim, offset, window_left, window_right,
+        qk_scale, softcap, slope, drop_key, drop_threshold, drop_scale,
+        BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
+        offs_m, offs_n, offs_d, full_hi, hi, seqlen_q, seqlen_k, head_dim, offset, window_left, window_right,
+        qk_scale, softcap, slope, drop_key, drop_threshold, drop_scale,
+        BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+    dq_ptrs = tile_ptrs(DQ, off_b, stride_dqb, off_h, stride_dqh, q_first + start_m, stride_dqm, rows, offs_d)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, not EVEN_D)
 
 
-def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, causal_offset: int,
+def attention_backward(dout, q, k, v, out, lse, params: AttentionParams,
                        configs: tuple[Launch, Launch] | None = None):
-    """Gradients of attention_forward. dout, q, out (B, Nq, H, D); k, v (B, Nk, Hk, D);
-    lse (B, H, Nq) fp32. Returns dq, dk, dv shaped like q, k, v."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    _, seqlen_k, nheads_k, _ = k.shape
-    group_size = nheads // nheads_k
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    even_d = head_dim == block_d
-    dkdv_cfg, dq_cfg = configs or backward_configs(q, block_d, causal)
+    """Gradients of attention_forward: dq, dk, dv shaped like q, k, v. dout and out are shaped
+    like q, lse like the forward's softmax_lse."""
+    prob = problem(q, k, v, params)
+    dkdv_cfg, dq_cfg = configs or backward_configs(q, prob.block_d)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    qk_scale = softmax_scale * LOG2E.value
+    lse_args = lse_strides(prob, params)
+    shared = dict(**prob.strides("q", q), **prob.strides("k", k, "n"), **prob.strides("v", v, "n"),
+                  **prob.strides("do", dout), **lse_args, **variant_args(prob, params),
+                  seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
+                  group_size=prob.nheads // prob.nheads_k, softmax_scale=params.softmax_scale,
+                  BLOCK_D=prob.block_d, EVEN_D=prob.head_dim == prob.block_d)
 
+    # delta over the rows as stored: a varlen batch is one sequence of total_q rows here.
+    delta_rows, delta_batch = (q.shape[0], 1) if params.varlen else (prob.seqlen_q, prob.batch)
     delta_block_m = 64
-    _attn_bwd_delta[(triton.cdiv(seqlen_q, delta_block_m), batch * nheads)](
-        out, dout, delta,
-        out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        nheads, seqlen_q, head_dim, BLOCK_M=delta_block_m, BLOCK_D=block_d,
+    _attn_bwd_delta[(triton.cdiv(delta_rows, delta_block_m), delta_batch * prob.nheads)](
+        Out=out, DO=dout, Delta=delta, **prob.strides("o", out), **prob.strides("do", dout), **lse_args,
+        nheads=prob.nheads, seqlen_q=delta_rows, head_dim=prob.head_dim, BLOCK_M=delta_block_m,
+        BLOCK_D=prob.block_d,
     )
-    _attn_bwd_dkdv[(triton.cdiv(seqlen_k, dkdv_cfg.block_n), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        nheads_k, seqlen_q, seqlen_k, head_dim, group_size, causal_offset, softmax_scale, qk_scale,
-        BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n, BLOCK_D=block_d, CAUSAL=causal,
-        EVEN_D=even_d, INPUT_PRECISION=dkdv_cfg.input_precision, SPLIT_GROUP_ACC=q.dtype == torch.float32,
-        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
+    _attn_bwd_dkdv[(triton.cdiv(prob.seqlen_k, dkdv_cfg.block_n), prob.batch * prob.nheads_k)](
+        Q=q, K=k, V=v, DO=dout, Lse=lse, Delta=delta, DK=dk, DV=dv,
+        **prob.strides("dk", dk, "n"), **prob.strides("dv", dv, "n"), **shared, nheads_k=prob.nheads_k,
+        BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n, INPUT_PRECISION=dkdv_cfg.input_precision,
+        SPLIT_GROUP_ACC=q.dtype == torch.float32, num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
     )
-    _attn_bwd_dq[(triton.cdiv(seqlen_q, dq_cfg.block_m), batch * nheads)](
-        q, k, v, dout, lse, delta, dq,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        nheads, seqlen_q, seqlen_k, head_dim, group_size, causal_offset, softmax_scale, qk_scale,
-        BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, BLOCK_D=block_d, CAUSAL=causal,
-        EVEN_D=even_d, INPUT_PRECISION=dq_cfg.input_precision,
+    _attn_bwd_dq[(triton.cdiv(prob.seqlen_q, dq_cfg.block_m), prob.batch * prob.nheads)](
+        Q=q, K=k, V=v, DO=dout, Lse=lse, Delta=delta, DQ=dq,
+        **prob.strides("dq", dq), **shared, nheads=prob.nheads,
+        BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, INPUT_PRECISION=dq_cfg.input_precision,
         num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
     )
     return dq, dk, dv

@@ -1,10 +1,16 @@
-"""Helpers shared by the attention kernels: tile loads/stores and the attention mask."""
+"""Helpers shared by the attention kernels: tile loads/stores, the score of a tile (softcap,
+ALiBi, masks, sliding window), the band of tiles a window leaves, varlen offsets and dropout."""
 import triton
 import triton.language as tl
 
 # exp(x) == exp2(x * LOG2E): the kernels fold LOG2E into the softmax scale and use exp2.
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+
+# attn_mask kinds (constexpr MASK_KIND)
+NO_MASK = tl.constexpr(0)
+BOOL_MASK = tl.constexpr(1)
+ADDITIVE_MASK = tl.constexpr(2)
 
 
 @triton.jit
@@ -51,25 +57,125 @@ def store_tile(ptrs, tile, rows, n_rows, cols, n_cols, CHECK_COLS: tl.constexpr)
 
 
 @triton.jit
-def visible(offs_m, offs_n, seqlen_k, causal_offset, CAUSAL: tl.constexpr):
-    """True where query row offs_m may attend to key offs_n (the arguments broadcast).
-    Causal: row i sees keys j <= i + causal_offset (seqlen_k - seqlen_q aligns the diagonal to
-    the bottom-right corner, as flash-attn does; 0 aligns it top-left, as torch SDPA does)."""
-    ok = offs_n < seqlen_k
-    if CAUSAL:
-        ok = ok & (offs_n <= offs_m + causal_offset)
-    return ok
+def sequence(cu_seqlens, off_b, seqlen, VARLEN: tl.constexpr):
+    """(first row, length) of sequence off_b: from the prefix sums of a varlen batch, or (0, seqlen)
+    for a padded batch, whose sequences start at their own batch offset."""
+    if VARLEN:
+        first = tl.load(cu_seqlens + off_b)
+        length = tl.load(cu_seqlens + off_b + 1) - first
+    else:
+        first = 0
+        length = seqlen
+    return first, length
 
 
 @triton.jit
-def key_range(start_m, seqlen_k, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr):
-    """For the query tile starting at start_m: keys [0, full_end) are visible to every row of the
-    tile (no mask needed), keys [full_end, end) need the mask, the rest is skipped."""
-    if CAUSAL:
-        end = tl.maximum(tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset), 0)
-        full_end = tl.maximum(tl.minimum(seqlen_k, start_m + causal_offset + 1), 0) // BLOCK_N * BLOCK_N
-    else:
-        end = seqlen_k
-        full_end = seqlen_k // BLOCK_N * BLOCK_N
-    return full_end, end
+def band(start, BLOCK: tl.constexpr, n_other, BLOCK_OTHER: tl.constexpr, c_lo, c_hi,
+         HAS_LO: tl.constexpr, HAS_HI: tl.constexpr):
+    """For a tile of indices x in [start, start + BLOCK) that sees the other axis' indices y with
+    x + c_lo <= y <= x + c_hi (a bound applies only when HAS_LO / HAS_HI), splits [0, n_other)
+    into tiles of BLOCK_OTHER: [lo, full_lo) and [full_hi, hi) need the mask (the band's edges
+    and the ragged end), [full_lo, full_hi) is visible to the whole tile, the rest is skipped."""
+    lo = 0
+    full_lo = 0
+    hi = n_other
+    full_hi = n_other // BLOCK_OTHER * BLOCK_OTHER
+    if HAS_LO:
+        lo = tl.maximum(start + c_lo, 0) // BLOCK_OTHER * BLOCK_OTHER
+        full_lo = tl.cdiv(tl.maximum(start + BLOCK - 1 + c_lo, 0), BLOCK_OTHER) * BLOCK_OTHER
+    if HAS_HI:
+        hi = tl.minimum(tl.maximum(start + BLOCK + c_hi, 0), n_other)
+        full_hi = tl.minimum(full_hi, tl.maximum(start + c_hi + 1, 0) // BLOCK_OTHER * BLOCK_OTHER)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def tanh(x):
+    """tanh in fp32 from exp2 (the interpreter has no libdevice): an odd polynomial near 0, where
+    (1 - e^-2|x|) / (1 + e^-2|x|) would lose digits to cancellation."""
+    ax = tl.abs(x)
+    e = tl.math.exp2(ax * (-2.0 * LOG2E))
+    big = (1.0 - e) / (1.0 + e)
+    x2 = ax * ax
+    small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    t = tl.where(ax < 0.125, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def logits(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """The logits of a tile in base 2 from q.k: qk * scale * LOG2E, or with SOFTCAP (qk_scale is
+    then scale / softcap, softcap pre-multiplied by LOG2E) softcap * tanh(qk * scale / softcap)."""
+    if SOFTCAP:
+        return softcap * tanh(qk * qk_scale)
+    return qk * qk_scale
+
+
+@triton.jit
+def score_tile(x, rows, cols, seqlen_q, seqlen_k, offset, window_left, window_right, slope,
+               mask_ptrs, stride_mask_m, stride_mask_n,
+               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               ALIBI: tl.constexpr, MASK_KIND: tl.constexpr):
+    """Logits x (base 2) plus the ALiBi bias (slope pre-multiplied by LOG2E) and an additive mask,
+    -inf where a key is not visible. rows and cols broadcast against each other (the dK/dV kernel
+    passes them transposed). Key j is visible to query row i when
+    i + offset - window_left <= j <= i + offset + window_right (causal: window_right = 0);
+    only MASKED tiles (the band's edges and ragged ends) check that."""
+    s = x
+    if ALIBI:
+        s -= slope * tl.abs(rows + offset - cols).to(tl.float32)
+    if MASK_KIND != NO_MASK:
+        in_range = (rows < seqlen_q) & (cols < seqlen_k)
+        m = tl.load(mask_ptrs + rows.to(tl.int64) * stride_mask_m + cols.to(tl.int64) * stride_mask_n,
+                    mask=in_range, other=0)
+        if MASK_KIND == BOOL_MASK:
+            s = tl.where(m != 0, s, float("-inf"))
+        else:
+            s += m.to(tl.float32) * LOG2E
+    if MASKED:
+        ok = cols < seqlen_k
+        if HAS_RIGHT:
+            ok = ok & (cols <= rows + offset + window_right)
+        if HAS_LEFT:
+            ok = ok & (cols >= rows + offset - window_left)
+        s = tl.where(ok, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def softcap_grad(x, softcap):
+    """d(softcap * tanh(y / softcap)) / dy, from the capped logit x = logits(...)."""
+    t = x / softcap
+    return 1.0 - t * t
+
+
+@triton.jit
+def _mix32(x):
+    # A bijective 32-bit integer hash (lowbias32): every output bit depends on every input bit.
+    x ^= x >> 16
+    x *= 0x21F0AAAD
+    x ^= x >> 15
+    x *= 0x735A2D97
+    x ^= x >> 15
+    return x
+
+
+@triton.jit
+def dropout_key(rng, off_bh):
+    """The dropout stream of one (batch, head): hashed from the two seed words drawn from torch's
+    generator. cuflash.dropout.keep_mask computes the same bits with torch ops."""
+    seed0 = tl.load(rng).to(tl.uint32)
+    seed1 = tl.load(rng + 1).to(tl.uint32)
+    return _mix32(seed0 ^ _mix32(seed1 + off_bh.to(tl.uint32)))
+
+
+@triton.jit
+def dropout_keep(key, rows, cols, threshold):
+    """True where element (row, col) is kept: a counter-based draw, so the backward regenerates
+    the forward's mask from (key, row, col) and nothing N x N is stored. threshold is
+    dropout_p * 2^31, compared with 31 bits of the hash."""
+    u = _mix32(_mix32(key ^ rows.to(tl.uint32)) ^ cols.to(tl.uint32))
+    return (u >> 1).to(tl.int32) >= threshold

@@ -32,7 +32,7 @@ def _arch(device: torch.device) -> int:
 
 # (arch, block_d, fp32?) -> forward, backward dK/dV, backward dQ launches.
 # Measured on an H100/H200 (see docs/perf-notes.md); other GPUs take the generic entries.
-def _table(arch: int, block_d: int, fp32: bool, causal: bool):
+def _table(arch: int, block_d: int, fp32: bool):
     if arch == 0:
         # Small, unequal tiles: the CPU tests run through the interpreter and must cover the
         # masked/unmasked split with tiles of different heights and widths.
@@ -61,11 +61,11 @@ def _with_precision(launch: Launch, dtype: torch.dtype) -> Launch:
                   _input_precision(dtype))
 
 
-def forward_config(q: torch.Tensor, block_d: int, causal: bool) -> Launch:
-    fwd, _, _ = _table(_arch(q.device), block_d, q.dtype == torch.float32, causal)
+def forward_config(q: torch.Tensor, block_d: int) -> Launch:
+    fwd, _, _ = _table(_arch(q.device), block_d, q.dtype == torch.float32)
     return _with_precision(fwd, q.dtype)
 
 
-def backward_configs(q: torch.Tensor, block_d: int, causal: bool) -> tuple[Launch, Launch]:
-    _, dkdv, dq = _table(_arch(q.device), block_d, q.dtype == torch.float32, causal)
+def backward_configs(q: torch.Tensor, block_d: int) -> tuple[Launch, Launch]:
+    _, dkdv, dq = _table(_arch(q.device), block_d, q.dtype == torch.float32)
     return _with_precision(dkdv, q.dtype), _with_precision(dq, q.dtype)

@@ -3,31 +3,38 @@
 Each program owns one tile of BLOCK_M query rows of one (batch, head) and streams K/V tiles
 through it, keeping the running row max m_i, the running sum l_i and the unnormalized output in
 registers. Logits are kept in base 2 (LOG2E folded into the scale) so the softmax uses exp2.
+Only the K/V tiles inside the band of a causal mask or sliding window are visited.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, key_range, load_tile, mma, store_tile, tile_ptrs, visible
+from ..params import AttentionParams
+from .common import LN2, LOG2E, NO_MASK, band, dropout_key, dropout_keep, load_tile, logits, mma, \
+    score_tile, sequence, store_tile, tile_ptrs
 from .config import Launch, forward_config
+from .variant import lse_shape, lse_strides, problem, variant_args
 
 
 @triton.jit
-def _attn_fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                    lo, hi, seqlen_k, head_dim, causal_offset, qk_scale,
-                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                    EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+def _attn_fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m,
+                    stride_mask_n, offs_m, offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, head_dim, offset,
+                    window_left, window_right, qk_scale, softcap, slope, drop_key, drop_threshold,
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr):
     k_ptrs += tl.cast(lo, tl.int64) * stride_kn
     v_ptrs += tl.cast(lo, tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = load_tile(k_ptrs, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D)
-        s = mma(q, tl.trans(k), None, INPUT_PRECISION) * qk_scale
-        if MASKED:
-            s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_k, causal_offset, CAUSAL),
-                         s, float("-inf"))
+        x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), qk_scale, softcap, SOFTCAP)
+        s = score_tile(x, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, offset, window_left,
+                       window_right, slope, mask_ptrs, stride_mask_m, stride_mask_n,
+                       MASKED, HAS_LEFT, HAS_RIGHT, ALIBI, MASK_KIND)
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED:
+        if MASKED or MASK_KIND != NO_MASK:
             # A row with no visible key yet keeps m = -inf; shift by 0 so that exp2 sees -inf, not NaN.
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
@@ -35,6 +42,9 @@ def _attn_fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs
         p = tl.math.exp2(s - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            # The softmax sum counts every probability; only the output sees the dropped ones.
+            p = tl.where(dropout_keep(drop_key, offs_m[:, None], cols[None, :], drop_threshold), p, 0.0)
         v = load_tile(v_ptrs, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new
@@ -44,72 +54,99 @@ def _attn_fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse,
+def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
               stride_qb, stride_qm, stride_qh,
               stride_kb, stride_kn, stride_kh,
               stride_vb, stride_vn, stride_vh,
               stride_ob, stride_om, stride_oh,
-              nheads, seqlen_q, seqlen_k, head_dim, group_size, causal_offset, qk_scale,
+              stride_lb, stride_lh, stride_slope_b,
+              stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+              nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
+              qk_scale, softcap, drop_threshold, drop_scale,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+              VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+              EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
     off_hk = off_h // group_size
+    q_first, seqlen_q = sequence(CuSeqlensQ, off_b, seqlen_q, VARLEN)
+    k_first, seqlen_k = sequence(CuSeqlensK, off_b, seqlen_k, VARLEN)
+    if VARLEN:
+        if start_m >= seqlen_q:  # the grid covers the longest sequence
+            return
+    offset = bottom_right * (seqlen_k - seqlen_q)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
     rows = tl.arange(0, BLOCK_M)
-    q_ptrs = tile_ptrs(Q, off_b, stride_qb, off_h, stride_qh, start_m, stride_qm, rows, offs_d)
-    k_ptrs = tile_ptrs(K, off_b, stride_kb, off_hk, stride_kh, 0, stride_kn, offs_n, offs_d)
-    v_ptrs = tile_ptrs(V, off_b, stride_vb, off_hk, stride_vh, 0, stride_vn, offs_n, offs_d)
+    q_ptrs = tile_ptrs(Q, off_b, stride_qb, off_h, stride_qh, q_first + start_m, stride_qm, rows, offs_d)
+    k_ptrs = tile_ptrs(K, off_b, stride_kb, off_hk, stride_kh, k_first, stride_kn, offs_n, offs_d)
+    v_ptrs = tile_ptrs(V, off_b, stride_vb, off_hk, stride_vh, k_first, stride_vn, offs_n, offs_d)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, not EVEN_D)
+    mask_ptrs = Mask
+    if MASK_KIND != NO_MASK:
+        mask_ptrs = Mask + off_b * stride_mask_b + off_h * stride_mask_h
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(Slopes + off_b * stride_slope_b + off_h) * LOG2E
+    drop_key = 0
+    if DROPOUT:
+        drop_key = dropout_key(Rng, off_bh)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_end, end = key_range(start_m, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                                    offs_m, offs_n, offs_d, 0, full_end, seqlen_k, head_dim,
-                                    causal_offset, qk_scale, BLOCK_N, CAUSAL, False, EVEN_D,
-                                    INPUT_PRECISION)
-    acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                                    offs_m, offs_n, offs_d, full_end, end, seqlen_k, head_dim,
-                                    causal_offset, qk_scale, BLOCK_N, CAUSAL, True, EVEN_D,
-                                    INPUT_PRECISION)
+    lo, full_lo, full_hi, hi = band(start_m, BLOCK_M, seqlen_k, BLOCK_N, offset - window_left,
+                                    offset + window_right, HAS_LEFT, HAS_RIGHT)
+    if HAS_LEFT:  # only a window's left edge cuts tiles before the visible ones
+        acc, m_i, l_i = _attn_fwd_inner(
+            acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
+            offs_m, offs_n, offs_d, lo, full_lo, seqlen_q, seqlen_k, head_dim, offset, window_left,
+            window_right, qk_scale, softcap, slope, drop_key, drop_threshold,
+            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+    acc, m_i, l_i = _attn_fwd_inner(
+        acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
+        offs_m, offs_n, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, head_dim, offset, window_left,
+        window_right, qk_scale, softcap, slope, drop_key, drop_threshold,
+        BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+    acc, m_i, l_i = _attn_fwd_inner(
+        acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
+        offs_m, offs_n, offs_d, full_hi, hi, seqlen_q, seqlen_k, head_dim, offset, window_left,
+        window_right, qk_scale, softcap, slope, drop_key, drop_threshold,
+        BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
 
     # Rows that saw no key at all (l_i == 0) get out = 0 and lse = +inf, so that the backward's
     # exp(s - lse) is 0 for them.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-    tl.store(Lse + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
-    o_ptrs = tile_ptrs(Out, off_b, stride_ob, off_h, stride_oh, start_m, stride_om, rows, offs_d)
+    if DROPOUT:
+        acc = acc * drop_scale
+    out = acc / l_safe[:, None]
+    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + q_first + offs_m, lse, mask=offs_m < seqlen_q)
+    o_ptrs = tile_ptrs(Out, off_b, stride_ob, off_h, stride_oh, q_first + start_m, stride_om, rows, offs_d)
     store_tile(o_ptrs, out.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, not EVEN_D)
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                      causal: bool, causal_offset: int, config: Launch | None = None):
-    """q (B, Nq, H, D), k and v (B, Nk, Hk, D), any strides with a contiguous last dim.
-    Returns out (B, Nq, H, D) and softmax_lse (B, H, Nq) in fp32."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    _, seqlen_k, nheads_k, _ = k.shape
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams,
+                      config: Launch | None = None):
+    """q (B, Nq, H, D), k and v (B, Nk, Hk, D), any strides with a contiguous last dim (varlen:
+    (total, H, D)). Returns out shaped like q and softmax_lse (B, H, Nq) (varlen: (H, total_q)) fp32."""
+    prob = problem(q, k, v, params)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    cfg = config or forward_config(q, block_d, causal)
-    grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)
+    lse = torch.empty(lse_shape(prob, params), dtype=torch.float32, device=q.device)
+    cfg = config or forward_config(q, prob.block_d)
+    grid = (triton.cdiv(prob.seqlen_q, cfg.block_m), prob.batch * prob.nheads)
     _attn_fwd[grid](
-        q, k, v, out, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        nheads, seqlen_q, seqlen_k, head_dim, nheads // nheads_k, causal_offset, softmax_scale * LOG2E.value,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        CAUSAL=causal, EVEN_D=head_dim == block_d, INPUT_PRECISION=cfg.input_precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        Q=q, K=k, V=v, Out=out, Lse=lse,
+        **prob.strides("q", q), **prob.strides("k", k, "n"), **prob.strides("v", v, "n"), **prob.strides("o", out),
+        **lse_strides(prob, params), **variant_args(prob, params),
+        nheads=prob.nheads, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
+        group_size=prob.nheads // prob.nheads_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=prob.block_d, EVEN_D=prob.head_dim == prob.block_d,
+        INPUT_PRECISION=cfg.input_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

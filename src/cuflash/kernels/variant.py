@@ -1,0 +1,99 @@
+"""What the three kernels share at launch: the problem's sizes and the arguments that select and
+feed a variant (varlen, window, softcap, ALiBi, attn_mask, dropout). Each option is a constexpr,
+so the plain path compiles to the same code it had before the options existed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..params import AttentionParams
+from .common import ADDITIVE_MASK, BOOL_MASK, LOG2E, NO_MASK
+
+
+@dataclass(frozen=True)
+class Problem:
+    """q, k, v as 4-D (batch, seqlen, nheads, headdim) views. A varlen batch is one long row of
+    sequences (batch stride 0), seqlen_q / seqlen_k are then the longest sequence's."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    varlen: bool
+
+    @property
+    def nheads(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def nheads_k(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def block_d(self) -> int:
+        return max(16, triton.next_power_of_2(self.head_dim))
+
+    def strides(self, name: str, t: torch.Tensor, row: str = "m") -> dict:
+        """stride_{name}b, stride_{name}{row}, stride_{name}h of t, shaped like q or k (3-D when
+        varlen, with batch stride 0: the batch is one row of sequences)."""
+        if self.varlen:
+            return {f"stride_{name}b": 0, f"stride_{name}{row}": t.stride(0), f"stride_{name}h": t.stride(1)}
+        return {f"stride_{name}b": t.stride(0), f"stride_{name}{row}": t.stride(1), f"stride_{name}h": t.stride(2)}
+
+
+def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> Problem:
+    if p.varlen:
+        return Problem(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), p.cu_seqlens_q.numel() - 1,
+                       p.max_seqlen_q, p.max_seqlen_k, True)
+    return Problem(q, k, v, q.shape[0], q.shape[1], k.shape[1], False)
+
+
+def lse_strides(prob: Problem, p: AttentionParams) -> dict:
+    """softmax_lse is (batch, nheads, seqlen_q), or (nheads, total_q) for varlen."""
+    if p.varlen:
+        return {"stride_lb": 0, "stride_lh": prob.q.shape[1]}
+    return {"stride_lb": prob.nheads * prob.seqlen_q, "stride_lh": prob.seqlen_q}
+
+
+def lse_shape(prob: Problem, p: AttentionParams) -> tuple:
+    if p.varlen:
+        return (prob.nheads, prob.q.shape[1])
+    return (prob.batch, prob.nheads, prob.seqlen_q)
+
+
+def variant_args(prob: Problem, p: AttentionParams) -> dict:
+    """Keyword arguments of the variant, the same names in every kernel. Unused pointers get q as
+    a placeholder: the constexpr flags compile their reads away."""
+    placeholder = prob.q
+    mask = p.attn_mask
+    if mask is None:
+        mask_kind, mask_strides = NO_MASK.value, (0, 0, 0, 0)
+    else:
+        mask_kind = BOOL_MASK.value if mask.dtype == torch.bool else ADDITIVE_MASK.value
+        mask_strides = mask.stride()
+    slopes = p.alibi_slopes
+    softcap = p.softcap > 0
+    return dict(
+        CuSeqlensQ=p.cu_seqlens_q if p.varlen else placeholder,
+        CuSeqlensK=p.cu_seqlens_k if p.varlen else placeholder,
+        Slopes=placeholder if slopes is None else slopes,
+        stride_slope_b=0 if slopes is None or slopes.dim() == 1 else slopes.stride(0),
+        Mask=placeholder if mask is None else mask,
+        stride_mask_b=mask_strides[0], stride_mask_h=mask_strides[1],
+        stride_mask_m=mask_strides[2], stride_mask_n=mask_strides[3],
+        Rng=placeholder if p.rng_seed is None else p.rng_seed,
+        bottom_right=int(p.bottom_right), window_left=p.window_left, window_right=p.window_right,
+        # Logits in base 2: with softcap, tanh takes scale / softcap and its result is scaled back.
+        qk_scale=p.softmax_scale / p.softcap if softcap else p.softmax_scale * LOG2E.value,
+        softcap=p.softcap * LOG2E.value,
+        drop_threshold=int(p.dropout_p * 2**31), drop_scale=1.0 / (1.0 - p.dropout_p),
+        VARLEN=p.varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
+        SOFTCAP=softcap, ALIBI=slopes is not None, MASK_KIND=mask_kind, DROPOUT=p.dropout_p > 0,
+    )

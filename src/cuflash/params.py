@@ -1,0 +1,65 @@
+"""The one description of an attention call that every entry point builds and every backend
+consumes: which keys each query sees (causal, sliding window, varlen, attn_mask), how the logits
+are shaped (scale, softcap, ALiBi) and dropout."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """Query row i (counted within its sequence) sees key j when
+    i + offset - window_left <= j <= i + offset + window_right, a bound of -1 being no bound,
+    where offset = seqlen_k - seqlen_q with bottom_right (flash-attn) and 0 without (torch SDPA).
+    Causal attention is window_right = 0.
+
+    Varlen: q, k, v are (total, nheads, headdim) and the sequences of the batch are the row
+    ranges given by the int32 prefix sums cu_seqlens_q / cu_seqlens_k (batch + 1 entries), the
+    longest being max_seqlen_q / max_seqlen_k; softmax_lse is then (nheads, total_q).
+    Otherwise q, k, v are (batch, seqlen, nheads, headdim) and softmax_lse (batch, nheads, seqlen_q).
+
+    softcap > 0 replaces the logit x = scale * q.k by softcap * tanh(x / softcap); ALiBi then adds
+    -slope * |i + offset - j| with alibi_slopes of shape (nheads,) or (batch, nheads), fp32;
+    attn_mask, a (batch, nheads, seqlen_q, seqlen_k) view (broadcast dims have stride 0), either
+    hides keys (bool, True = attend) or is added to the logits (float). Dropout zeroes each
+    probability with probability dropout_p, drawn by a counter-based hash keyed by rng_seed
+    (two int64 words in [0, 2^31), on the device of q), and scales the rest by 1 / (1 - dropout_p).
+    """
+
+    softmax_scale: float
+    window_left: int = -1
+    window_right: int = -1
+    bottom_right: bool = True
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    rng_seed: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    def sequence(self, b: int) -> AttentionParams:
+        """The dense params of sequence b of a varlen batch."""
+        slopes = self.alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b:b + 1]
+        return dataclasses.replace(self, alibi_slopes=slopes, cu_seqlens_q=None, cu_seqlens_k=None)
+
+    def as_args(self) -> tuple:
+        """The fields in order: the trailing arguments of the custom ops."""
+        return tuple(getattr(self, name) for name in FIELD_NAMES)
+
+
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))
+# Positions of the tensor fields among FIELD_NAMES (autograd saves those with save_for_backward).
+TENSOR_FIELDS = tuple(i for i, name in enumerate(FIELD_NAMES)
+                      if name in ("alibi_slopes", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k"))
