@@ -74,13 +74,32 @@ def check_against_oracle(fn, q, k, v, causal, with_sdpa=True, grads=True, **opti
     else:
         ours = (fn(q, k, v),)
     theirs = run_and_grad(lambda a, b, c: torch_sdpa(a, b, c, causal), q, k, v, dout) if with_sdpa else None
+    # What fp32 itself can do: the same attention composed of torch ops in fp32. Large logits
+    # (ALiBi at distances in the thousands) lose digits in any fp32 computation; the bound then
+    # becomes 2x that error.
+    fp32 = run_and_grad(lambda a, b, c: attention_reference(a, b, c, causal=causal, dtype=torch.float32,
+                                                            **options)[0], q, k, v, dout) \
+        if dtype == torch.float32 and not with_sdpa else None
     errors = {}
     for i, name in enumerate(("out", "dq", "dk", "dv")[:len(ours)]):
         err = rel_err(ours[i], ref[i])
         errors[name] = err
-        assert err < BOUNDS[dtype], f"{name}: error {err:.3g} above the {dtype} bound {BOUNDS[dtype]:g}"
+        bound = BOUNDS[dtype] if fp32 is None else max(BOUNDS[dtype], 2 * rel_err(fp32[i], ref[i]))
+        assert err < bound, f"{name}: error {err:.3g} above the {dtype} bound {bound:g}"
         if theirs is not None:
             torch_err = rel_err(theirs[i], ref[i])
             assert err <= max(2 * torch_err, ROUNDING_FLOOR[dtype]), \
                 f"{name}: error {err:.3g} more than 2x torch SDPA's {torch_err:.3g}"
     return errors
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, **options):
+    """The oracle, one sequence at a time: out (total_q, H, D) in float64."""
+    outs = []
+    for b in range(len(cu_q) - 1):
+        slopes = options.get("alibi_slopes")
+        seq_options = dict(options, alibi_slopes=slopes[b] if slopes is not None and slopes.dim() == 2 else slopes)
+        out, _ = attention_reference(q[None, cu_q[b]:cu_q[b + 1]], k[None, cu_k[b]:cu_k[b + 1]],
+                                     v[None, cu_k[b]:cu_k[b + 1]], **seq_options)
+        outs.append(out[0])
+    return torch.cat(outs)

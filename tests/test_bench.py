@@ -17,9 +17,26 @@ def test_cpu_bench_writes_csv_table_and_plot(tmp_path, capsys):
     assert len(rows) == 2 * 2 * 2 * 2  # providers x seqlens x modes x causal
     assert all(float(r["ms"]) > 0 and float(r["rel_err"]) < 1e-5 for r in rows)
     table = (tmp_path / "results.md").read_text()
-    assert "vs sdpa" in table and table.count("\n| fwd |") == 4 and table.count("\n| fwd+bwd |") == 4
+    assert "vs sdpa" in table and table.count("\n| none | fwd |") == 4 and table.count("\n| none | fwd+bwd |") == 4
     assert (tmp_path / "results.png").stat().st_size > 10_000
     assert "cuflash GFLOP/s" in capsys.readouterr().out
+
+
+def test_cpu_bench_variants(tmp_path):
+    rc = main(["--device", "cpu", "--providers", "cuflash,sdpa", "--seqlens", "64", "--hdims", "16", "--batch", "1",
+               "--nheads", "2", "--dtype", "fp32", "--modes", "fwd", "--iters", "2", "--causal", "true",
+               "--variants", "window,alibi,softcap,mask,dropout", "--out", str(tmp_path)])
+    assert rc == 0
+    with open(tmp_path / "results.csv") as f:
+        rows = {(r["provider"], r["variant"]): r for r in csv.DictReader(f)}
+    assert len(rows) == 10
+    assert "no softcap" in rows["sdpa", "softcap"]["note"]
+    for (provider, variant), r in rows.items():
+        if (provider, variant) != ("sdpa", "softcap"):
+            assert float(r["ms"]) > 0, (provider, variant, r["note"])
+        if variant != "dropout" and r["rel_err"]:
+            assert float(r["rel_err"]) < 1e-5, (provider, variant)
+    assert rows["cuflash", "dropout"]["rel_err"] == ""
 
 
 def test_unknown_provider_is_refused():

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import check_against_oracle, make_qkv, rel_err
+from attn_testing import BOUNDS, check_against_oracle, make_qkv, rel_err, run_and_grad, varlen_reference
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -115,3 +115,140 @@ def test_memory_is_linear_in_seqlen():
     inputs = 4 * q.numel() * q.element_size()
     assert extra <= 3 * inputs, f"peak extra memory {extra / 1e9:.2f} GB > 3x q+k+v+out ({inputs / 1e9:.2f} GB)"
     assert torch.isfinite(q.grad).all()
+
+
+# --- training variants (issue 4) ---
+
+VARIANTS = {
+    "window_causal": dict(causal=True, window_size=(256, 0)),
+    "window_two_sided": dict(window_size=(100, 37)),
+    "alibi_causal": dict(causal=True, alibi="per_head"),
+    "alibi_per_batch": dict(alibi="per_batch"),
+    "softcap": dict(softcap=20.0),
+    "together": dict(window_size=(300, 0), softcap=30.0, alibi="per_head"),
+}
+
+
+def _options(name, batch, nheads):
+    options = dict(VARIANTS[name])
+    alibi = options.pop("alibi", None)
+    if alibi == "per_head":
+        options["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (i + 1) / nheads) for i in range(nheads)],
+                                               device="cuda")
+    elif alibi == "per_batch":
+        options["alibi_slopes"] = torch.rand(batch, nheads, device="cuda")
+    return options
+
+
+@pytest.mark.parametrize("shape", [(2, 1000, 1000, 8, 2, 64), (1, 517, 1030, 4, 4, 128), (2, 300, 300, 2, 1, 256),
+                                   (2, 1030, 17, 4, 2, 96)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_variant_against_oracle(dtype, variant, shape):
+    torch.manual_seed(hash((variant, shape)) % 2**31)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim = shape
+    q, k, v = make_qkv(*shape, dtype, "cuda")
+    options = _options(variant, batch, nheads)
+    causal = options.pop("causal", False)
+    check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal, **options),
+                         q, k, v, causal, with_sdpa=False, **options)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_varlen_on_gpu(dtype, causal):
+    torch.manual_seed(20 + causal)
+    lens_q, lens_k = [1, 17, 1000, 0, 513, 64], [5, 17, 1000, 9, 1030, 1]
+    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens_q), 8, 128, dtype=dtype, device="cuda")
+    k, v = (torch.randn(sum(lens_k), 2, 128, dtype=dtype, device="cuda") for _ in range(2))
+    dout = torch.randn_like(q)
+    got = run_and_grad(lambda a, b, c: cuflash.flash_attn_varlen_func(a, b, c, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                                      causal=causal), q, k, v, dout)
+    ref = run_and_grad(lambda a, b, c: varlen_reference(a, b, c, cu_q.tolist(), cu_k.tolist(), causal=causal),
+                       q.double(), k.double(), v.double(), dout.double())
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert rel_err(x, r) < BOUNDS[dtype], name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dropout_on_gpu(dtype):
+    torch.manual_seed(21)
+    q, k, v = make_qkv(2, 700, 900, 8, 2, 64, dtype, "cuda")
+    p = 0.2
+    torch.manual_seed(7)
+    _, _, probs = cuflash.flash_attn_func(q, k, v, dropout_p=p, causal=True, return_attn_probs=True)
+    keep = probs >= 0
+    visible = probs != 0
+    kept = keep[visible].float().mean().item()
+    assert abs(kept - (1 - p)) < 0.01, f"keep rate {kept:.4f}"
+
+    def ours(a, b, c):
+        torch.manual_seed(7)
+        return cuflash.flash_attn_func(a, b, c, dropout_p=p, causal=True)
+
+    check_against_oracle(ours, q, k, v, True, with_sdpa=False, dropout_p=p, dropout_keep=keep)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool_padding", "additive_per_head", "bool_full"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sdpa_attn_mask_on_gpu(dtype, mask_kind):
+    torch.manual_seed(22)
+    b, h, hk, lq, lk, d = 2, 8, 2, 1000, 1030, 64
+    query = torch.randn(b, h, lq, d, dtype=dtype, device="cuda")
+    key, value = (torch.randn(b, hk, lk, d, dtype=dtype, device="cuda") for _ in range(2))
+    mask = {
+        "bool_padding": torch.arange(lk, device="cuda")[None, None, None, :] < torch.tensor(
+            [900, lk], device="cuda")[:, None, None, None],
+        "additive_per_head": torch.randn(h, 1, lk, dtype=dtype, device="cuda"),
+        "bool_full": torch.rand(b, h, lq, lk, device="cuda") > 0.2,
+    }[mask_kind]
+    dout = torch.randn_like(query)
+    ours = run_and_grad(lambda a, b_, c: cuflash.scaled_dot_product_attention(a, b_, c, attn_mask=mask,
+                                                                               enable_gqa=True),
+                        query, key, value, dout)
+    ref = run_and_grad(lambda a, b_, c: torch.nn.functional.scaled_dot_product_attention(
+        a, b_, c, attn_mask=mask if mask.dtype == torch.bool else mask.double(), enable_gqa=True),
+        query.double(), key.double(), value.double(), dout.double())
+    for name, x, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert rel_err(x, r) < BOUNDS[dtype], name
+
+
+def test_deterministic_backward_with_variants():
+    """deterministic=True: bitwise identical gradients run to run, here with varlen, a window,
+    ALiBi and dropout together."""
+    torch.manual_seed(23)
+    lens = [300, 1000, 17]
+    cu = torch.tensor([0, 300, 1300, 1317], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(1317, 8, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+    slopes = torch.rand(8, device="cuda")
+    dout = torch.randn_like(q)
+    grads = []
+    for _ in range(3):
+        torch.manual_seed(8)
+        out = cuflash.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), dropout_p=0.1, causal=True,
+                                             window_size=(128, 0), alibi_slopes=slopes, deterministic=True)
+        grads.append(torch.autograd.grad(out, (q, k, v), dout))
+    for again in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], again))
+
+
+def test_sliding_window_cost_follows_the_window():
+    """A 256-key window at seqlen 16k visits ~1/32 of the causal tiles: it must run several times
+    faster than full causal attention (a loose bound, to stay robust to timing noise)."""
+    q, k, v = make_qkv(1, 16384, 16384, 16, 16, 128, torch.bfloat16, "cuda")
+
+    def time_ms(**options):
+        for _ in range(3):
+            cuflash.flash_attn_func(q, k, v, **options)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            cuflash.flash_attn_func(q, k, v, **options)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 10
+
+    causal, window = time_ms(causal=True), time_ms(causal=True, window_size=(256, 0))
+    assert window < causal / 5, f"window {window:.2f} ms vs causal {causal:.2f} ms"

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import cuflash
-from attn_testing import BOUNDS, backend, check_against_oracle, make_qkv, rel_err, run_and_grad  # noqa: F401
-from cuflash.reference import attention_reference
+from attn_testing import (BOUNDS, backend, check_against_oracle, make_qkv, rel_err, run_and_grad,  # noqa: F401
+                          varlen_reference)
 
 DTYPES = [torch.float32, torch.float16]
 
@@ -53,18 +53,6 @@ def test_options_together(backend):
                          q, k, v, False, with_sdpa=False, softmax_scale=0.4, **options)
 
 
-def _varlen_reference(q, k, v, cu_q, cu_k, **options):
-    """The oracle, one sequence at a time: out (total_q, H, D) in float64."""
-    outs = []
-    for b in range(len(cu_q) - 1):
-        slopes = options.get("alibi_slopes")
-        seq_options = dict(options, alibi_slopes=slopes[b] if slopes is not None and slopes.dim() == 2 else slopes)
-        out, _ = attention_reference(q[None, cu_q[b]:cu_q[b + 1]], k[None, cu_k[b]:cu_k[b + 1]],
-                                     v[None, cu_k[b]:cu_k[b + 1]], **seq_options)
-        outs.append(out[0])
-    return torch.cat(outs)
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_varlen(backend, causal, dtype):
@@ -82,7 +70,7 @@ def test_varlen(backend, causal, dtype):
                                               window_size=(12, -1), alibi_slopes=slopes)
 
     def oracle(a, b, c):
-        return _varlen_reference(a, b, c, cu_q.tolist(), cu_k.tolist(), causal=causal, window_size=(12, -1),
+        return varlen_reference(a, b, c, cu_q.tolist(), cu_k.tolist(), causal=causal, window_size=(12, -1),
                                  alibi_slopes=slopes)
 
     got = run_and_grad(ours, q, k, v, dout)

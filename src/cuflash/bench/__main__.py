@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..ops import triton_version
-from .harness import PROVIDERS, Case, run_case
+from .harness import PROVIDERS, VARIANTS, Case, run_case
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16", choices=DTYPES)
     p.add_argument("--causal", default="both", choices=["both", "true", "false"])
     p.add_argument("--modes", default=None, help="from fwd,bwd,fwd+bwd (default all)")
+    p.add_argument("--variants", default="none",
+                   help=f"from {','.join(VARIANTS)}: options timed against SDPA computing the same thing")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen (the papers' setting)")
     p.add_argument("--hidden", type=int, default=2048, help="nheads * head_dim")
     p.add_argument("--batch", type=int, default=None, help="fixed batch (overrides --tokens)")
@@ -46,17 +48,20 @@ def main(argv=None) -> int:
     for name in providers:
         if name not in PROVIDERS:
             p.error(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
+    for name in args.variants.split(","):
+        if name not in VARIANTS:
+            p.error(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     cases = [Case(args.batch or max(1, args.tokens // n), n, args.nheads or args.hidden // d, d, c,
-                  DTYPES[args.dtype], m)
-             for d in map(int, args.hdims.split(",")) for c in causals for m in args.modes.split(",")
-             for n in map(int, args.seqlens.split(","))]
+                  DTYPES[args.dtype], m, variant)
+             for variant in args.variants.split(",") for d in map(int, args.hdims.split(",")) for c in causals
+             for m in args.modes.split(",") for n in map(int, args.seqlens.split(","))]
     rows = []
     total = len(cases) * len(providers)
     for i, case in enumerate(cases):
         for j, provider in enumerate(providers):
-            print(f"\r[{i * len(providers) + j + 1}/{total}] {provider} {case.mode} D={case.head_dim} "
-                  f"N={case.seqlen} causal={case.causal}    ", end="", file=sys.stderr, flush=True)
+            print(f"\r[{i * len(providers) + j + 1}/{total}] {provider} {case.variant} {case.mode} "
+                  f"D={case.head_dim} N={case.seqlen} causal={case.causal}    ", end="", file=sys.stderr, flush=True)
             rows.append(run_case(provider, case, args.device, iters=args.iters,
                                  warmup=2 if args.device == "cpu" else 5))
     print(file=sys.stderr)
@@ -83,22 +88,25 @@ def main(argv=None) -> int:
     return 0
 
 
+def _key(row) -> tuple:
+    return row["variant"], row["mode"], row["batch"], row["nheads"], row["head_dim"], row["seqlen"], row["causal"]
+
+
 def _markdown(rows, providers, header, unit) -> str:
     """One line per case: TFLOP/s of each provider and cuflash's ratio to each of the others."""
     others = [p for p in providers if p != "cuflash"]
     lines = [header, "",
-             "| mode | B | H | D | N | causal | " + " | ".join(f"{p} {unit}" for p in providers) + " | "
+             "| variant | mode | B | H | D | N | causal | " + " | ".join(f"{p} {unit}" for p in providers) + " | "
              + " | ".join(f"vs {p}" for p in others) + " | cuflash err |",
-             "|---" * (7 + len(providers) + len(others)) + "|"]
+             "|---" * (8 + len(providers) + len(others)) + "|"]
     scale = 1e3 if unit == "GFLOP/s" else 1.0
     keys = []
     for r in rows:
-        key = (r["mode"], r["batch"], r["nheads"], r["head_dim"], r["seqlen"], r["causal"])
+        key = _key(r)
         if key not in keys:
             keys.append(key)
     for key in keys:
-        by = {r["provider"]: r for r in rows
-              if (r["mode"], r["batch"], r["nheads"], r["head_dim"], r["seqlen"], r["causal"]) == key}
+        by = {r["provider"]: r for r in rows if _key(r) == key}
         tf = {p: by[p]["tflops"] * scale for p in providers if by.get(p, {}).get("tflops")}
         cells = [f"{tf[p]:.1f}" if tf.get(p) else "n/a" for p in providers]
         ratios = [f"{tf['cuflash'] / tf[p]:.2f}x" if tf.get("cuflash") and tf.get(p) else "n/a" for p in others]

@@ -27,6 +27,14 @@ _SDPA_BACKENDS = {
 PROVIDERS = ("cuflash",) + tuple(_SDPA_BACKENDS)
 
 
+# Variants (issue 4): cuflash's option against the same computation in torch SDPA where SDPA can
+# express it (window and ALiBi as an attn_mask, as users of SDPA do), n/a where it cannot (softcap).
+VARIANTS = ("none", "window", "alibi", "softcap", "mask", "dropout")
+WINDOW = 512  # keys to the left of the diagonal (a Mistral-style sliding window)
+SOFTCAP = 50.0
+DROPOUT_P = 0.1
+
+
 @dataclass(frozen=True)
 class Case:
     batch: int
@@ -36,10 +44,19 @@ class Case:
     causal: bool
     dtype: torch.dtype
     mode: str  # "fwd", "bwd" or "fwd+bwd"
+    variant: str = "none"
+
+    def pairs(self) -> float:
+        """(query, key) pairs attended per head: N^2 (halved when causal, as the papers count),
+        or those inside the sliding window."""
+        n = self.seqlen
+        if self.variant == "window":
+            right = 0 if self.causal else WINDOW
+            return float(sum(min(i + right, n - 1) - max(i - WINDOW, 0) + 1 for i in range(n)))
+        return n * n / (2 if self.causal else 1)
 
     def flops(self) -> float:
-        fwd = 4.0 * self.batch * self.nheads * self.seqlen * self.seqlen * self.head_dim
-        fwd /= 2 if self.causal else 1
+        fwd = 4.0 * self.batch * self.nheads * self.pairs() * self.head_dim
         return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[self.mode]
 
     def bytes(self) -> float:
@@ -48,16 +65,59 @@ class Case:
         return one * {"fwd": 4, "bwd": 8, "fwd+bwd": 10}[self.mode]
 
 
-def _attention_fn(provider: str):
-    """fn(q, k, v, causal) in torch's (B, H, N, D) layout, under the provider's backend."""
+def _variant(case: Case, batch: int, seqlen: int, device) -> tuple[dict | None, dict | None, dict]:
+    """Keyword arguments for (cuflash.flash_attn_func, or None to time cuflash's SDPA-compatible
+    call with SDPA's arguments; F.scaled_dot_product_attention, or None where SDPA has no
+    equivalent; the float64 oracle) computing the case's variant."""
+    c = case.causal
+
+    def grid():
+        return torch.arange(seqlen, device=device)[:, None], torch.arange(seqlen, device=device)[None, :]
+
+    if case.variant == "window":
+        window = (WINDOW, 0 if c else WINDOW)
+        rows, cols = grid()
+        band = (cols >= rows - window[0]) & (cols <= rows + window[1])
+        return dict(window_size=window), dict(attn_mask=band), dict(window_size=window)
+    if case.variant == "alibi":
+        slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / case.nheads) for i in range(case.nheads)], device=device)
+        rows, cols = grid()
+        bias = -slopes[:, None, None] * (rows - cols).abs()
+        if c:
+            bias = bias.masked_fill(cols > rows, float("-inf"))
+        return (dict(causal=c, alibi_slopes=slopes), dict(attn_mask=bias.to(case.dtype)),
+                dict(causal=c, alibi_slopes=slopes))
+    if case.variant == "softcap":
+        return dict(causal=c, softcap=SOFTCAP), None, dict(causal=c, softcap=SOFTCAP)
+    if case.variant == "mask":
+        # Key padding: the last eighth of each sequence is padding, one mask row per batch entry.
+        mask = torch.zeros(batch, 1, 1, seqlen, dtype=torch.bool, device=device)
+        mask[..., : seqlen - seqlen // 8] = True
+        if c:
+            rows, cols = grid()
+            mask = mask & (cols <= rows)
+        return None, dict(attn_mask=mask), dict(attn_mask=mask)
+    if case.variant == "dropout":
+        return None, dict(is_causal=c, dropout_p=DROPOUT_P), {}
+    return None, dict(is_causal=c), dict(causal=c)
+
+
+def _attention_fn(provider: str, case: Case, batch: int, seqlen: int, device):
+    """fn(q, k, v) in torch's (B, H, N, D) layout computing the case's variant, or None."""
+    ours, theirs, _ = _variant(case, batch, seqlen, device)
     if provider == "cuflash":
-        return lambda q, k, v, causal: cuflash.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if ours is None:
+            return lambda q, k, v: cuflash.scaled_dot_product_attention(q, k, v, **theirs)
+        return lambda q, k, v: cuflash.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       **ours).transpose(1, 2)
+    if theirs is None:
+        return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
     name = _SDPA_BACKENDS[provider]
 
-    def fn(q, k, v, causal):
+    def fn(q, k, v):
         with sdpa_kernel(getattr(SDPBackend, name)) if name else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, **theirs)
     return fn
 
 
@@ -89,11 +149,16 @@ def _median_ms(step, iters: int, warmup: int, device: torch.device) -> float:
     return times[len(times) // 2]
 
 
-def error_vs_oracle(provider: str, case: Case, device, seqlen: int = 512) -> float:
-    """||out - ref|| / ||ref|| against float64 on a smaller problem of the same kind."""
+def error_vs_oracle(provider: str, case: Case, device, seqlen: int = 512) -> float | None:
+    """||out - ref|| / ||ref|| against float64 on a smaller problem of the same kind (None with
+    dropout, whose output is random)."""
+    if case.variant == "dropout":
+        return None
     q, k, v = (torch.randn(1, 2, seqlen, case.head_dim, dtype=case.dtype, device=device) for _ in range(3))
-    out = _attention_fn(provider)(q, k, v, case.causal)
-    ref, _ = attention_reference(*(t.transpose(1, 2).double() for t in (q, k, v)), causal=case.causal)
+    small = Case(1, seqlen, 2, case.head_dim, case.causal, case.dtype, case.mode, case.variant)
+    out = _attention_fn(provider, small, 1, seqlen, device)(q, k, v)
+    options = _variant(small, 1, seqlen, device)[2]
+    ref, _ = attention_reference(*(t.transpose(1, 2).double() for t in (q, k, v)), causal_offset=0, **options)
     ref = ref.transpose(1, 2)
     return ((out.double() - ref).norm() / ref.norm()).item()
 
@@ -103,10 +168,12 @@ def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: 
     note saying why there is none."""
     device = torch.device(device)
     cuda = device.type == "cuda"
-    fn = _attention_fn(provider)
     row = {"provider": provider, "batch": case.batch, "seqlen": case.seqlen, "nheads": case.nheads,
            "head_dim": case.head_dim, "causal": case.causal, "dtype": str(case.dtype).replace("torch.", ""),
-           "mode": case.mode}
+           "mode": case.mode, "variant": case.variant}
+    fn = _attention_fn(provider, case, case.batch, case.seqlen, device)
+    if fn is None:
+        return {**row, "note": f"n/a: torch SDPA has no {case.variant}"}
     one = case.batch * case.nheads * case.seqlen * case.head_dim * torch.finfo(case.dtype).bits / 8
     if provider == "sdpa-math" and case.batch * case.nheads * case.seqlen ** 2 * 4 > 8e9:
         return {**row, "note": "skipped: the math backend would materialize the scores (> 8 GB)"}
@@ -119,13 +186,13 @@ def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: 
             torch.cuda.reset_peak_memory_stats(device)
         if case.mode == "fwd":
             with torch.no_grad():
-                ms = _median_ms(lambda i: fn(*data[i % sets][:3], case.causal), iters, warmup, device)
+                ms = _median_ms(lambda i: fn(*data[i % sets][:3]), iters, warmup, device)
         elif case.mode == "bwd":
-            outs = [fn(*d[:3], case.causal) for d in data]
+            outs = [fn(*d[:3]) for d in data]
             ms = _median_ms(lambda i: torch.autograd.grad(outs[i % sets], data[i % sets][:3], data[i % sets][3],
                                                           retain_graph=True), iters, warmup, device)
         else:
-            ms = _median_ms(lambda i: torch.autograd.grad(fn(*data[i % sets][:3], case.causal),
+            ms = _median_ms(lambda i: torch.autograd.grad(fn(*data[i % sets][:3]),
                                                           data[i % sets][:3], data[i % sets][3]), iters, warmup,
                             device)
         peak = torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None

@@ -1,5 +1,5 @@
 """Plots of a benchmark CSV: TFLOP/s against seqlen, one line per provider, one panel per
-(mode, head dim, causal). Usage: python -m cuflash.bench.plot results.csv [--out results.png]"""
+(variant, mode, head dim, causal). Usage: python -m cuflash.bench.plot results.csv [--out results.png]"""
 from __future__ import annotations
 
 import argparse
@@ -15,20 +15,22 @@ def plot(csv_path: Path, png_path: Path, title: str = "") -> Path:
 
     with open(csv_path) as f:
         rows = [r for r in csv.DictReader(f) if r.get("tflops")]
-    panels = list(dict.fromkeys((r["mode"], r["head_dim"], r["causal"]) for r in rows))
+    panels = list(dict.fromkeys((r.get("variant", "none"), r["mode"], r["head_dim"], r["causal"]) for r in rows))
     cols = min(4, len(panels))
     nrows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
     unit = "TFLOP/s" if any(float(r["tflops"]) > 1 for r in rows) else "GFLOP/s"
     scale = 1.0 if unit == "TFLOP/s" else 1e3
-    for ax, (mode, head_dim, causal) in zip(axes.flat, panels):
-        mine = [r for r in rows if (r["mode"], r["head_dim"], r["causal"]) == (mode, head_dim, causal)]
+    for ax, panel in zip(axes.flat, panels):
+        variant, mode, head_dim, causal = panel
+        mine = [r for r in rows if (r.get("variant", "none"), r["mode"], r["head_dim"], r["causal"]) == panel]
         for provider in dict.fromkeys(r["provider"] for r in mine):
             pts = sorted((int(r["seqlen"]), float(r["tflops"]) * scale) for r in mine if r["provider"] == provider)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                     linewidth=2.5 if provider == "cuflash" else 1.2, label=provider)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{mode}, D={head_dim}, {'causal' if causal == 'True' else 'non-causal'}", fontsize=10)
+        name = "" if variant == "none" else f"{variant}, "
+        ax.set_title(f"{name}{mode}, D={head_dim}, {'causal' if causal == 'True' else 'non-causal'}", fontsize=10)
         ax.set_xlabel("seqlen")
         ax.set_ylabel(unit)
         ax.set_ylim(bottom=0)

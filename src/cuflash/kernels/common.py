@@ -75,20 +75,21 @@ def band(start, BLOCK: tl.constexpr, n_other, BLOCK_OTHER: tl.constexpr, c_lo, c
     """For a tile of indices x in [start, start + BLOCK) that sees the other axis' indices y with
     x + c_lo <= y <= x + c_hi (a bound applies only when HAS_LO / HAS_HI), splits [0, n_other)
     into tiles of BLOCK_OTHER: [lo, full_lo) and [full_hi, hi) need the mask (the band's edges
-    and the ragged end), [full_lo, full_hi) is visible to the whole tile, the rest is skipped."""
+    and the ragged end), [full_lo, full_hi) is visible to the whole tile, the rest is skipped.
+    (The masked ranges may reach a tile past the band, never past the masks. With a single bound
+    the expressions are those of the causal-only kernels: a form that clamps every bound against
+    every other measured 6% slower in the D=128 causal backward on an H200.)"""
     lo = 0
     full_lo = 0
     hi = n_other
     full_hi = n_other // BLOCK_OTHER * BLOCK_OTHER
     if HAS_LO:
         lo = tl.maximum(start + c_lo, 0) // BLOCK_OTHER * BLOCK_OTHER
-        full_lo = tl.cdiv(tl.maximum(start + BLOCK - 1 + c_lo, 0), BLOCK_OTHER) * BLOCK_OTHER
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(start + BLOCK - 1 + c_lo, 0), BLOCK_OTHER) * BLOCK_OTHER, n_other)
     if HAS_HI:
         hi = tl.minimum(tl.maximum(start + BLOCK + c_hi, 0), n_other)
         full_hi = tl.minimum(full_hi, tl.maximum(start + c_hi + 1, 0) // BLOCK_OTHER * BLOCK_OTHER)
-    hi = tl.maximum(hi, lo)
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    full_hi = tl.maximum(full_hi, full_lo)
     return lo, full_lo, full_hi, hi
 
 
