@@ -143,30 +143,54 @@ def test_gradcheck_float64_cpu_path(monkeypatch, causal):
     assert torch.autograd.gradcheck(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal), (q, k, v))
 
 
-def test_torch_compile_fullgraph_cpu_path(monkeypatch):
-    monkeypatch.setenv("CUFLASH_BACKEND", "cpu")
+class _Block(torch.nn.Module):
+    """A projection and cuflash attention with the given options, flattened back."""
+
+    def __init__(self, **options):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.options = options
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 16).unbind(2)
+        return cuflash.flash_attn_func(q, k, v, **self.options).flatten(2)
+
+
+def check_compiled(device, backend, **options):
+    """torch.compile(fullgraph=True): no graph break (fullgraph raises on one), forward and backward
+    equal to eager, and no recompilation on later calls with the same shapes."""
     torch.manual_seed(11)
+    model = _Block(**options).to(device)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    # inductor draws random numbers its own way unless told to fall back to torch's (dropout's seed)
+    with torch._inductor.config.patch(fallback_random=True):
+        for step in range(3):
+            x = torch.randn(2, 13, 32, device=device)
+            torch.compiler.set_stance("fail_on_recompile" if step > 0 else "default")
+            try:
+                torch.manual_seed(step)  # the same dropout draw for both runs
+                out = compiled(x)
+                out.sum().backward()
+            finally:
+                torch.compiler.set_stance("default")
+            grad = model.qkv.weight.grad.clone()
+            model.zero_grad()
+            torch.manual_seed(step)
+            eager = model(x)
+            eager.sum().backward()
+            assert torch.allclose(out, eager, atol=1e-5)
+            assert torch.allclose(grad, model.qkv.weight.grad, atol=1e-4)
+            model.zero_grad()
 
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv = torch.nn.Linear(32, 96)
 
-        def forward(self, x):
-            q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 16).unbind(2)
-            return cuflash.flash_attn_func(q, k, v, causal=True).flatten(2)
-
-    model = Block()
-    x = torch.randn(2, 13, 32)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    out = compiled(x)
-    out.sum().backward()
-    grad = model.qkv.weight.grad.clone()
-    model.zero_grad()
-    eager = model(x)
-    eager.sum().backward()
-    assert torch.allclose(out, eager, atol=1e-6)
-    assert torch.allclose(grad, model.qkv.weight.grad, atol=1e-5)
+@pytest.mark.parametrize("options", [dict(causal=True),
+                                     dict(causal=True, window_size=(5, 0), alibi_slopes="slopes", softcap=8.0,
+                                          dropout_p=0.2)], ids=["plain", "variants"])
+def test_torch_compile_fullgraph_cpu_path(monkeypatch, options):
+    monkeypatch.setenv("CUFLASH_BACKEND", "cpu")
+    if options.get("alibi_slopes") == "slopes":
+        options = dict(options, alibi_slopes=torch.tensor([0.5, 0.25]))
+    check_compiled("cpu", "aot_eager", **options)
 
 
 def test_cuflash_backend_env_is_validated(monkeypatch):

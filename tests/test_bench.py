@@ -42,3 +42,14 @@ def test_cpu_bench_variants(tmp_path):
 def test_unknown_provider_is_refused():
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--providers", "cuflash,fastest"])
+
+
+def test_seqlen_experiment_on_cpu(tmp_path):
+    rc = main(["--device", "cpu", "--seqlen-experiment", "--seqlens", "64,96", "--batch", "1", "--nheads", "2",
+               "--dtype", "fp32", "--iters", "1", "--causal", "true", "--out", str(tmp_path)])
+    assert rc == 0
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["provider"] for r in rows} == {"naive", "fa1", "cuflash"}
+    assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"} and {r["head_dim"] for r in rows} == {"64"}
+    assert all(float(r["ms"]) > 0 and float(r["rel_err"]) < 1e-5 for r in rows)

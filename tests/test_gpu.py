@@ -252,3 +252,37 @@ def test_sliding_window_cost_follows_the_window():
 
     causal, window = time_ms(causal=True), time_ms(causal=True, window_size=(256, 0))
     assert window < causal / 5, f"window {window:.2f} ms vs causal {causal:.2f} ms"
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(causal=True, window_size=(5, 0), softcap=8.0,
+                                                             dropout_p=0.2)], ids=["plain", "variants"])
+def test_torch_compile_inductor_on_gpu(options):
+    from test_attention import check_compiled
+    check_compiled("cuda", "inductor", **options)
+
+
+# --- naive, fa1, fa2 (issue 6) ---
+
+@pytest.mark.parametrize("method", ["naive", "fa1", "fa2"])
+@pytest.mark.parametrize("shape", [(2, 1, 1, 4, 64), (2, 17, 300, 4, 40), (1, 1000, 1000, 8, 128),
+                                   (1, 517, 129, 2, 256)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_methods_on_gpu(dtype, causal, shape, method):
+    from cuflash import methods
+    torch.manual_seed(hash((shape, method)) % 2**31)
+    batch, seqlen_q, seqlen_k, nheads, head_dim = shape
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads, head_dim, dtype, "cuda", layout="bhnd")
+    check_against_oracle(lambda a, b, c: methods.attention(method, a, b, c, causal), q, k, v, causal)
+
+
+def test_cli_run_and_check_on_gpu(tmp_path, capsys):
+    from cuflash.cli import main
+    assert main(["generate", "--batch-size", "2", "--num-heads", "4", "--seq-len", "1000", "--head-dim", "64",
+                 "--dtype", "bfloat16", "--output-dir", str(tmp_path)]) == 0
+    for method in ("naive", "fa1", "fa2"):
+        assert main(["run", "--compute", method, "--mode", "both", "--causal", "--device", "cuda",
+                     "--data", str(tmp_path / "B2_H4_S1000_D64")]) == 0
+    assert "on cuda" in capsys.readouterr().out
+    assert main(["check"]) == 0
+    assert "all within bounds" in capsys.readouterr().out

@@ -36,9 +36,16 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=None, help="folder for results.csv and results.md")
+    p.add_argument("--seqlen-experiment", action="store_true",
+                   help="naive vs fa1 vs fa2 (cuflash): batch 4, 8 heads, D 64, seqlen 128 to 4096, fwd and fwd+bwd")
     args = p.parse_args(argv)
     defaults = ("2048,8192", "64,128", "fwd,bwd") if args.quick else \
         ("512,1024,2048,4096,8192,16384", "64,128,256", "fwd,bwd,fwd+bwd")
+    if args.seqlen_experiment:
+        defaults = ("128,256,512,1024,2048,4096", "64", "fwd,fwd+bwd")
+        args.batch, args.nheads = args.batch or 4, args.nheads or 8
+        if args.providers == p.get_default("providers"):
+            args.providers = "naive,fa1,cuflash"
     args.seqlens, args.hdims, args.modes = (given or default for given, default in
                                             zip((args.seqlens, args.hdims, args.modes), defaults))
     if args.device == "cuda" and not torch.cuda.is_available():

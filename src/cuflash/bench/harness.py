@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import cuflash
+from cuflash import methods
 from cuflash.reference import attention_reference
 
 _SDPA_BACKENDS = {
@@ -24,7 +25,8 @@ _SDPA_BACKENDS = {
     "sdpa-efficient": "EFFICIENT_ATTENTION",
     "sdpa-math": "MATH",
 }
-PROVIDERS = ("cuflash",) + tuple(_SDPA_BACKENDS)
+# naive and fa1 (cuflash.methods) time the algorithms FlashAttention-2 replaced; plain attention only.
+PROVIDERS = ("cuflash", "naive", "fa1") + tuple(_SDPA_BACKENDS)
 
 
 # Variants (issue 4): cuflash's option against the same computation in torch SDPA where SDPA can
@@ -105,6 +107,11 @@ def _variant(case: Case, batch: int, seqlen: int, device) -> tuple[dict | None, 
 def _attention_fn(provider: str, case: Case, batch: int, seqlen: int, device):
     """fn(q, k, v) in torch's (B, H, N, D) layout computing the case's variant, or None."""
     ours, theirs, _ = _variant(case, batch, seqlen, device)
+    if provider in ("naive", "fa1"):
+        if case.variant != "none":
+            return None
+        return lambda q, k, v: methods.attention(provider, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 case.causal).transpose(1, 2)
     if provider == "cuflash":
         if ours is None:
             return lambda q, k, v: cuflash.scaled_dot_product_attention(q, k, v, **theirs)
@@ -173,10 +180,10 @@ def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: 
            "mode": case.mode, "variant": case.variant}
     fn = _attention_fn(provider, case, case.batch, case.seqlen, device)
     if fn is None:
-        return {**row, "note": f"n/a: torch SDPA has no {case.variant}"}
+        return {**row, "note": f"n/a: {provider} has no {case.variant}"}
     one = case.batch * case.nheads * case.seqlen * case.head_dim * torch.finfo(case.dtype).bits / 8
-    if provider == "sdpa-math" and case.batch * case.nheads * case.seqlen ** 2 * 4 > 8e9:
-        return {**row, "note": "skipped: the math backend would materialize the scores (> 8 GB)"}
+    if provider in ("sdpa-math", "naive") and case.batch * case.nheads * case.seqlen ** 2 * 4 > 8e9:
+        return {**row, "note": "skipped: it would materialize the scores (> 8 GB)"}
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if cuda else 0
     sets = max(1, min(8, math.ceil(3 * l2 / (4 * one))))
     try:

@@ -1,0 +1,1 @@
+"""Framework integrations, kept apart from the kernels: `cuflash.integrations.transformers`."""

@@ -1,0 +1,92 @@
+"""Hugging Face transformers: makes "cuflash" a valid `attn_implementation`.
+
+    import cuflash.integrations.transformers as cuflash_hf
+    cuflash_hf.register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="cuflash")
+
+Models then build flash-attn style masks (None without padding, else the 2D (batch, seqlen) padding
+mask), and attention runs through flash_attn_func, or, with padding, through
+flash_attn_varlen_func on the unpadded tokens: no compute is spent on padding. Needs
+transformers >= 4.54 (AttentionInterface and AttentionMaskInterface); `pip install
+cuflash-attn[transformers]`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..interface import flash_attn_func, flash_attn_varlen_func
+
+NAME = "cuflash"
+
+
+def register(name: str = NAME) -> None:
+    """Registers the attention function and its mask builder under `name`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    _serve_flash_imports(name)
+
+
+_NAMES: set[str] = set()
+
+
+def _serve_flash_imports(name: str) -> None:
+    """transformers treats every implementation whose name contains "flash" as a flash-attn kernel
+    and, when a model is built, imports its functions from the flash_attn package or the hub. For
+    our names, hand it cuflash's flash_attn_func and flash_attn_varlen_func instead (through its
+    private `_lazy_imports`, present in transformers 4.56 to 5.x)."""
+    import transformers.modeling_flash_attention_utils as fa_utils
+    _NAMES.add(name)
+    original = getattr(fa_utils, "_lazy_imports", None)
+    if original is None or getattr(original, "serves_cuflash", False):
+        return
+
+    def _lazy_imports(implementation, *args, **kwargs):
+        if implementation in _NAMES:
+            return flash_attn_func, flash_attn_varlen_func, None, fa_utils._pad_input, fa_utils._unpad_input
+        return original(implementation, *args, **kwargs)
+
+    _lazy_imports.serves_cuflash = True
+    fa_utils._lazy_imports = _lazy_imports
+
+
+def _unpad(x: torch.Tensor, mask: torch.Tensor):
+    """x (B, N, H, D) and a (B, N) bool mask -> (tokens (total, H, D), their flat indices,
+    cu_seqlens (B + 1,) int32, the longest length)."""
+    lengths = mask.sum(-1, dtype=torch.int32)
+    indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
+    cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    return x.reshape(-1, *x.shape[2:])[indices], indices, cu_seqlens, int(lengths.max().item())
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: query (B, H, Lq, D), key and value (B, Hk, Lk, D),
+    attention_mask None or a (B, Lk') bool padding mask (True = token); returns (out (B, Lq, H, D),
+    None). Causal attention aligns to the bottom-right corner, so decoding with a KV cache works."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # flash layout views
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal,
+                   window_size=(sliding_window - 1, -1) if sliding_window else (-1, -1), softcap=softcap or 0.0)
+    cu_seqlens_q = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens_q is not None and attention_mask is None:
+        # Padding-free training: sequences packed in one row, described by transformers' prefix sums.
+        out = flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q.int(), kwargs["cu_seq_lens_k"].int(),
+                                     int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), **options)
+        return out[None], None
+    if attention_mask is None:
+        return flash_attn_func(q, k, v, **options), None
+    batch, seqlen_q = q.shape[:2]
+    mask = attention_mask.bool()
+    k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]  # a static cache's mask covers the filled part
+    k_tokens, k_indices, cu_seqlens_k, max_seqlen_k = _unpad(k, mask)
+    v_tokens = v.reshape(-1, *v.shape[2:])[k_indices]
+    q_tokens, q_indices, cu_seqlens_q, max_seqlen_q = _unpad(q, mask[:, -seqlen_q:])
+    out_tokens = flash_attn_varlen_func(q_tokens, k_tokens, v_tokens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, **options)
+    out = out_tokens.new_zeros(batch * seqlen_q, *out_tokens.shape[1:]).index_copy(0, q_indices, out_tokens)
+    return out.view(batch, seqlen_q, *out_tokens.shape[1:]), None

@@ -1,0 +1,99 @@
+"""Hugging Face transformers with attn_implementation="cuflash": a small Llama-style model built
+from a config (random weights, no download) against attn_implementation="sdpa"."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import cuflash.integrations.transformers as cuflash_hf  # noqa: E402
+
+
+def _models(device, dtype):
+    cuflash_hf.register()
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa", torch_dtype=dtype)
+    ours = transformers.LlamaForCausalLM._from_config(config, attn_implementation="cuflash", torch_dtype=dtype)
+    ours.load_state_dict(ref.state_dict())
+    return ref.to(device), ours.to(device)
+
+
+def _batch(device, padding_side):
+    torch.manual_seed(1)
+    ids = torch.randint(0, 97, (3, 21), device=device)
+    mask = torch.ones(3, 21, dtype=torch.long, device=device)
+    lengths = [21, 13, 5]
+    for b, n in enumerate(lengths):
+        if padding_side == "right":
+            mask[b, n:] = 0
+        else:
+            mask[b, :21 - n] = 0
+    return ids, mask
+
+
+def check_logits_and_grads(device, dtype, padding_side, tol):
+    ref, ours = _models(device, dtype)
+    ids, mask = _batch(device, padding_side)
+    results = []
+    for model in (ref, ours):
+        model.zero_grad()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        valid = logits[mask.bool()]  # padded positions are not defined the same way by both
+        (valid.float().square().mean()).backward()
+        results.append((valid.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (ref_logits, ref_grads), (logits, grads) = results
+    assert torch.isfinite(logits).all()
+    assert ((logits - ref_logits).norm() / ref_logits.norm()).item() < tol
+    for name, g in ref_grads.items():
+        assert ((grads[name] - g).norm() / g.norm()).item() < tol * 10, name
+
+
+def check_generate(device, dtype):
+    ref, ours = _models(device, dtype)
+    ids, mask = _batch(device, "left")
+    out_ref = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                           output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    out = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                        output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    assert out.sequences.shape == (3, 29)
+    assert torch.equal(out.sequences, out_ref.sequences)
+    for a, b in zip(out.scores, out_ref.scores):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_llama_logits_and_gradients_match_sdpa_cpu(padding_side):
+    check_logits_and_grads("cpu", torch.float32, padding_side, 1e-5)
+
+
+def test_llama_generate_with_kv_cache_cpu():
+    check_generate("cpu", torch.float32)
+
+
+def test_no_padding_and_full_model_forward_cpu():
+    ref, ours = _models("cpu", torch.float32)
+    ids = torch.randint(0, 97, (2, 17))
+    assert torch.allclose(ours(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_llama_on_gpu(padding_side):
+    check_logits_and_grads("cuda", torch.bfloat16, padding_side, 2e-2)
+    check_generate("cuda", torch.float32)
+
+
+def test_packed_sequences_without_padding_cpu():
+    """Padding-free training: several sequences in one row with transformers' cu_seq_lens_* kwargs
+    give what each sequence gives alone."""
+    ref, ours = _models("cpu", torch.float32)
+    lengths = [7, 12, 3]
+    seqs = [torch.randint(0, 97, (1, n)) for n in lengths]
+    cu = torch.tensor([0, 7, 19, 22], dtype=torch.int32)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    logits = ours(input_ids=torch.cat(seqs, dim=1), position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                  max_length_q=12, max_length_k=12).logits
+    alone = torch.cat([ref(input_ids=s).logits for s in seqs], dim=1)
+    assert torch.allclose(logits, alone, atol=1e-5)
