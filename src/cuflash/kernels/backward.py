@@ -17,7 +17,7 @@ import triton.language as tl
 from ..params import AttentionParams
 from .common import LOG2E, NO_MASK, band, dropout_key, dropout_keep, load_tile, logits, mma, score_tile, \
     sequence, softcap_grad, store_tile, tile_ptrs
-from .config import Launch, backward_configs
+from .config import Launch, backward_configs, cdiv
 from .variant import lse_strides, problem, variant_args
 
 
@@ -312,18 +312,18 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams,
     # delta over the rows as stored: a varlen batch is one sequence of total_q rows here.
     delta_rows, delta_batch = (q.shape[0], 1) if params.varlen else (prob.seqlen_q, prob.batch)
     delta_block_m = 64
-    _attn_bwd_delta[(triton.cdiv(delta_rows, delta_block_m), delta_batch * prob.nheads)](
+    _attn_bwd_delta[(cdiv(delta_rows, delta_block_m), delta_batch * prob.nheads)](
         Out=out, DO=dout, Delta=delta, **prob.strides("o", out), **prob.strides("do", dout), **lse_args,
         nheads=prob.nheads, seqlen_q=delta_rows, head_dim=prob.head_dim, BLOCK_M=delta_block_m,
         BLOCK_D=prob.block_d,
     )
-    _attn_bwd_dkdv[(triton.cdiv(prob.seqlen_k, dkdv_cfg.block_n), prob.batch * prob.nheads_k)](
+    _attn_bwd_dkdv[(cdiv(prob.seqlen_k, dkdv_cfg.block_n), prob.batch * prob.nheads_k)](
         Q=q, K=k, V=v, DO=dout, Lse=lse, Delta=delta, DK=dk, DV=dv,
         **prob.strides("dk", dk, "n"), **prob.strides("dv", dv, "n"), **shared, nheads_k=prob.nheads_k,
         BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n, INPUT_PRECISION=dkdv_cfg.input_precision,
         SPLIT_GROUP_ACC=q.dtype == torch.float32, num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
     )
-    _attn_bwd_dq[(triton.cdiv(prob.seqlen_q, dq_cfg.block_m), prob.batch * prob.nheads)](
+    _attn_bwd_dq[(cdiv(prob.seqlen_q, dq_cfg.block_m), prob.batch * prob.nheads)](
         Q=q, K=k, V=v, DO=dout, Lse=lse, Delta=delta, DQ=dq,
         **prob.strides("dq", dq), **shared, nheads=prob.nheads,
         BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, INPUT_PRECISION=dq_cfg.input_precision,

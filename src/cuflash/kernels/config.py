@@ -2,6 +2,7 @@
 architecture: no autotuning at run time, so the first call on a new shape only compiles."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,13 +17,21 @@ class Launch:
     input_precision: str = "ieee"
 
 
-def _input_precision(dtype: torch.dtype) -> str:
-    # fp32 stays exact IEEE unless the user opted into TF32 for matmuls, as torch does.
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in plain Python (triton.cdiv is a JIT-callable costing microseconds per call)."""
+    return -(-a // b)
 
 
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The kernels' BLOCK_D: the head dim rounded up to a power of two, at least 16."""
+    return max(16, next_power_of_2(head_dim))
+
+
+@functools.lru_cache(maxsize=None)
 def _arch(device: torch.device) -> int:
     if device.type != "cuda":
         return 0  # Triton's interpreter on CPU tensors
@@ -56,16 +65,17 @@ def _table(arch: int, block_d: int, fp32: bool):
     return Launch(64, 32, 4, 1), Launch(16, 64, 4, 1), Launch(64, 16, 4, 1)
 
 
-def _with_precision(launch: Launch, dtype: torch.dtype) -> Launch:
-    return Launch(launch.block_m, launch.block_n, launch.num_warps, launch.num_stages,
-                  _input_precision(dtype))
+@functools.lru_cache(maxsize=None)
+def _launches(arch: int, block_d: int, dtype: torch.dtype, tf32: bool) -> tuple[Launch, Launch, Launch]:
+    precision = "tf32" if dtype == torch.float32 and tf32 else "ieee"
+    return tuple(Launch(c.block_m, c.block_n, c.num_warps, c.num_stages, precision)
+                 for c in _table(arch, block_d, dtype == torch.float32))
 
 
 def forward_config(q: torch.Tensor, block_d: int) -> Launch:
-    fwd, _, _ = _table(_arch(q.device), block_d, q.dtype == torch.float32)
-    return _with_precision(fwd, q.dtype)
+    # fp32 stays exact IEEE unless the user opted into TF32 for matmuls, as torch does.
+    return _launches(_arch(q.device), block_d, q.dtype, torch.backends.cuda.matmul.allow_tf32)[0]
 
 
 def backward_configs(q: torch.Tensor, block_d: int) -> tuple[Launch, Launch]:
-    _, dkdv, dq = _table(_arch(q.device), block_d, q.dtype == torch.float32)
-    return _with_precision(dkdv, q.dtype), _with_precision(dq, q.dtype)
+    return _launches(_arch(q.device), block_d, q.dtype, torch.backends.cuda.matmul.allow_tf32)[1:]

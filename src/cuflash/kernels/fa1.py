@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .common import LN2, LOG2E, tile_ptrs
-from .config import _arch
+from .config import _arch, padded_head_dim
 
 
 @triton.jit
@@ -129,7 +129,7 @@ def _fa1_bwd(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
 
 
 def _tiles(head_dim: int, device) -> tuple[int, int, int]:
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = padded_head_dim(head_dim)
     if _arch(device) == 0:
         return 16, 32, block_d
     return (64, 64, block_d) if block_d <= 128 else (32, 32, block_d)

@@ -12,7 +12,7 @@ import triton.language as tl
 from ..params import AttentionParams
 from .common import LN2, LOG2E, NO_MASK, band, dropout_key, dropout_keep, load_tile, logits, mma, \
     score_tile, sequence, store_tile, tile_ptrs
-from .config import Launch, forward_config
+from .config import Launch, cdiv, forward_config
 from .variant import lse_shape, lse_strides, problem, variant_args
 
 
@@ -139,7 +139,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape(prob, params), dtype=torch.float32, device=q.device)
     cfg = config or forward_config(q, prob.block_d)
-    grid = (triton.cdiv(prob.seqlen_q, cfg.block_m), prob.batch * prob.nheads)
+    grid = (cdiv(prob.seqlen_q, cfg.block_m), prob.batch * prob.nheads)
     _attn_fwd[grid](
         Q=q, K=k, V=v, Out=out, Lse=lse,
         **prob.strides("q", q), **prob.strides("k", k, "n"), **prob.strides("v", v, "n"), **prob.strides("o", out),

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E
-from .config import _arch
+from .config import _arch, cdiv, next_power_of_2
 
 
 @triton.jit
@@ -97,7 +97,7 @@ def _matmul(a, a_t: bool, b, b_t: bool, c, alpha: float = 1.0):
     batch, nheads, m, n = c.shape
     a = a.transpose(-1, -2) if a_t else a
     b = b.transpose(-1, -2) if b_t else b
-    grid = (triton.cdiv(m, tiles[0]), triton.cdiv(n, tiles[1]), batch * nheads)
+    grid = (cdiv(m, tiles[0]), cdiv(n, tiles[1]), batch * nheads)
     _bmm[grid](a, b, c, nheads, m, n, a.shape[-1], alpha, *a.stride(), *b.stride(), *c.stride(),
                BLOCK_M=tiles[0], BLOCK_N=tiles[1], BLOCK_K=tiles[2])
     return c
@@ -114,7 +114,7 @@ def _probs(q, k, scale: float, causal: bool):
     lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
     _matmul(_bhnd(q), False, _bhnd(k), True, p, scale)
     _softmax_rows[(batch * nheads * seqlen_q,)](p, lse, seqlen_q, seqlen_k, seqlen_k - seqlen_q, CAUSAL=causal,
-                                                 BLOCK=min(1024, triton.next_power_of_2(seqlen_k)))
+                                                 BLOCK=min(1024, next_power_of_2(seqlen_k)))
     return p, lse
 
 
@@ -132,7 +132,7 @@ def attention_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
     ds = torch.empty_like(p)
     _matmul(_bhnd(dout), False, _bhnd(v), True, ds)
     _softmax_grad_rows[(ds.shape[0] * ds.shape[1] * ds.shape[2],)](p, ds, ds.shape[3],
-                                                                    BLOCK=min(1024, triton.next_power_of_2(ds.shape[3])))
+                                                                    BLOCK=min(1024, next_power_of_2(ds.shape[3])))
     _matmul(ds, False, _bhnd(k), False, _bhnd(dq), scale)
     _matmul(ds, True, _bhnd(q), False, _bhnd(dk), scale)
     return dq, dk, dv

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..params import AttentionParams
 from .common import ADDITIVE_MASK, BOOL_MASK, LOG2E, NO_MASK
+from .config import padded_head_dim
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Problem:
 
     @property
     def block_d(self) -> int:
-        return max(16, triton.next_power_of_2(self.head_dim))
+        return padded_head_dim(self.head_dim)
 
     def strides(self, name: str, t: torch.Tensor, row: str = "m") -> dict:
         """stride_{name}b, stride_{name}{row}, stride_{name}h of t, shaped like q or k (3-D when
