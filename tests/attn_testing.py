@@ -17,13 +17,6 @@ interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                reason="needs TRITON_INTERPRET=1 (set by conftest when there is no GPU)")
 
 
-@pytest.fixture(params=["cpu", pytest.param("triton", marks=[interpret, pytest.mark.interpret])])
-def backend(request, monkeypatch):
-    """Runs a test on the blocked CPU path and on the Triton kernels through the interpreter."""
-    monkeypatch.setenv("CUFLASH_BACKEND", request.param)
-    return request.param
-
-
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(x).all(), "non-finite values (unwritten or NaN output)"
     ref = ref.double()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import backend, check_against_oracle, make_qkv, rel_err  # noqa: F401 (fixture)
+from attn_testing import check_against_oracle, make_qkv, rel_err
 from cuflash.reference import attention_reference
 
 

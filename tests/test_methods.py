@@ -3,7 +3,7 @@ the interpreter, against the float64 oracle, forward and backward."""
 import pytest
 import torch
 
-from attn_testing import BOUNDS, backend, make_qkv, rel_err  # noqa: F401 (fixture)
+from attn_testing import BOUNDS, make_qkv, rel_err
 from cuflash import methods
 from cuflash.reference import attention_reference
 

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import cuflash
-from attn_testing import (BOUNDS, backend, check_against_oracle, make_qkv, rel_err, run_and_grad,  # noqa: F401
-                          varlen_reference)
+from attn_testing import BOUNDS, check_against_oracle, make_qkv, rel_err, run_and_grad, varlen_reference
 
 DTYPES = [torch.float32, torch.float16]
 

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from ..params import AttentionParams
-from .common import LOG2E, NO_MASK, band, dropout_key, dropout_keep, load_tile, logits, mma, score_tile, \
-    sequence, softcap_grad, store_tile, tile_ptrs
+from .common import LOG2E, band, dropout_keep, head_options, load_tile, logits, mma, score_tile, sequence, \
+    softcap_grad, store_tile, tile_ptrs
 from .config import Launch, backward_configs, cdiv
 from .variant import lse_strides, problem, variant_args
 
@@ -143,15 +143,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Slop
         do_ptrs = tile_ptrs(DO, off_b, stride_dob, off_h, stride_doh, q_first, stride_dom, offs_m, offs_d)
         lse_ptr = Lse + off_b * stride_lb + off_h * stride_lh + q_first
         delta_ptr = Delta + off_b * stride_lb + off_h * stride_lh + q_first
-        mask_ptrs = Mask
-        if MASK_KIND != NO_MASK:
-            mask_ptrs = Mask + off_b * stride_mask_b + off_h * stride_mask_h
-        slope = 0.0
-        if ALIBI:
-            slope = tl.load(Slopes + off_b * stride_slope_b + off_h) * LOG2E
-        drop_key = 0
-        if DROPOUT:
-            drop_key = dropout_key(Rng, off_b * nheads_k * group_size + off_h)
+        mask_ptrs, slope, drop_key = head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng,
+                                                  off_b, off_h, off_b * nheads_k * group_size + off_h,
+                                                  ALIBI, MASK_KIND, DROPOUT)
         if HAS_RIGHT:  # only a causal diagonal or window's right edge cuts query tiles before the band
             dk_head, dv_head = _attn_bwd_dkdv_inner(
                 dk_head, dv_head, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr,
@@ -258,15 +252,8 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Ma
     delta = tl.load(Delta + row_ptr, mask=offs_m < seqlen_q, other=0.0)
     k_ptrs = tile_ptrs(K, off_b, stride_kb, off_hk, stride_kh, k_first, stride_kn, offs_n, offs_d)
     v_ptrs = tile_ptrs(V, off_b, stride_vb, off_hk, stride_vh, k_first, stride_vn, offs_n, offs_d)
-    mask_ptrs = Mask
-    if MASK_KIND != NO_MASK:
-        mask_ptrs = Mask + off_b * stride_mask_b + off_h * stride_mask_h
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(Slopes + off_b * stride_slope_b + off_h) * LOG2E
-    drop_key = 0
-    if DROPOUT:
-        drop_key = dropout_key(Rng, off_bh)
+    mask_ptrs, slope, drop_key = head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng,
+                                              off_b, off_h, off_bh, ALIBI, MASK_KIND, DROPOUT)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = band(start_m, BLOCK_M, seqlen_k, BLOCK_N, offset - window_left,

@@ -154,6 +154,23 @@ def softcap_grad(x, softcap):
 
 
 @triton.jit
+def head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng, off_b, off_h, off_bh,
+                 ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr):
+    """What a variant needs per (batch, head): the attn_mask's base pointer, the ALiBi slope (times
+    LOG2E) and the dropout key of head off_bh = batch * nheads + head."""
+    mask_ptrs = Mask
+    if MASK_KIND != NO_MASK:
+        mask_ptrs = Mask + off_b * stride_mask_b + off_h * stride_mask_h
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(Slopes + off_b * stride_slope_b + off_h) * LOG2E
+    drop_key = 0
+    if DROPOUT:
+        drop_key = dropout_key(Rng, off_bh)
+    return mask_ptrs, slope, drop_key
+
+
+@triton.jit
 def _mix32(x):
     # A bijective 32-bit integer hash (lowbias32): every output bit depends on every input bit.
     x ^= x >> 16

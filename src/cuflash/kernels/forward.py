@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from ..params import AttentionParams
-from .common import LN2, LOG2E, NO_MASK, band, dropout_key, dropout_keep, load_tile, logits, mma, \
-    score_tile, sequence, store_tile, tile_ptrs
+from .common import LN2, NO_MASK, band, dropout_keep, head_options, load_tile, logits, mma, score_tile, \
+    sequence, store_tile, tile_ptrs
 from .config import Launch, cdiv, forward_config
 from .variant import lse_shape, lse_strides, problem, variant_args
 
@@ -87,15 +87,8 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
     k_ptrs = tile_ptrs(K, off_b, stride_kb, off_hk, stride_kh, k_first, stride_kn, offs_n, offs_d)
     v_ptrs = tile_ptrs(V, off_b, stride_vb, off_hk, stride_vh, k_first, stride_vn, offs_n, offs_d)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, not EVEN_D)
-    mask_ptrs = Mask
-    if MASK_KIND != NO_MASK:
-        mask_ptrs = Mask + off_b * stride_mask_b + off_h * stride_mask_h
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(Slopes + off_b * stride_slope_b + off_h) * LOG2E
-    drop_key = 0
-    if DROPOUT:
-        drop_key = dropout_key(Rng, off_bh)
+    mask_ptrs, slope, drop_key = head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng,
+                                              off_b, off_h, off_bh, ALIBI, MASK_KIND, DROPOUT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
