@@ -280,3 +280,34 @@ def test_cli_run_and_check_on_gpu(tmp_path, capsys):
     assert "on cuda" in capsys.readouterr().out
     assert main(["check"]) == 0
     assert "all within bounds" in capsys.readouterr().out
+
+
+# --- KV cache (issue 5; the gather + varlen path) ---
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kvcache_on_gpu(dtype, paged):
+    """Appending one token per sequence and attending equals attention over the updated cache."""
+    from attn_testing import BOUNDS
+    from cuflash.reference import attention_reference
+    torch.manual_seed(24)
+    batch, nheads, nheads_k, d, page = 4, 32, 8, 128, 256
+    seqlens = torch.tensor([1, 700, 4000, 255], dtype=torch.int32, device="cuda")
+    if paged:
+        k_cache = torch.randn(64, page, nheads_k, d, dtype=dtype, device="cuda")
+        table = torch.randperm(64, device="cuda")[:batch * 16].view(batch, 16).int()
+    else:
+        k_cache = torch.randn(batch, 4096, nheads_k, d, dtype=dtype, device="cuda")
+        table = None
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, 1, nheads, d, dtype=dtype, device="cuda")
+    k, v = (torch.randn(batch, 1, nheads_k, d, dtype=dtype, device="cuda") for _ in range(2))
+    out = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
+                                         causal=True)
+    for b in range(batch):
+        n = int(seqlens[b]) + 1
+        keys = (k_cache[table[b].long()].flatten(0, 1) if paged else k_cache[b])[:n]
+        values = (v_cache[table[b].long()].flatten(0, 1) if paged else v_cache[b])[:n]
+        assert torch.equal(keys[-1], k[b, 0])
+        ref, _ = attention_reference(q[b:b + 1], keys[None], values[None], causal=True)
+        assert rel_err(out[b:b + 1], ref) < BOUNDS[dtype]

@@ -4,11 +4,12 @@ from .errors import ErrorCode, FlashAttentionError
 from .interface import (backward, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                         flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                         forward, scaled_dot_product_attention)
+from .kvcache import flash_attn_with_kvcache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ErrorCode", "FlashAttentionError", "flash_attn_func", "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func", "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func", "scaled_dot_product_attention", "forward", "backward", "__version__",
+    "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "scaled_dot_product_attention", "forward", "backward", "__version__",
 ]
