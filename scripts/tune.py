@@ -9,6 +9,7 @@ import triton
 
 from cuflash.kernels import attention_backward, attention_forward
 from cuflash.kernels.config import Launch, backward_configs, forward_config
+from cuflash.params import AttentionParams
 
 FWD = [Launch(*c) for c in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
                             (64, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3)]]
@@ -41,16 +42,14 @@ def main():
         b, h = max(1, 16384 // n), 2048 // d
         q, k, v, do = (torch.randn(b, n, h, d, dtype=dtype, device="cuda") for _ in range(4))
         flops = 4 * b * h * n * n * d / (2 if causal else 1)
-        scale = d ** -0.5
-        fwd = {c: bench(lambda: attention_forward(q, k, v, scale, causal, 0, c)) for c in FWD}
-        out, lse = attention_forward(q, k, v, scale, causal, 0)
-        _, dq0 = backward_configs(q, d, causal)
-        dkdv = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, scale, causal, 0, (c, dq0)))
-                for c in DKDV}
+        params = AttentionParams(d ** -0.5, window_right=0 if causal else -1)
+        fwd = {c: bench(lambda: attention_forward(q, k, v, params, c)) for c in FWD}
+        out, lse = attention_forward(q, k, v, params)
+        _, dq0 = backward_configs(q, d)
+        dkdv = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, (c, dq0))) for c in DKDV}
         best_dkdv = min(dkdv, key=dkdv.get)
-        dq = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, scale, causal, 0, (best_dkdv, c)))
-              for c in DQ}
-        print(f"\n== D={d} causal={causal} N={n} B={b} H={h} (current fwd {forward_config(q, d, causal)})")
+        dq = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, (best_dkdv, c))) for c in DQ}
+        print(f"\n== D={d} causal={causal} N={n} B={b} H={h} (current fwd {forward_config(q, d)})")
         for name, res, mult in (("fwd", fwd, 1.0), ("bwd dkdv sweep", dkdv, 2.5), ("bwd dq sweep", dq, 2.5)):
             for c, ms in sorted(res.items(), key=lambda kv: kv[1]):
                 print(f"  {name:15s} BM={c.block_m:3d} BN={c.block_n:3d} warps={c.num_warps} stages={c.num_stages}"

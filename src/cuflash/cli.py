@@ -54,7 +54,9 @@ def info(args) -> int:
         name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
         print(f"{device}: {name}; backend: {backend_name(torch.device(device), torch.float32)}")
     print("supported: fp16, bf16, fp32 (fp64 on the CPU path); head dims 1-256; any seqlen_q, seqlen_k; "
-          "causal (bottom-right for flash_attn_func, top-left for SDPA); MQA/GQA; strided inputs")
+          "causal (bottom-right for flash_attn_func, top-left for SDPA); MQA/GQA; strided inputs; varlen; "
+          "sliding window; ALiBi; softcap; dropout; SDPA attn_mask; KV cache (paged or contiguous); "
+          "methods naive, fa1, fa2")
     return 0
 
 
