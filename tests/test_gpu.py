@@ -288,7 +288,6 @@ def test_cli_run_and_check_on_gpu(tmp_path, capsys):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kvcache_on_gpu(dtype, paged):
     """Appending one token per sequence and attending equals attention over the updated cache."""
-    from attn_testing import BOUNDS
     from cuflash.reference import attention_reference
     torch.manual_seed(24)
     batch, nheads, nheads_k, d, page = 4, 32, 8, 128, 256
