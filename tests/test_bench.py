@@ -53,3 +53,18 @@ def test_seqlen_experiment_on_cpu(tmp_path):
     assert {r["provider"] for r in rows} == {"naive", "fa1", "cuflash"}
     assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"} and {r["head_dim"] for r in rows} == {"64"}
     assert all(float(r["ms"]) > 0 and float(r["rel_err"]) < 1e-5 for r in rows)
+
+
+def test_decode_mode_on_cpu(tmp_path, capsys):
+    rc = main(["--decode", "--device", "cpu", "--dtype", "fp32", "--batches", "2", "--cache-lens", "64",
+               "--seqlen-q", "1,4", "--layouts", "contiguous,paged16", "--nheads", "4", "--nheads-k", "2",
+               "--head-dim", "16", "--iters", "2", "--providers", "cuflash,sdpa", "--out", str(tmp_path)])
+    assert rc == 0
+    with open(tmp_path / "decode.csv") as f:
+        rows = list(csv.DictReader(f))
+    # per seqlen_q: cuflash and sdpa on the contiguous cache, cuflash on the paged one
+    assert sorted((r["provider"], r["layout"]) for r in rows) == sorted(
+        [("cuflash", "contiguous"), ("sdpa", "contiguous"), ("cuflash", "paged16")] * 2)
+    assert all(float(r["ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
+    table = (tmp_path / "decode.md").read_text()
+    assert "copy bandwidth" in table and table.count("| paged16 |") == 2 and "vs best SDPA" in table

@@ -18,7 +18,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cuflash.bench", description=__doc__)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--decode" in argv:  # the decode sweep has its own options: `cuflash bench --decode -h`
+        from .decode import main as decode_main
+        return decode_main([a for a in argv if a != "--decode"])
+    p = argparse.ArgumentParser(prog="python -m cuflash.bench", description=__doc__,
+                                epilog="--decode: the KV-cache decode sweep (see --decode -h)")
     p.add_argument("--providers", default="cuflash,sdpa-cudnn,sdpa-flash", help=f"from {','.join(PROVIDERS)}")
     p.add_argument("--quick", action="store_true",
                    help="a few minutes' subset: seqlens 2048,8192, head dims 64,128, fwd and bwd")

@@ -1,0 +1,149 @@
+"""Decode benchmark (`cuflash bench --decode`, also `python -m cuflash.bench.decode`): a few query
+tokens attending to a long KV cache, which is bound by memory bandwidth. Each row: time, achieved
+bandwidth (bytes of the cached K and V read over time), its fraction of the device's copy
+bandwidth measured in the same run, and the ratio to the best of torch SDPA's backends on the same
+problem (a contiguous cache, GQA through enable_gqa). cuflash runs causal (bottom-right: every
+query sees the whole cache but the keys after it); SDPA cannot align causal to the bottom-right
+without a mask, so it runs non-causal, which reads the same bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import cuflash
+
+from .harness import _SDPA_BACKENDS, _median_ms
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
+    """GB/s of a device-to-device copy (bytes read + written over time)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda i: dst.copy_(src), iters, 3, device)
+    return 2 * nbytes / ms / 1e6
+
+
+def _sdpa(name: str, q, k, v, nheads: int):
+    """SDPA on (B, H, Sq, D) q and (B, Hk, N, D) k, v under backend `name`; GQA through enable_gqa."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = _SDPA_BACKENDS[name]
+    with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=nheads != k.shape[1])
+
+
+def run_case(batch, seqlen_q, cache_len, layout, nheads, nheads_k, head_dim, dtype, device, providers, iters):
+    """Rows for one problem: cuflash on the given layout, the SDPA backends on a contiguous cache."""
+    device = torch.device(device)
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, dtype=dtype, device=device)
+    k_cache = torch.randn(batch, cache_len, nheads_k, head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    base = {"batch": batch, "seqlen_q": seqlen_q, "cache_len": cache_len, "layout": layout, "nheads": nheads,
+            "nheads_k": nheads_k, "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""),
+            "kv_mb": kv_bytes / 1e6}
+    rows = []
+    for provider in providers:
+        row = {"provider": provider, **base}
+        try:
+            if provider == "cuflash":
+                table, kc, vc = None, k_cache, v_cache
+                if layout.startswith("paged"):
+                    page = int(layout[5:])
+                    blocks = batch * cache_len // page
+                    perm = torch.randperm(blocks, device=device)  # pages scattered through memory
+                    kc = torch.empty_like(k_cache.view(blocks, page, nheads_k, head_dim))
+                    vc = torch.empty_like(kc)
+                    kc[perm] = k_cache.view(blocks, page, nheads_k, head_dim)
+                    vc[perm] = v_cache.view(blocks, page, nheads_k, head_dim)
+                    table = perm.view(batch, cache_len // page).int()
+                fn = (lambda kc=kc, vc=vc, table=table: cuflash.flash_attn_with_kvcache(
+                    q, kc, vc, cache_seqlens=cache_len, block_table=table, causal=True))
+            else:
+                qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+                fn = (lambda: _sdpa(provider, qt, kt, vt, nheads))
+            with torch.no_grad():
+                ms = _median_ms(lambda i: fn(), iters, 3, device)
+            rows.append({**row, "ms": ms, "gbps": kv_bytes / ms / 1e6, "note": ""})
+        except Exception as exc:  # a backend that refuses the case says why
+            rows.append({**row, "note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"})
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="cuflash bench --decode", description=__doc__)
+    p.add_argument("--providers", default="cuflash,sdpa-cudnn,sdpa-flash,sdpa-efficient")
+    p.add_argument("--quick", action="store_true", help="batch 1,8; cache 4k,32k; seqlen_q 1; contiguous, paged256")
+    p.add_argument("--batches", default=None, help="default 1,8,64")
+    p.add_argument("--cache-lens", default=None, help="default 4096,32768,131072")
+    p.add_argument("--seqlen-q", default=None, help="default 1,4")
+    p.add_argument("--layouts", default=None, help="from contiguous,paged256,paged16 (default all)")
+    p.add_argument("--nheads", type=int, default=32)
+    p.add_argument("--nheads-k", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bf16", choices=DTYPES)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--out", default=None, help="folder for decode.csv and decode.md")
+    args = p.parse_args(argv)
+    defaults = ("1,8", "4096,32768", "1", "contiguous,paged256") if args.quick else \
+        ("1,8,64", "4096,32768,131072", "1,4", "contiguous,paged256,paged16")
+    batches, cache_lens, seqlens_q, layouts = (
+        given or default for given, default in zip((args.batches, args.cache_lens, args.seqlen_q, args.layouts),
+                                                   defaults))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA GPU here; pass --device cpu to time the CPU path", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    copy_gbps = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**26, args.iters)
+    rows = []
+    cases = [(b, sq, n, layout) for b in map(int, batches.split(",")) for sq in map(int, seqlens_q.split(","))
+             for n in map(int, cache_lens.split(",")) for layout in layouts.split(",")]
+    for i, (b, sq, n, layout) in enumerate(cases):
+        print(f"\r[{i + 1}/{len(cases)}] batch {b} seqlen_q {sq} cache {n} {layout}    ", end="", file=sys.stderr,
+              flush=True)
+        providers = args.providers.split(",") if layout == "contiguous" else ["cuflash"]
+        rows += run_case(b, sq, n, layout, args.nheads, args.nheads_k, args.head_dim, DTYPES[args.dtype], device,
+                         providers, args.iters)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(file=sys.stderr)
+    lines = [f"decode on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}: copy bandwidth "
+             f"{copy_gbps:.0f} GB/s (read + written)", "",
+             "| batch | seqlen_q | cache | layout | KV MB | cuflash ms | GB/s | of copy | best SDPA | vs best SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for b, sq, n, layout in cases:
+        mine = [r for r in rows if (r["batch"], r["seqlen_q"], r["cache_len"]) == (b, sq, n)]
+        ours = next((r for r in mine if r["provider"] == "cuflash" and r["layout"] == layout), {})
+        sdpa = [r for r in mine if r["provider"] != "cuflash" and r.get("ms")]
+        best = min(sdpa, key=lambda r: r["ms"]) if sdpa else None
+        if not ours.get("ms"):
+            lines.append(f"| {b} | {sq} | {n} | {layout} | | {ours.get('note', 'n/a')} | | | | |")
+            continue
+        best_cell = f"{best['provider']} {best['ms']:.3f} ms" if best else "n/a"
+        ratio_cell = f"{best['ms'] / ours['ms']:.2f}x" if best else "n/a"
+        lines.append(f"| {b} | {sq} | {n} | {layout} | {ours['kv_mb']:.0f} | {ours['ms']:.3f} | {ours['gbps']:.0f} | "
+                     f"{ours['gbps'] / copy_gbps:.0%} | {best_cell} | {ratio_cell} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "decode.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+            writer.writeheader()
+            writer.writerows(rows)
+        (out / "decode.md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
