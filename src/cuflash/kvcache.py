@@ -78,6 +78,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Bad input raises FlashAttentionError before the cache is touched.
     """
     check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or paged "
+                     "(num_blocks, page_block_size, nheads_k, headdim)")
     check_attention_inputs(q[:1, :1], k_cache[:1, :1], v_cache[:1, :1], ("q", "k_cache", "v_cache"))
     ops.backend_name(q.device, q.dtype)
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -135,7 +138,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             fail(ErrorCode.SHAPE_MISMATCH, f"rotary_cos {tuple(rotary_cos.shape)} and rotary_sin "
                  f"{tuple(rotary_sin.shape)} must match, with 2 * rotary_dim / 2 <= headdim {head_dim}")
 
-    # Values: one host copy of the small index tensors, checked before any write.
+    # The values of the small index tensors, read to the host and checked before any write.
     ends = seqlens + seqlen_new
     if bool((seqlens < 0).any()) or bool((ends > capacity).any()):
         fail(ErrorCode.INVALID_ARGUMENT, f"cache_seqlens {seqlens.tolist()} + {seqlen_new} new tokens must fit the "
