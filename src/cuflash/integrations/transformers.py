@@ -7,7 +7,7 @@
 Models then build flash-attn style masks (None without padding, else the 2D (batch, seqlen) padding
 mask), and attention runs through flash_attn_func, or, with padding, through
 flash_attn_varlen_func on the unpadded tokens: no compute is spent on padding. Needs
-transformers >= 4.54 (AttentionInterface and AttentionMaskInterface); `pip install
+transformers >= 4.56 (AttentionInterface and AttentionMaskInterface); `pip install
 cuflash-attn[transformers]`.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _serve_flash_imports(name: str) -> None:
     """transformers treats every implementation whose name contains "flash" as a flash-attn kernel
     and, when a model is built, imports its functions from the flash_attn package or the hub. For
     our names, hand it cuflash's flash_attn_func and flash_attn_varlen_func instead (through its
-    private `_lazy_imports`, present in transformers 4.56 to 5.x)."""
+    private `_lazy_imports`; tested with transformers 5.23). Without that hook, nothing is patched."""
     import transformers.modeling_flash_attention_utils as fa_utils
     _NAMES.add(name)
     original = getattr(fa_utils, "_lazy_imports", None)
