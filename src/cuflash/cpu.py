@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from .dropout import keep_mask
+from .dropout import head_ids, keep_mask
 from .errors import lse_dtype
 from .params import AttentionParams
 
 BLOCK_M = 256
 BLOCK_N = 512
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _grouped(x: torch.Tensor, nheads_k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -45,7 +41,7 @@ class _Tiles:
         self.group = self.nheads // self.nheads_k
         self.p = p
         self.offset = self.seqlen_k - self.seqlen_q if p.bottom_right else 0
-        self.dtype = _compute_dtype(q.dtype)
+        self.dtype = lse_dtype(q.dtype)
         grouped = (self.batch, self.nheads_k, self.group)
         self.slopes = None
         if p.alibi_slopes is not None:
@@ -55,8 +51,8 @@ class _Tiles:
         if p.attn_mask is not None:
             self.mask = p.attn_mask.view(*grouped, self.seqlen_q, self.seqlen_k)
         # (batch * nheads + head) of each (B, Hk, G): the dropout stream of that head.
-        self.off_bh = (torch.arange(first_batch, first_batch + self.batch, device=q.device)[:, None] * self.nheads
-                       + torch.arange(self.nheads, device=q.device)).view(*grouped, 1, 1)
+        self.off_bh = None if p.dropout_p == 0 else \
+            head_ids(first_batch, self.batch, self.nheads, q.device).view(*grouped, 1, 1)
 
     def blocks(self, m0: int, m1: int):
         """(n0, n1, masked) for the key tiles that rows m0:m1 visit: keys [full_lo, full_hi) are

@@ -14,6 +14,13 @@ def draw_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**31, (2,), dtype=torch.int64, device=device)
 
 
+def head_ids(first_batch: int, batch: int, nheads: int, device) -> torch.Tensor:
+    """(batch, nheads) tensor of batch_index * nheads + head, batches counted from first_batch: the
+    dropout stream of each head (varlen sequences count as batches)."""
+    return (torch.arange(first_batch, first_batch + batch, device=device)[:, None] * nheads
+            + torch.arange(nheads, device=device))
+
+
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     # (x * c) mod 2^32 for x < 2^32 in int64 without overflow: split c into 16-bit halves.
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _U32

@@ -50,7 +50,8 @@ MAX_HEAD_DIM = 256
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """softmax_lse is float32, except for float64 inputs (CPU path), where it keeps float64."""
+    """The dtype of softmax_lse and of every accumulator outside the kernels: float32, except for
+    float64 inputs (CPU path), which keep float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

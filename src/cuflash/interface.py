@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .dropout import draw_seed, keep_mask
+from .dropout import draw_seed, head_ids, keep_mask
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_attn_mask, check_cu_seqlens,
                      check_dropout, check_same, check_softcap, check_tensor, check_window, fail, lse_dtype,
                      not_supported_yet, resolve_scale)
@@ -39,8 +39,7 @@ def _probs(q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_batch: in
                                alibi_slopes=p.alibi_slopes, attn_mask=p.attn_mask)
     if p.dropout_p > 0:
         batch, nheads, seqlen_q, seqlen_k = probs.shape
-        off_bh = (torch.arange(first_batch, first_batch + batch, device=q.device)[:, None] * nheads
-                  + torch.arange(nheads, device=q.device))[:, :, None, None]
+        off_bh = head_ids(first_batch, batch, nheads, q.device)[:, :, None, None]
         kept = keep_mask(p.rng_seed, off_bh, torch.arange(seqlen_q, device=q.device)[:, None],
                          torch.arange(seqlen_k, device=q.device)[None, :], p.dropout_p)
         probs = torch.where(kept, probs, -probs)

@@ -8,6 +8,8 @@ kernel that reads the cache in place, split over its length, is issue 5's remain
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import ops
@@ -187,9 +189,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k_packed = k_cache.view(-1, *k_cache.shape[2:])[source]
     v_packed = v_cache.view(-1, *v_cache.shape[2:])[source]
     cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
-    params = AttentionParams(params.softmax_scale, params.window_left, params.window_right, softcap=params.softcap,
-                             alibi_slopes=params.alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                             max_seqlen_q=seqlen_q, max_seqlen_k=max(1, int(lengths.max())))
+    params = dataclasses.replace(params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                 max_seqlen_q=seqlen_q, max_seqlen_k=max(1, int(lengths.max())))
     with torch.no_grad():
         out, lse = ops.forward(q.reshape(batch * seqlen_q, nheads, head_dim), k_packed, v_packed, params)
     out = out.view(batch, seqlen_q, nheads, head_dim)

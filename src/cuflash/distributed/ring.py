@@ -97,7 +97,7 @@ def _ring_forward(q, k, v, scale, causal, layout, group):
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     ring = _Ring(group)
     batch, seqlen, nheads, _ = q.shape
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc_dtype = lse_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     lse = torch.full((batch, nheads, seqlen), float("inf"), dtype=lse_dtype(q.dtype), device=q.device)
     kv = [k, v]
@@ -117,7 +117,7 @@ def _ring_forward(q, k, v, scale, causal, layout, group):
 def _ring_backward(dout, q, k, v, out, lse, scale, causal, layout, group):
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     ring = _Ring(group)
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc_dtype = lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     # K/V travel with the dK/dV accumulated for them so far (fp32, or fp64 for fp64 inputs).
     travel = [k, v, torch.zeros(k.shape, dtype=acc_dtype, device=k.device),

@@ -22,12 +22,8 @@ def _mask(s, m0, n0, seqlen_q, seqlen_k):
     return s.masked_fill(cols > rows + seqlen_k - seqlen_q, float("-inf"))
 
 
-def _dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def attention_forward(q, k, v, scale: float, causal: bool):
-    dtype = _dtype(q)
+    dtype = lse_dtype(q.dtype)
     qh, kh, vh = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # (B, H, N, D)
     seqlen_q, seqlen_k = qh.shape[2], kh.shape[2]
     out = torch.zeros_like(qh)
@@ -56,7 +52,7 @@ def attention_forward(q, k, v, scale: float, causal: bool):
 
 
 def attention_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
-    dtype = _dtype(q)
+    dtype = lse_dtype(q.dtype)
     qh, kh, vh, oh, doh = (x.transpose(1, 2).to(dtype) for x in (q, k, v, out, dout))
     seqlen_q, seqlen_k = qh.shape[2], kh.shape[2]
     lse = lse.to(dtype)

@@ -24,18 +24,14 @@ def _probs(q, k, scale: float, causal: bool, dtype):
     return torch.exp(s - lse[..., None]), lse
 
 
-def _dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def attention_forward(q, k, v, scale: float, causal: bool):
-    p, lse = _probs(q, k, scale, causal, _dtype(q))
+    p, lse = _probs(q, k, scale, causal, lse_dtype(q.dtype))
     out = p @ _bhnd(v, p.dtype)
     return out.transpose(1, 2).to(q.dtype).contiguous(), lse.to(lse_dtype(q.dtype))
 
 
 def attention_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
-    dtype = _dtype(q)
+    dtype = lse_dtype(q.dtype)
     p, _ = _probs(q, k, scale, causal, dtype)
     do = _bhnd(dout, dtype)
     dv = p.transpose(-1, -2) @ do
