@@ -2,9 +2,9 @@
 compatible: rotary embedding of the new tokens, in-place append into a contiguous or paged cache,
 then attention to each sequence's cached keys.
 
-Today the attention step gathers each sequence's cached rows into one packed tensor and runs the
-varlen kernels on it: exact, on the GPU and the CPU, but it moves the cache twice. The decode
-kernel that reads the cache in place, split over its length, is issue 5's remaining work.
+With the Triton backend the attention is the decode kernel (kernels/decode.py), which reads the
+cache in place, split over its length, with the query heads of a GQA group packed together. The
+CPU path gathers each sequence's keys and runs the blocked varlen attention on them.
 """
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_softc
                      fail, resolve_scale)
 from .params import AttentionParams
 
-PAGE_MULTIPLE = 16  # page sizes the decode kernel will tile
-
 
 def _int_tensor(name: str, t, shape: tuple, device, dtypes=(torch.int32,)) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
@@ -29,7 +27,7 @@ def _int_tensor(name: str, t, shape: tuple, device, dtypes=(torch.int32,)) -> to
         fail(ErrorCode.SHAPE_MISMATCH, f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
     if t.device != device:
         fail(ErrorCode.DEVICE_MISMATCH, f"{name} is on {t.device} but q is on {device}")
-    return t.long()
+    return t
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -68,16 +66,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_batch_idx: (batch,) int32/int64: the cache row of each sequence (contiguous cache).
         cache_leftpad: (batch,) int32: each sequence's keys start at this position (contiguous cache).
         block_table: (batch, max_blocks_per_seq) int32: the cache pages of each sequence, in order;
-            page_block_size must be a multiple of 16.
+            any page_block_size (the kernel reads the page of each key).
         causal, window_size, softcap, alibi_slopes, softmax_scale: as flash_attn_func, aligned to
             the bottom-right corner of each sequence (query i sits at key position
             cache_seqlens + seqlen_new - seqlen_q + i).
-        num_splits: accepted for compatibility (0 = heuristic); it only chooses how the work is
-            split and cannot change the result.
+        num_splits: how many parts the decode kernel splits each sequence's keys into (0: enough
+            to fill the GPU; at most 64); only the rounding of the result depends on it.
         return_softmax_lse: also return softmax_lse (batch, nheads, seqlen_q) fp32.
     Returns:
         out (batch, seqlen_q, nheads, headdim), and softmax_lse with return_softmax_lse.
-    Bad input raises FlashAttentionError before the cache is touched.
+    Bad input raises FlashAttentionError before the cache is touched. The values of cache_seqlens,
+    cache_leftpad, cache_batch_idx and block_table are checked with one read to the host, skipped
+    while a CUDA graph is being captured (its replays see other values).
     """
     check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -92,32 +92,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rows_per_seq = k_cache.shape[1]
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(0) != t.shape[1] * t.stride(1):
-            fail(ErrorCode.NOT_CONTIGUOUS, f"{name} must have its first two dims contiguous (rows written and "
-                 f"gathered in place), got strides {t.stride()}")
+            fail(ErrorCode.NOT_CONTIGUOUS, f"{name} must have its first two dims contiguous (rows are addressed "
+                 f"in place), got strides {t.stride()}")
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
             fail(ErrorCode.INVALID_ARGUMENT, "block_table must be an int32 tensor (batch, max_blocks_per_seq)")
         table = _int_tensor("block_table", block_table, (batch, block_table.shape[1]), q.device)
-        if rows_per_seq % PAGE_MULTIPLE:
-            fail(ErrorCode.UNSUPPORTED_FEATURE, f"page_block_size {rows_per_seq} (k_cache.shape[1]) is not a "
-                 f"multiple of {PAGE_MULTIPLE}")
         capacity = table.shape[1] * rows_per_seq
         for name, arg in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
             if arg is not None:
                 fail(ErrorCode.UNSUPPORTED_FEATURE, f"{name} with a paged cache (block_table) is not supported")
     else:
         capacity = rows_per_seq
-    rows = torch.arange(batch, device=q.device)
-    if cache_batch_idx is not None:
-        rows = _int_tensor("cache_batch_idx", cache_batch_idx, (batch,), q.device, (torch.int32, torch.int64))
+    # cache_seqlens stays an int when given as one, and the optional index tensors None when not
+    # given, so that a plain decode step launches no kernel besides attention.
+    rows = None if cache_batch_idx is None else \
+        _int_tensor("cache_batch_idx", cache_batch_idx, (batch,), q.device, (torch.int32, torch.int64))
     if cache_seqlens is None:
-        seqlens = torch.full((batch,), capacity, dtype=torch.long, device=q.device)
+        seqlens = capacity
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        seqlens = torch.full((batch,), cache_seqlens, dtype=torch.long, device=q.device)
+        seqlens = cache_seqlens
     else:
         seqlens = _int_tensor("cache_seqlens", cache_seqlens, (batch,), q.device)
-    leftpad = torch.zeros_like(seqlens) if cache_leftpad is None else \
-        _int_tensor("cache_leftpad", cache_leftpad, (batch,), q.device)
+    leftpad = None if cache_leftpad is None else _int_tensor("cache_leftpad", cache_leftpad, (batch,), q.device)
     seqlen_new = 0
     if (k is None) != (v is None):
         fail(ErrorCode.INVALID_ARGUMENT, "pass both k and v (the new tokens) or neither")
@@ -140,52 +137,93 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             fail(ErrorCode.SHAPE_MISMATCH, f"rotary_cos {tuple(rotary_cos.shape)} and rotary_sin "
                  f"{tuple(rotary_sin.shape)} must match, with 2 * rotary_dim / 2 <= headdim {head_dim}")
 
-    # The values of the small index tensors, read to the host and checked before any write.
-    ends = seqlens + seqlen_new
-    if bool((seqlens < 0).any()) or bool((ends > capacity).any()):
-        fail(ErrorCode.INVALID_ARGUMENT, f"cache_seqlens {seqlens.tolist()} + {seqlen_new} new tokens must fit the "
-             f"cache's {capacity} positions per sequence")
-    if bool((leftpad < 0).any()) or bool((leftpad > seqlens).any()):
-        fail(ErrorCode.INVALID_ARGUMENT, f"cache_leftpad {leftpad.tolist()} must lie in [0, cache_seqlens]")
-    if bool((rows < 0).any()) or bool((rows >= k_cache.shape[0]).any()) or \
-            (k is not None and rows.unique().numel() != batch):
-        fail(ErrorCode.INVALID_ARGUMENT, f"cache_batch_idx {rows.tolist()} must be distinct rows of the "
-             f"{k_cache.shape[0]} cache rows")
-    if paged:
-        used = (torch.arange(table.shape[1], device=q.device)[None, :] * rows_per_seq) < ends[:, None]
-        if bool(((table < 0) | (table >= k_cache.shape[0]))[used].any()):
-            fail(ErrorCode.INVALID_ARGUMENT, f"block_table points outside the {k_cache.shape[0]} cache blocks")
-    positions_q = seqlens[:, None] - leftpad[:, None] + (
-        torch.arange(seqlen_q, device=q.device)[None, :] if causal or (left, right) != (-1, -1) else 0)
-    if rotary_cos is not None:
-        needed = int(torch.maximum(ends - leftpad, positions_q.amax(1) + 1).max())
-        if needed > rotary_cos.shape[0]:
-            fail(ErrorCode.INVALID_ARGUMENT, f"rotary_cos has {rotary_cos.shape[0]} positions; {needed} are needed")
+    def per_sequence(x) -> torch.Tensor:
+        """(batch,) long tensor of an int, a tensor or None (0)."""
+        x = 0 if x is None else x
+        return x.long() if isinstance(x, torch.Tensor) else torch.full((batch,), x, dtype=torch.long, device=q.device)
+
+    # Query token i sits at position cache_seqlens + i (counted from cache_leftpad) when causal or
+    # windowed, else all at cache_seqlens (flash-attn's rotary convention).
+    shifted = causal or (left, right) != (-1, -1)
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not (capturing or torch.compiler.is_compiling()):
+        _check_values(seqlens, seqlen_new, capacity, leftpad, rows, k_cache.shape[0], table if paged else None,
+                      rows_per_seq, rotary_cos, max(seqlen_new, seqlen_q if shifted else 1))
 
     def flat(seq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Row of the flattened cache ((blocks * page) or (batch_cache * seqlen_cache)) holding
         position `positions` of sequence `seq` (broadcasting long tensors)."""
         if paged:
-            return table[seq, positions // rows_per_seq] * rows_per_seq + positions % rows_per_seq
-        return rows[seq] * rows_per_seq + positions
+            return table[seq, positions // rows_per_seq].long() * rows_per_seq + positions % rows_per_seq
+        return (seq if rows is None else rows[seq].long()) * rows_per_seq + positions
 
     if rotary_cos is not None:
+        positions_q = (per_sequence(seqlens) - per_sequence(leftpad))[:, None] + (
+            torch.arange(seqlen_q, device=q.device)[None, :] if shifted else 0)
         q = _rotate(q, rotary_cos, rotary_sin, positions_q.expand(batch, seqlen_q), rotary_interleaved)
     if k is not None:
-        positions_new = seqlens[:, None] + torch.arange(seqlen_new, device=q.device)[None, :]
+        positions_new = per_sequence(seqlens)[:, None] + torch.arange(seqlen_new, device=q.device)[None, :]
         if rotary_cos is not None:
-            k = _rotate(k, rotary_cos, rotary_sin, positions_new - leftpad[:, None], rotary_interleaved)
+            k = _rotate(k, rotary_cos, rotary_sin, positions_new - per_sequence(leftpad)[:, None], rotary_interleaved)
         target = flat(torch.arange(batch, device=q.device)[:, None], positions_new).flatten()
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, target, k.reshape(-1, *k.shape[2:]))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, target, v.reshape(-1, *v.shape[2:]))
 
-    # Each sequence's keys, positions leftpad .. ends - 1, packed one sequence after the other.
+    if ops.backend_name(q.device, q.dtype) == "triton":
+        from .kernels.decode import decode_forward
+        out, lse = decode_forward(q, k_cache, v_cache, seqlens, seqlen_new, leftpad, rows, table if paged else None,
+                                  params, num_splits)
+    else:
+        out, lse = _gathered_attention(q, k_cache, v_cache, flat, per_sequence(leftpad),
+                                       per_sequence(seqlens) + seqlen_new, params)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _check_values(seqlens, seqlen_new, capacity, leftpad, rows, cache_rows, table, rows_per_seq, rotary_cos,
+                  query_span):
+    """Checks the values of the index arguments before anything is written. Conditions on tensors
+    are read to the host together, once (skipped while a CUDA graph is captured: its replays see
+    other values); those on ints are checked in Python."""
+    def values(x):
+        return x.tolist() if isinstance(x, torch.Tensor) else x
+
+    ends = seqlens + seqlen_new
+    checks = [((seqlens < 0) | (ends > capacity), lambda: f"cache_seqlens {values(seqlens)} + {seqlen_new} new "
+               f"tokens must fit the cache's {capacity} positions per sequence")]
+    if leftpad is not None:
+        checks.append(((leftpad < 0) | (leftpad > seqlens),
+                       lambda: f"cache_leftpad {leftpad.tolist()} must lie in [0, cache_seqlens]"))
+    if rows is not None:
+        duplicated = (rows.sort().values.diff() == 0).any() if seqlen_new else False
+        checks.append((((rows < 0) | (rows >= cache_rows)).any() | duplicated, lambda: f"cache_batch_idx "
+                       f"{rows.tolist()} must be distinct rows of the {cache_rows} cache rows"))
+    if table is not None:
+        used = torch.arange(table.shape[1], device=table.device) * rows_per_seq < (
+            ends[:, None] if isinstance(ends, torch.Tensor) else ends)
+        checks.append((((table < 0) | (table >= cache_rows)) & used,
+                       lambda: f"block_table points outside the {cache_rows} cache blocks"))
+    if rotary_cos is not None:
+        # the largest rotary position used, plus one
+        needed = (seqlens if leftpad is None else seqlens - leftpad)
+        needed = (needed.max() if isinstance(needed, torch.Tensor) else needed) + query_span
+        checks.append((needed > rotary_cos.shape[0],
+                       lambda: f"rotary_cos has {rotary_cos.shape[0]} positions; {int(needed)} are needed"))
+    on_device = [cond.any() for cond, _ in checks if isinstance(cond, torch.Tensor)]
+    read = iter(torch.stack(on_device).tolist() if on_device else ())
+    for cond, message in checks:
+        if next(read) if isinstance(cond, torch.Tensor) else cond:
+            fail(ErrorCode.INVALID_ARGUMENT, message())
+
+
+def _gathered_attention(q, k_cache, v_cache, flat, leftpad, ends, params):
+    """The CPU path: each sequence's keys (positions leftpad .. ends - 1) gathered into one packed
+    tensor, attended through the varlen attention."""
+    batch, seqlen_q, nheads, head_dim = q.shape
     lengths = ends - leftpad
     cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     total = int(cu_seqlens_k[-1])
     owner = torch.repeat_interleave(torch.arange(batch, device=q.device), lengths, output_size=total)
-    positions = leftpad[owner] + torch.arange(total, device=q.device) - cu_seqlens_k[owner].long()
-    source = flat(owner, positions)
+    source = flat(owner, leftpad[owner] + torch.arange(total, device=q.device) - cu_seqlens_k[owner].long())
     k_packed = k_cache.view(-1, *k_cache.shape[2:])[source]
     v_packed = v_cache.view(-1, *v_cache.shape[2:])[source]
     cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
@@ -193,7 +231,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                  max_seqlen_q=seqlen_q, max_seqlen_k=max(1, int(lengths.max())))
     with torch.no_grad():
         out, lse = ops.forward(q.reshape(batch * seqlen_q, nheads, head_dim), k_packed, v_packed, params)
-    out = out.view(batch, seqlen_q, nheads, head_dim)
-    if return_softmax_lse:
-        return out, lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
-    return out
+    return out.view(q.shape), lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()

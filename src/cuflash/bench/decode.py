@@ -2,16 +2,25 @@
 tokens attending to a long KV cache, which is bound by memory bandwidth. Each row: time, achieved
 bandwidth (bytes of the cached K and V read over time), its fraction of the device's copy
 bandwidth measured in the same run, and the ratio to the best of torch SDPA's backends on the same
-problem (a contiguous cache, GQA through enable_gqa). cuflash runs causal (bottom-right: every
-query sees the whole cache but the keys after it); SDPA cannot align causal to the bottom-right
-without a mask, so it runs non-causal, which reads the same bytes.
+problem (a contiguous cache; GQA through enable_gqa, or K/V expanded where a backend refuses it).
+cuflash runs causal (bottom-right: every query sees the whole cache but the keys after it); SDPA
+cannot align causal to the bottom-right without a mask, so it runs non-causal, which reads the
+same bytes.
+
+On a GPU each provider is timed as a serving engine runs a decode step: captured in a CUDA graph
+and replayed ("ms"), so that the time is the device's, not Python's; "eager_ms" is the same calls
+made from Python. A graph holds enough calls to read at least GRAPH_BYTES (replaying a graph costs
+the host ~25 us, which would otherwise be timed instead of the device), and caches smaller than
+twice the L2 are rotated through several copies, so that the L2 does not flatter them.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import csv
+import math
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -21,6 +30,7 @@ import cuflash
 
 from .harness import _SDPA_BACKENDS, _median_ms
 
+GRAPH_BYTES = 2**30
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -32,49 +42,87 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def _sdpa(name: str, q, k, v, nheads: int):
-    """SDPA on (B, H, Sq, D) q and (B, Hk, N, D) k, v under backend `name`; GQA through enable_gqa."""
+def _sdpa(name: str, q, k, v):
+    """A call of SDPA on (B, H, Sq, D) q and (B, Hk, N, D) k, v under backend `name`, GQA through
+    enable_gqa; a backend that refuses it gets K/V expanded to every query head."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = _SDPA_BACKENDS[name]
-    with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=nheads != k.shape[1])
+
+    def call(k, v, gqa):
+        with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    group = q.shape[1] // k.shape[1]
+    try:
+        with warnings.catch_warnings():  # backends that refuse enable_gqa warn before they raise
+            warnings.simplefilter("ignore")
+            call(k, v, group > 1)
+        return lambda: call(k, v, group > 1)
+    except RuntimeError:
+        if group == 1:
+            raise
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    call(k, v, False)
+    return lambda: call(k, v, False)
+
+
+def _time(calls, per_step: int, iters: int, device: torch.device) -> tuple[float, float | None]:
+    """(ms per call replayed from a CUDA graph of per_step calls cycling through `calls`, ms per call
+    made eagerly); on the CPU (eager, None)."""
+    def step(_):
+        for i in range(per_step):
+            calls[i % len(calls)]()
+    with torch.no_grad():
+        eager = _median_ms(step, iters, 3, device) / per_step
+        if device.type != "cuda":
+            return eager, None
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            step(0)
+        torch.cuda.current_stream().wait_stream(stream)
+        replay = _median_ms(lambda i: graph.replay(), iters, 3, device) / per_step
+    return replay, eager
 
 
 def run_case(batch, seqlen_q, cache_len, layout, nheads, nheads_k, head_dim, dtype, device, providers, iters):
     """Rows for one problem: cuflash on the given layout, the SDPA backends on a contiguous cache."""
     device = torch.device(device)
+    kv_bytes = 2 * batch * cache_len * nheads_k * head_dim * dtype.itemsize
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+    copies = min(16, max(1, math.ceil(2 * l2 / kv_bytes)))
+    calls_per_graph = min(64, max(copies, math.ceil(GRAPH_BYTES / kv_bytes))) if device.type == "cuda" else 1
     q = torch.randn(batch, seqlen_q, nheads, head_dim, dtype=dtype, device=device)
-    k_cache = torch.randn(batch, cache_len, nheads_k, head_dim, dtype=dtype, device=device)
-    v_cache = torch.randn_like(k_cache)
-    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
     base = {"batch": batch, "seqlen_q": seqlen_q, "cache_len": cache_len, "layout": layout, "nheads": nheads,
             "nheads_k": nheads_k, "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""),
-            "kv_mb": kv_bytes / 1e6}
+            "kv_mb": kv_bytes / 1e6, "copies": copies, "calls_per_graph": calls_per_graph}
     rows = []
     for provider in providers:
         row = {"provider": provider, **base}
         try:
-            if provider == "cuflash":
-                table, kc, vc = None, k_cache, v_cache
+            calls = []
+            for _ in range(copies):
                 if layout.startswith("paged"):
                     page = int(layout[5:])
                     blocks = batch * cache_len // page
-                    perm = torch.randperm(blocks, device=device)  # pages scattered through memory
-                    kc = torch.empty_like(k_cache.view(blocks, page, nheads_k, head_dim))
-                    vc = torch.empty_like(kc)
-                    kc[perm] = k_cache.view(blocks, page, nheads_k, head_dim)
-                    vc[perm] = v_cache.view(blocks, page, nheads_k, head_dim)
-                    table = perm.view(batch, cache_len // page).int()
-                fn = (lambda kc=kc, vc=vc, table=table: cuflash.flash_attn_with_kvcache(
-                    q, kc, vc, cache_seqlens=cache_len, block_table=table, causal=True))
-            else:
-                qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-                fn = (lambda: _sdpa(provider, qt, kt, vt, nheads))
-            with torch.no_grad():
-                ms = _median_ms(lambda i: fn(), iters, 3, device)
-            rows.append({**row, "ms": ms, "gbps": kv_bytes / ms / 1e6, "note": ""})
-        except Exception as exc:  # a backend that refuses the case says why
+                    k_cache = torch.randn(blocks, page, nheads_k, head_dim, dtype=dtype, device=device)
+                    table = torch.randperm(blocks, device=device).view(batch, -1).int()  # pages scattered
+                else:
+                    k_cache = torch.randn(batch, cache_len, nheads_k, head_dim, dtype=dtype, device=device)
+                    table = None
+                v_cache = torch.randn_like(k_cache)
+                if provider == "cuflash":
+                    calls.append(lambda kc=k_cache, vc=v_cache, t=table: cuflash.flash_attn_with_kvcache(
+                        q, kc, vc, cache_seqlens=cache_len, block_table=t, causal=True))
+                else:
+                    calls.append(_sdpa(provider, q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)))
+            ms, eager_ms = _time(calls, calls_per_graph, iters, device)
+            rows.append({**row, "ms": ms, "eager_ms": eager_ms, "gbps": kv_bytes / ms / 1e6, "note": ""})
+        except Exception as exc:  # a backend that refuses the case (or runs out of memory) says why
             rows.append({**row, "note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"})
+        calls = k_cache = v_cache = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -113,24 +161,24 @@ def main(argv=None) -> int:
         providers = args.providers.split(",") if layout == "contiguous" else ["cuflash"]
         rows += run_case(b, sq, n, layout, args.nheads, args.nheads_k, args.head_dim, DTYPES[args.dtype], device,
                          providers, args.iters)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     print(file=sys.stderr)
     lines = [f"decode on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}: copy bandwidth "
              f"{copy_gbps:.0f} GB/s (read + written)", "",
-             "| batch | seqlen_q | cache | layout | KV MB | cuflash ms | GB/s | of copy | best SDPA | vs best SDPA |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| batch | seqlen_q | cache | layout | KV MB | cuflash ms | eager ms | GB/s | of copy | best SDPA | "
+             "vs best SDPA |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for b, sq, n, layout in cases:
         mine = [r for r in rows if (r["batch"], r["seqlen_q"], r["cache_len"]) == (b, sq, n)]
         ours = next((r for r in mine if r["provider"] == "cuflash" and r["layout"] == layout), {})
         sdpa = [r for r in mine if r["provider"] != "cuflash" and r.get("ms")]
         best = min(sdpa, key=lambda r: r["ms"]) if sdpa else None
         if not ours.get("ms"):
-            lines.append(f"| {b} | {sq} | {n} | {layout} | | {ours.get('note', 'n/a')} | | | | |")
+            lines.append(f"| {b} | {sq} | {n} | {layout} | | {ours.get('note', 'n/a')} | | | | | |")
             continue
         best_cell = f"{best['provider']} {best['ms']:.3f} ms" if best else "n/a"
         ratio_cell = f"{best['ms'] / ours['ms']:.2f}x" if best else "n/a"
-        lines.append(f"| {b} | {sq} | {n} | {layout} | {ours['kv_mb']:.0f} | {ours['ms']:.3f} | {ours['gbps']:.0f} | "
+        eager = f"{ours['eager_ms']:.3f}" if ours.get("eager_ms") else ""
+        lines.append(f"| {b} | {sq} | {n} | {layout} | {ours['kv_mb']:.0f} | {ours['ms']:.3f} | {eager} | "
+                     f"{ours['gbps']:.0f} | "
                      f"{ours['gbps'] / copy_gbps:.0%} | {best_cell} | {ratio_cell} |")
     table = "\n".join(lines)
     print(table)

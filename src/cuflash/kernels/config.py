@@ -77,5 +77,19 @@ def forward_config(q: torch.Tensor, block_d: int) -> Launch:
     return _launches(_arch(q.device), block_d, q.dtype, torch.backends.cuda.matmul.allow_tf32)[0]
 
 
+def decode_config(q: torch.Tensor, block_d: int, paged: bool, fills_gpu: bool) -> Launch:
+    """The decode kernel's launch: block_m is the most query rows (tokens x heads of a GQA group)
+    per program, block_n the key tile. fills_gpu: the sequences x KV heads alone give every SM its
+    programs, so the cache is read unsplit. Measured on an H200 (docs/perf-notes.md)."""
+    arch = _arch(q.device)
+    precision = forward_config(q, block_d).input_precision
+    if arch == 0:
+        return Launch(16, 16, 1, 1, precision)
+    if q.dtype == torch.float32 or block_d > 128:
+        return Launch(64, 32, 4, 2, precision)
+    # Many unsplit contiguous sequences read in lock-step: 128-key tiles +18% (batch 64).
+    return Launch(64, 128 if fills_gpu and not paged else 64, 4, 3, precision)
+
+
 def backward_configs(q: torch.Tensor, block_d: int) -> tuple[Launch, Launch]:
     return _launches(_arch(q.device), block_d, q.dtype, torch.backends.cuda.matmul.allow_tf32)[1:]

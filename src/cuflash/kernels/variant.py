@@ -68,6 +68,14 @@ def lse_shape(prob: Problem, p: AttentionParams) -> tuple:
     return (prob.batch, prob.nheads, prob.seqlen_q)
 
 
+def logit_scales(p: AttentionParams) -> tuple[float, float]:
+    """(qk_scale, softcap) as the kernels' logits() takes them: logits in base 2; with softcap,
+    tanh takes scale / softcap and its result is scaled back by softcap * LOG2E."""
+    if p.softcap > 0:
+        return p.softmax_scale / p.softcap, p.softcap * LOG2E.value
+    return p.softmax_scale * LOG2E.value, 0.0
+
+
 def variant_args(prob: Problem, p: AttentionParams) -> dict:
     """Keyword arguments of the variant, the same names in every kernel. Unused pointers get q as
     a placeholder: the constexpr flags compile their reads away."""
@@ -79,7 +87,7 @@ def variant_args(prob: Problem, p: AttentionParams) -> dict:
         mask_kind = BOOL_MASK.value if mask.dtype == torch.bool else ADDITIVE_MASK.value
         mask_strides = mask.stride()
     slopes = p.alibi_slopes
-    softcap = p.softcap > 0
+    qk_scale, softcap = logit_scales(p)
     return dict(
         CuSeqlensQ=p.cu_seqlens_q if p.varlen else placeholder,
         CuSeqlensK=p.cu_seqlens_k if p.varlen else placeholder,
@@ -90,10 +98,8 @@ def variant_args(prob: Problem, p: AttentionParams) -> dict:
         stride_mask_m=mask_strides[2], stride_mask_n=mask_strides[3],
         Rng=placeholder if p.rng_seed is None else p.rng_seed,
         bottom_right=int(p.bottom_right), window_left=p.window_left, window_right=p.window_right,
-        # Logits in base 2: with softcap, tanh takes scale / softcap and its result is scaled back.
-        qk_scale=p.softmax_scale / p.softcap if softcap else p.softmax_scale * LOG2E.value,
-        softcap=p.softcap * LOG2E.value,
+        qk_scale=qk_scale, softcap=softcap,
         drop_threshold=int(p.dropout_p * 2**31), drop_scale=1.0 / (1.0 - p.dropout_p),
         VARLEN=p.varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
-        SOFTCAP=softcap, ALIBI=slopes is not None, MASK_KIND=mask_kind, DROPOUT=p.dropout_p > 0,
+        SOFTCAP=p.softcap > 0, ALIBI=slopes is not None, MASK_KIND=mask_kind, DROPOUT=p.dropout_p > 0,
     )
