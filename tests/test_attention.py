@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import check_against_oracle, make_qkv, rel_err
+from attn_testing import check_against_oracle, make_qkv, rel_err, run_and_grad
 from cuflash.reference import attention_reference
 
 
@@ -191,6 +191,28 @@ def test_torch_compile_fullgraph_cpu_path(monkeypatch, options):
     if options.get("alibi_slopes") == "slopes":
         options = dict(options, alibi_slopes=torch.tensor([0.5, 0.25]))
     check_compiled("cpu", "aot_eager", **options)
+
+
+def test_eager_path_and_the_custom_op_agree(backend, monkeypatch):
+    """Plain eager calls bypass the custom op (ops._direct) and give the custom op's results and
+    gradients; FakeTensorMode and meta tensors still go through the op (its fake implementation)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from cuflash import ops
+    from cuflash.params import AttentionParams
+    q, k, v = make_qkv(1, 19, 23, 4, 2, 16, dtype=torch.float32, device="cpu")
+    params = AttentionParams(0.25, window_right=0)
+    assert ops._direct(q)
+    direct = run_and_grad(lambda *t: ops.forward(*t, params)[0], q, k, v, torch.ones(1, 19, 4, 16))
+    through_op = run_and_grad(lambda *t: ops.attention_forward(*t, *params.as_args())[0], q, k, v,
+                              torch.ones(1, 19, 4, 16))
+    for a, b in zip(direct, through_op):
+        assert torch.equal(a, b)
+    with FakeTensorMode():
+        fake = torch.empty(1, 19, 4, 16)
+        assert not ops._direct(fake)
+        assert ops.forward(fake, fake, fake, params)[0].shape == (1, 19, 4, 16)
+    monkeypatch.setenv("CUFLASH_BACKEND", "auto")  # meta tensors: shapes only, whatever the backend
+    assert cuflash.flash_attn_func(*(t.to("meta") for t in (q, q, q))).device.type == "meta"
 
 
 def test_cuflash_backend_env_is_validated(monkeypatch):

@@ -1,11 +1,18 @@
 """The custom ops (forward, backward), their fake implementations for torch.compile, the
 autograd registration, and the single place that picks a backend.
 
+forward() and backward() go through the custom ops wherever PyTorch needs to see them (under
+torch.compile, a dispatch mode such as FakeTensorMode, torch.func transforms, tensor subclasses,
+meta tensors). On plain tensors in eager mode they call the backend directly, with autograd
+through a plain autograd.Function: the custom op's dispatch costs ~60-70 us of host time per call
+(measured on an H200, scripts/overhead.py), more than the whole forward kernel of a short sequence.
+
 Backends: the Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1) and the
 blocked PyTorch implementation in cpu.py (CPU tensors). CUFLASH_BACKEND=triton|cpu forces one.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -26,6 +33,11 @@ def triton_version() -> str | None:
     return triton.__version__
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)  # a driver query: ~10 us per call uncached
+
+
 def backend_name(device: torch.device, dtype: torch.dtype) -> str:
     """The backend that will run for tensors on `device`; raises FlashAttentionError when none can."""
     choice = os.environ.get("CUFLASH_BACKEND", "auto").lower()
@@ -42,7 +54,7 @@ def backend_name(device: torch.device, dtype: torch.dtype) -> str:
             if os.environ.get("TRITON_INTERPRET") == "1":
                 fail(ErrorCode.UNSUPPORTED_DEVICE,
                      "TRITON_INTERPRET=1 runs the kernels on CPU tensors only; got tensors on cuda")
-            major, minor = torch.cuda.get_device_capability(device)
+            major, minor = _capability(device)
             if major < 8:
                 fail(ErrorCode.UNSUPPORTED_DEVICE,
                      f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; "
@@ -108,13 +120,51 @@ def _(dout, q, k, v, out, softmax_lse, *params):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
+def _direct(q: torch.Tensor) -> bool:
+    """Whether a call may bypass the custom op: eager mode, plain CPU/CUDA tensors, no dispatch mode
+    and no torch.func transform."""
+    return (type(q) is torch.Tensor and q.device.type in ("cuda", "cpu") and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active())
+
+
+def _contiguous_last(dout: torch.Tensor) -> torch.Tensor:
+    # Gradients can arrive with any strides (a broadcast from .sum() has stride 0 everywhere);
+    # the kernels need a contiguous last dim.
+    return dout if dout.stride(-1) == 1 else dout.contiguous()
+
+
+class _Attention(torch.autograd.Function):
+    """The eager path's autograd: the same kernels as the custom ops, called directly."""
+
+    # forward takes ctx (no separate setup_context): apply() would otherwise bind the arguments
+    # through inspect.signature on every call.
+    @staticmethod
+    def forward(ctx, q, k, v, params: AttentionParams):
+        out, lse = _backend(q.device, q.dtype).attention_forward(q, k, v, params)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.params = params
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backend(q.device, q.dtype).attention_backward(_contiguous_last(dout), q, k, v, out, lse,
+                                                                    ctx.params)
+        return dq, dk, dv, None
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
-    """(out, softmax_lse) through the custom op: differentiable in q, k, v."""
+    """(out, softmax_lse), differentiable in q, k, v."""
+    if _direct(q):
+        return _Attention.apply(q, k, v, params)
     return attention_forward(q, k, v, *params.as_args())
 
 
 def backward(dout, q, k, v, out, softmax_lse, params: AttentionParams):
-    """(dq, dk, dv) through the custom op."""
+    """(dq, dk, dv)."""
+    if _direct(q):
+        return _backend(q.device, q.dtype).attention_backward(dout, q, k, v, out, softmax_lse, params)
     return attention_backward(dout, q, k, v, out, softmax_lse, *params.as_args())
 
 
@@ -131,11 +181,7 @@ def _backward(ctx, dout, _dlse):
     params = list(ctx.params)
     for i, t in zip(TENSOR_FIELDS, tensors):
         params[i] = t
-    # Gradients can arrive with any strides (a broadcast from .sum() has stride 0 everywhere);
-    # the kernels need a contiguous last dim.
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, *params)
+    dq, dk, dv = attention_backward(_contiguous_last(dout), q, k, v, out, lse, *params)
     return (dq, dk, dv) + (None,) * len(params)
 
 
