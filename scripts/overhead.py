@@ -32,7 +32,7 @@ p = AttentionParams(0.125, window_right=0)
 prob = problem(q, k, v, p)
 out = torch.empty_like(q)
 lse = torch.empty(lse_shape(prob, p), device="cuda")
-cfg = forward_config(q, prob.block_d)
+cfg = forward_config(q, prob.block_d, 128, True)
 kwargs = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **prob.strides("q", q), **prob.strides("k", k, "n"),
               **prob.strides("v", v, "n"), **prob.strides("o", out), **lse_strides(prob, p), **variant_args(prob, p),
               nheads=2, seqlen_q=128, seqlen_k=128, head_dim=64, group_size=1, BLOCK_M=cfg.block_m,

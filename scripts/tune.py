@@ -1,6 +1,6 @@
 """Sweeps launch configurations of the kernels on the GPU at hand and prints the fastest per
 case, to fill the table in src/cuflash/kernels/config.py. Run from the source tree:
-PYTHONPATH=src python3 scripts/tune.py [--seqlen 4096] [--dtype bf16]"""
+PYTHONPATH=src python3 scripts/tune.py [--seqlen 4096[,...]] [--dtype bf16]"""
 import argparse
 import itertools
 
@@ -30,26 +30,44 @@ def _raise(exc):
     raise exc
 
 
+def time_table(args, dtype):
+    """TFLOP/s of the forward and backward with the launches the table picks, per case."""
+    for n, d, causal in itertools.product(map(int, args.seqlen.split(",")), map(int, args.hdims.split(",")),
+                                          (False, True)):
+        b, h = max(1, 16384 // n), 2048 // d
+        q, k, v, do = (torch.randn(b, n, h, d, dtype=dtype, device="cuda") for _ in range(4))
+        flops = 4 * b * h * n * n * d / (2 if causal else 1)
+        params = AttentionParams(d ** -0.5, window_right=0 if causal else -1)
+        out, lse = attention_forward(q, k, v, params)
+        fwd = bench(lambda: attention_forward(q, k, v, params))
+        bwd = bench(lambda: attention_backward(do, q, k, v, out, lse, params))
+        print(f"D={d:3d} N={n:5d} causal={causal!s:5}  fwd {flops / fwd / 1e9:6.1f}  bwd {2.5 * flops / bwd / 1e9:6.1f}"
+              f" TFLOP/s", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--seqlen", default="4096", help="one or more, comma-separated")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--hdims", default="64,128")
+    p.add_argument("--table", action="store_true", help="only time the table's own launches (to compare trees)")
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    n = args.seqlen
-    for d, causal in itertools.product(map(int, args.hdims.split(",")), (False, True)):
+    if args.table:
+        return time_table(args, dtype)
+    for n, d, causal in itertools.product(map(int, args.seqlen.split(",")), map(int, args.hdims.split(",")),
+                                          (False, True)):
         b, h = max(1, 16384 // n), 2048 // d
         q, k, v, do = (torch.randn(b, n, h, d, dtype=dtype, device="cuda") for _ in range(4))
         flops = 4 * b * h * n * n * d / (2 if causal else 1)
         params = AttentionParams(d ** -0.5, window_right=0 if causal else -1)
         fwd = {c: bench(lambda: attention_forward(q, k, v, params, c)) for c in FWD}
         out, lse = attention_forward(q, k, v, params)
-        _, dq0 = backward_configs(q, d)
+        _, dq0 = backward_configs(q, d, n, causal)
         dkdv = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, (c, dq0))) for c in DKDV}
         best_dkdv = min(dkdv, key=dkdv.get)
         dq = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, (best_dkdv, c))) for c in DQ}
-        print(f"\n== D={d} causal={causal} N={n} B={b} H={h} (current fwd {forward_config(q, d)})")
+        print(f"\n== D={d} causal={causal} N={n} B={b} H={h} (current fwd {forward_config(q, d, n, causal)})")
         for name, res, mult in (("fwd", fwd, 1.0), ("bwd dkdv sweep", dkdv, 2.5), ("bwd dq sweep", dq, 2.5)):
             for c, ms in sorted(res.items(), key=lambda kv: kv[1]):
                 print(f"  {name:15s} BM={c.block_m:3d} BN={c.block_n:3d} warps={c.num_warps} stages={c.num_stages}"

@@ -47,6 +47,11 @@ class AttentionParams:
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
 
+    @property
+    def banded(self) -> bool:
+        """Causal or a sliding window: each query sees a band of keys near the diagonal."""
+        return self.window_left >= 0 or self.window_right >= 0
+
     def sequence(self, b: int) -> AttentionParams:
         """The dense params of sequence b of a varlen batch."""
         slopes = self.alibi_slopes

@@ -283,7 +283,8 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams,
     """Gradients of attention_forward: dq, dk, dv shaped like q, k, v. dout and out are shaped
     like q, lse like the forward's softmax_lse."""
     prob = problem(q, k, v, params)
-    dkdv_cfg, dq_cfg = configs or backward_configs(q, prob.block_d)
+    dkdv_cfg, dq_cfg = configs or backward_configs(q, prob.block_d, max(prob.seqlen_q, prob.seqlen_k),
+                                                   params.banded)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -39,9 +39,15 @@ def _arch(device: torch.device) -> int:
     return major * 10 + minor
 
 
-# (arch, block_d, fp32?) -> forward, backward dK/dV, backward dQ launches.
-# Measured on an H100/H200 (see docs/perf-notes.md); other GPUs take the generic entries.
-def _table(arch: int, block_d: int, fp32: bool):
+def _length(seqlen: int) -> int:
+    """The sequence-length classes the table distinguishes: 0 up to 512, 1 up to 2048, 2 beyond."""
+    return 0 if seqlen <= 512 else 1 if seqlen <= 2048 else 2
+
+
+# (arch, block_d, fp32?, length class, banded?) -> forward, backward dK/dV, backward dQ launches.
+# banded: causal or a sliding window. Measured on an H200 (see docs/perf-notes.md); other GPUs
+# take the generic entries.
+def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
     if arch == 0:
         # Small, unequal tiles: the CPU tests run through the interpreter and must cover the
         # masked/unmasked split with tiles of different heights and widths.
@@ -53,10 +59,16 @@ def _table(arch: int, block_d: int, fp32: bool):
             return Launch(32, 32, 4, 2), Launch(32, 32, 4, 2), Launch(32, 32, 4, 2)
         return Launch(16, 16, 4, 1), Launch(16, 16, 4, 1), Launch(16, 16, 4, 1)
     if arch >= 90:
+        # 64 x 64 forward tiles: causal up to 2k keys (+2..23% at D=64/128), D=128 non-causal up
+        # to 512 (+9..15%); the 128-row tiles win beyond (tune_short.log).
+        small_fwd = Launch(64, 64, 4, 3)
         if block_d <= 64:
-            return Launch(128, 64, 4, 3), Launch(64, 128, 8, 3), Launch(64, 64, 4, 3)
+            fwd = (small_fwd if length < 2 else Launch(128, 64, 4, 3)) if banded else Launch(128, 64, 8, 3)
+            dkdv = Launch(32, 64, 4, 3) if length == 0 else Launch(64, 128, 8, 3)
+            return fwd, dkdv, Launch(64, 64, 4, 3)
         if block_d <= 128:
-            return Launch(128, 64, 8, 3), Launch(64, 128, 8, 2), Launch(128, 64, 8, 3)
+            fwd = small_fwd if length == 0 or (banded and length == 1) else Launch(128, 64, 8, 3)
+            return fwd, Launch(64, 128, 8, 2), Launch(128, 64, 8, 3)
         return Launch(64, 64, 4, 2), Launch(32, 64, 4, 2), Launch(64, 32, 4, 2)
     if block_d <= 64:
         return Launch(128, 64, 4, 3), Launch(32, 128, 4, 2), Launch(128, 32, 4, 2)
@@ -66,15 +78,22 @@ def _table(arch: int, block_d: int, fp32: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _launches(arch: int, block_d: int, dtype: torch.dtype, tf32: bool) -> tuple[Launch, Launch, Launch]:
+def _launches(arch: int, block_d: int, dtype: torch.dtype, tf32: bool, length: int,
+              banded: bool) -> tuple[Launch, Launch, Launch]:
     precision = "tf32" if dtype == torch.float32 and tf32 else "ieee"
     return tuple(Launch(c.block_m, c.block_n, c.num_warps, c.num_stages, precision)
-                 for c in _table(arch, block_d, dtype == torch.float32))
+                 for c in _table(arch, block_d, dtype == torch.float32, length, banded))
 
 
-def forward_config(q: torch.Tensor, block_d: int) -> Launch:
+def _configs(q: torch.Tensor, block_d: int, seqlen: int, banded: bool) -> tuple[Launch, Launch, Launch]:
     # fp32 stays exact IEEE unless the user opted into TF32 for matmuls, as torch does.
-    return _launches(_arch(q.device), block_d, q.dtype, torch.backends.cuda.matmul.allow_tf32)[0]
+    return _launches(_arch(q.device), block_d, q.dtype, torch.backends.cuda.matmul.allow_tf32, _length(seqlen),
+                     banded)
+
+
+def forward_config(q: torch.Tensor, block_d: int, seqlen: int, banded: bool) -> Launch:
+    """seqlen: the longer of the query and key lengths (the longest sequence when varlen)."""
+    return _configs(q, block_d, seqlen, banded)[0]
 
 
 def decode_config(q: torch.Tensor, block_d: int, paged: bool, fills_gpu: bool) -> Launch:
@@ -82,7 +101,7 @@ def decode_config(q: torch.Tensor, block_d: int, paged: bool, fills_gpu: bool) -
     per program, block_n the key tile. fills_gpu: the sequences x KV heads alone give every SM its
     programs, so the cache is read unsplit. Measured on an H200 (docs/perf-notes.md)."""
     arch = _arch(q.device)
-    precision = forward_config(q, block_d).input_precision
+    precision = _configs(q, block_d, 0, False)[0].input_precision
     if arch == 0:
         return Launch(16, 16, 1, 1, precision)
     if q.dtype == torch.float32 or block_d > 128:
@@ -91,5 +110,5 @@ def decode_config(q: torch.Tensor, block_d: int, paged: bool, fills_gpu: bool) -
     return Launch(64, 128 if fills_gpu and not paged else 64, 4, 3, precision)
 
 
-def backward_configs(q: torch.Tensor, block_d: int) -> tuple[Launch, Launch]:
-    return _launches(_arch(q.device), block_d, q.dtype, torch.backends.cuda.matmul.allow_tf32)[1:]
+def backward_configs(q: torch.Tensor, block_d: int, seqlen: int, banded: bool) -> tuple[Launch, Launch]:
+    return _configs(q, block_d, seqlen, banded)[1:]
