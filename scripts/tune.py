@@ -30,14 +30,20 @@ def _raise(exc):
     raise exc
 
 
-def time_table(args, dtype):
-    """TFLOP/s of the forward and backward with the launches the table picks, per case."""
+def cases(args, dtype):
+    """The papers' setting (16k tokens, hidden 2048) per seqlen, head dim and causality:
+    (n, d, causal, b, h, q, k, v, do, forward FLOPs, params)."""
     for n, d, causal in itertools.product(map(int, args.seqlen.split(",")), map(int, args.hdims.split(",")),
                                           (False, True)):
         b, h = max(1, 16384 // n), 2048 // d
         q, k, v, do = (torch.randn(b, n, h, d, dtype=dtype, device="cuda") for _ in range(4))
         flops = 4 * b * h * n * n * d / (2 if causal else 1)
-        params = AttentionParams(d ** -0.5, window_right=0 if causal else -1)
+        yield n, d, causal, b, h, q, k, v, do, flops, AttentionParams(d ** -0.5, window_right=0 if causal else -1)
+
+
+def time_table(args, dtype):
+    """TFLOP/s of the forward and backward with the launches the table picks, per case."""
+    for n, d, causal, b, h, q, k, v, do, flops, params in cases(args, dtype):
         out, lse = attention_forward(q, k, v, params)
         fwd = bench(lambda: attention_forward(q, k, v, params))
         bwd = bench(lambda: attention_backward(do, q, k, v, out, lse, params))
@@ -55,12 +61,7 @@ def main():
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.table:
         return time_table(args, dtype)
-    for n, d, causal in itertools.product(map(int, args.seqlen.split(",")), map(int, args.hdims.split(",")),
-                                          (False, True)):
-        b, h = max(1, 16384 // n), 2048 // d
-        q, k, v, do = (torch.randn(b, n, h, d, dtype=dtype, device="cuda") for _ in range(4))
-        flops = 4 * b * h * n * n * d / (2 if causal else 1)
-        params = AttentionParams(d ** -0.5, window_right=0 if causal else -1)
+    for n, d, causal, b, h, q, k, v, do, flops, params in cases(args, dtype):
         fwd = {c: bench(lambda: attention_forward(q, k, v, params, c)) for c in FWD}
         out, lse = attention_forward(q, k, v, params)
         _, dq0 = backward_configs(q, d, n, causal)
