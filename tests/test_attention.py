@@ -195,7 +195,8 @@ def test_torch_compile_fullgraph_cpu_path(monkeypatch, options):
 
 def test_eager_path_and_the_custom_op_agree(backend, monkeypatch):
     """Plain eager calls bypass the custom op (ops._direct) and give the custom op's results and
-    gradients; FakeTensorMode and meta tensors still go through the op (its fake implementation)."""
+    gradients, and refuse a double backward as the op does; FakeTensorMode and meta tensors still go
+    through the op (its fake implementation)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from cuflash import ops
     from cuflash.params import AttentionParams
@@ -207,6 +208,11 @@ def test_eager_path_and_the_custom_op_agree(backend, monkeypatch):
                               torch.ones(1, 19, 4, 16))
     for a, b in zip(direct, through_op):
         assert torch.equal(a, b)
+    # create_graph=True works; differentiating the gradients again raises (not: counts them as constants)
+    qg = q.clone().requires_grad_()
+    grad, = torch.autograd.grad(ops.forward(qg, k, v, params)[0].sum(), qg, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        (grad.sum() + qg.sum()).backward()
     with FakeTensorMode():
         fake = torch.empty(1, 19, 4, 16)
         assert not ops._direct(fake)

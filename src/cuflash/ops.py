@@ -149,9 +149,15 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backend(q.device, q.dtype).attention_backward(_contiguous_last(dout), q, k, v, out, lse,
-                                                                    ctx.params)
-        return dq, dk, dv, None
+        with torch.no_grad():
+            grads = _backend(q.device, q.dtype).attention_backward(_contiguous_last(dout), q, k, v, out, lse,
+                                                                   ctx.params)
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradients get a node that raises if they are differentiated
+            # again (the kernels' gradients have no gradient), rather than counting as constants.
+            error = torch._C._functions.DelayedError(b"cuflash: attention has no double backward", 3)
+            grads = error(*(g.detach().requires_grad_() for g in grads))
+        return (*grads, None)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
