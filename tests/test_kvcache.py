@@ -191,6 +191,7 @@ def _call(**overrides):
     (dict(rotary_cos=torch.ones(40, 12), rotary_sin=torch.zeros(40, 12)), "SHAPE_MISMATCH", "rotary"),
     (dict(k_cache=torch.randn(4, 32, 2, 16)[::2]), "NOT_CONTIGUOUS", "k_cache"),
     (dict(num_splits=-1), "INVALID_ARGUMENT", "num_splits"),
+    (dict(k_cache=torch.randn(1, 32, 2, 16), v_cache=torch.randn(1, 32, 2, 16)), "SHAPE_MISMATCH", "cache rows"),
     (dict(v_cache=torch.randn(2, 32, 16)), "INVALID_DIMENSION", "v_cache"),
 ])
 def test_bad_input_leaves_the_cache_untouched(overrides, code, word):

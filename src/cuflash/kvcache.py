@@ -108,6 +108,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # given, so that a plain decode step launches no kernel besides attention.
     rows = None if cache_batch_idx is None else \
         _int_tensor("cache_batch_idx", cache_batch_idx, (batch,), q.device, (torch.int32, torch.int64))
+    if not paged and rows is None and k_cache.shape[0] < batch:
+        fail(ErrorCode.SHAPE_MISMATCH, f"k_cache has {k_cache.shape[0]} cache rows for a batch of {batch}; "
+             f"pass cache_batch_idx to map sequences to rows")
     if cache_seqlens is None:
         seqlens = capacity
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
