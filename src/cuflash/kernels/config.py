@@ -77,18 +77,20 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
     return Launch(64, 32, 4, 1), Launch(16, 64, 4, 1), Launch(64, 16, 4, 1)
 
 
+def _precision(q: torch.Tensor) -> str:
+    # fp32 stays exact IEEE unless the user opted into TF32 for matmuls, as torch does.
+    return "tf32" if q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
 @functools.lru_cache(maxsize=None)
-def _launches(arch: int, block_d: int, dtype: torch.dtype, tf32: bool, length: int,
+def _launches(arch: int, block_d: int, fp32: bool, precision: str, length: int,
               banded: bool) -> tuple[Launch, Launch, Launch]:
-    precision = "tf32" if dtype == torch.float32 and tf32 else "ieee"
     return tuple(Launch(c.block_m, c.block_n, c.num_warps, c.num_stages, precision)
-                 for c in _table(arch, block_d, dtype == torch.float32, length, banded))
+                 for c in _table(arch, block_d, fp32, length, banded))
 
 
 def _configs(q: torch.Tensor, block_d: int, seqlen: int, banded: bool) -> tuple[Launch, Launch, Launch]:
-    # fp32 stays exact IEEE unless the user opted into TF32 for matmuls, as torch does.
-    return _launches(_arch(q.device), block_d, q.dtype, torch.backends.cuda.matmul.allow_tf32, _length(seqlen),
-                     banded)
+    return _launches(_arch(q.device), block_d, q.dtype == torch.float32, _precision(q), _length(seqlen), banded)
 
 
 def forward_config(q: torch.Tensor, block_d: int, seqlen: int, banded: bool) -> Launch:
@@ -101,7 +103,7 @@ def decode_config(q: torch.Tensor, block_d: int, paged: bool, fills_gpu: bool) -
     per program, block_n the key tile. fills_gpu: the sequences x KV heads alone give every SM its
     programs, so the cache is read unsplit. Measured on an H200 (docs/perf-notes.md)."""
     arch = _arch(q.device)
-    precision = _configs(q, block_d, 0, False)[0].input_precision
+    precision = _precision(q)
     if arch == 0:
         return Launch(16, 16, 1, 1, precision)
     if q.dtype == torch.float32 or block_d > 128:
