@@ -1,11 +1,15 @@
 """Sweeps launch configurations of the kernels on the GPU at hand and prints the fastest per
 case, to fill the table in src/cuflash/kernels/config.py. Run from the source tree:
-PYTHONPATH=src python3 scripts/tune.py [--seqlen 4096[,...]] [--dtype bf16]"""
+PYTHONPATH=src python3 scripts/tune.py [--seqlen 4096[,...]] [--dtype bf16]
+[--table | --loads plain,tma | --loads ws]"""
 import argparse
+import dataclasses
 import itertools
 
 import torch
+import torch.nn.functional as F
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cuflash.kernels import attention_backward, attention_forward
 from cuflash.kernels.config import Launch, backward_configs, forward_config
@@ -51,16 +55,63 @@ def time_table(args, dtype):
               f" TFLOP/s", flush=True)
 
 
+def _cudnn_ms(q, k, v, do, causal):
+    """SDPA cuDNN forward and backward (fwd+bwd minus fwd) on the same data, (B, H, N, D) views."""
+    q, k, v, do = (t.transpose(1, 2).detach().requires_grad_(t is not do) for t in (q, k, v, do))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        both = bench(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                                 (q, k, v), do))
+    return fwd, both - fwd
+
+
+def time_loads(args, dtype):
+    """The table's launches with each way of loading the loops' tiles (pointers, tensor
+    descriptors, descriptors plus warp specialization of the unmasked loop), one kernel changed at
+    a time, beside SDPA cuDNN on the same inputs."""
+    loads = {"plain": {}, "tma": {"tma": True}, "ws": {"tma": True, "warp_specialize": True}}
+    for n, d, causal, b, h, q, k, v, do, flops, params in cases(args, dtype):
+        cudnn_fwd, cudnn_bwd = _cudnn_ms(q, k, v, do, causal)
+        print(f"== D={d} N={n} causal={causal}: cudnn fwd {flops / cudnn_fwd / 1e9:6.1f}"
+              f"  bwd {2.5 * flops / cudnn_bwd / 1e9:6.1f} TFLOP/s", flush=True)
+        fwd0 = forward_config(q, d, n, causal)
+        dkdv0, dq0 = backward_configs(q, d, n, causal)
+        out, lse = attention_forward(q, k, v, params)
+        for name in args.loads.split(","):
+            change = loads[name]
+            runs = {"fwd": lambda: attention_forward(q, k, v, params, dataclasses.replace(fwd0, **change)),
+                    "dkdv": lambda: attention_backward(do, q, k, v, out, lse, params,
+                                                       (dataclasses.replace(dkdv0, **change), dq0)),
+                    "dq": lambda: attention_backward(do, q, k, v, out, lse, params,
+                                                     (dkdv0, dataclasses.replace(dq0, **change)))}
+            for kernel, fn in runs.items():
+                if kernel not in args.kernels.split(","):
+                    continue
+                try:
+                    ms = bench(fn)
+                except Exception as exc:  # warp specialization may not compile
+                    last = (str(exc).strip().splitlines() or [""])[-1][:300]
+                    print(f"  {name:5s} {kernel:4s} failed: {type(exc).__name__}: {last}", flush=True)
+                    continue
+                mult, ref = (1.0, cudnn_fwd) if kernel == "fwd" else (2.5, cudnn_bwd)
+                print(f"  {name:5s} {kernel:4s} {ms:7.3f} ms  {mult * flops / ms / 1e9:6.1f} TFLOP/s"
+                      f"  {ref / ms:5.2f}x cudnn{'' if kernel == 'fwd' else ' (whole backward)'}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seqlen", default="4096", help="one or more, comma-separated")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--hdims", default="64,128")
     p.add_argument("--table", action="store_true", help="only time the table's own launches (to compare trees)")
+    p.add_argument("--loads", help="time the table's launches with these tile loads: plain, tma, ws")
+    p.add_argument("--kernels", default="fwd,dkdv,dq", help="with --loads: which kernels to time")
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.table:
         return time_table(args, dtype)
+    if args.loads:
+        return time_loads(args, dtype)
     for n, d, causal, b, h, q, k, v, do, flops, params in cases(args, dtype):
         fwd = {c: bench(lambda: attention_forward(q, k, v, params, c)) for c in FWD}
         out, lse = attention_forward(q, k, v, params)

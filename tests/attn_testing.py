@@ -1,4 +1,5 @@
 """Shared test helpers: random inputs, the float64 oracle, error bounds, torch's own SDPA."""
+import dataclasses
 import os
 
 import pytest
@@ -96,3 +97,30 @@ def varlen_reference(q, k, v, cu_q, cu_k, **options):
                                      v[None, cu_k[b]:cu_k[b + 1]], **seq_options)
         outs.append(out[0])
     return torch.cat(outs)
+
+
+def varlen_batch(lens_q, lens_k, nheads, nheads_k, head_dim, dtype, device):
+    """q (total_q, H, D), k, v (total_k, Hk, D) and the int32 prefix sums of a varlen batch."""
+    cu_q, cu_k = (torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32) for lens in (lens_q, lens_k))
+    q = torch.randn(sum(lens_q), nheads, head_dim, dtype=dtype, device=device)
+    k, v = (torch.randn(sum(lens_k), nheads_k, head_dim, dtype=dtype, device=device) for _ in range(2))
+    return q, k, v, cu_q, cu_k
+
+
+def check_tile_loads(q, k, v, params, fwd, dkdv, dq, tol):
+    """The kernels with their loops' tiles read through tensor descriptors (and the dK/dV loop
+    warp-specialized) against the same launches with pointer loads: out, lse, dq, dk, dv agree
+    within tol (relative)."""
+    from cuflash.kernels import attention_backward, attention_forward
+
+    dout = torch.randn_like(q)
+
+    def run(f, b, d):
+        out, lse = attention_forward(q, k, v, params, f)
+        return (out, lse) + attention_backward(dout, q, k, v, out, lse, params, (b, d))
+
+    plain = [dataclasses.replace(c, tma=False, warp_specialize=False) for c in (fwd, dkdv, dq)]
+    tma = [dataclasses.replace(fwd, tma=True), dataclasses.replace(dkdv, tma=True, warp_specialize=True),
+           dataclasses.replace(dq, tma=True)]
+    for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), run(*tma), run(*plain)):
+        assert rel_err(got, ref) <= tol, name

@@ -5,7 +5,10 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import check_against_oracle, make_qkv, rel_err, run_and_grad
+from attn_testing import check_against_oracle, check_tile_loads, interpret, make_qkv, rel_err, run_and_grad, \
+    varlen_batch
+from cuflash.kernels.config import Launch, use_tma
+from cuflash.params import AttentionParams
 from cuflash.reference import attention_reference
 
 
@@ -133,6 +136,35 @@ def test_deterministic_backward(backend):
     first = cuflash.backward(dout, q, k, v, out, lse)
     second = cuflash.backward(dout, q, k, v, out, lse)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_tensor_descriptors_only_for_aligned_tensors():
+    tma = Launch(64, 64, 4, 3, tma=True)
+    x = torch.randn(2, 17, 3, 40, dtype=torch.float16)
+    assert use_tma(tma, x, x[:, :, 1:])  # 80-byte rows and heads
+    assert not use_tma(Launch(64, 64, 4, 3), x)  # not asked for
+    assert not use_tma(tma, torch.randn(2, 17, 3, 44, dtype=torch.float16))  # 88-byte rows
+    buf = torch.randn(x.numel() + 8, dtype=torch.float16)
+    assert use_tma(tma, buf[8:].view(x.shape))  # base 16 bytes in
+    assert not use_tma(tma, buf[4:-4].view(x.shape))  # base 8 bytes in
+    assert not use_tma(tma, torch.randn(1, 1, 3, 40).expand(2, 17, 3, 40))  # rows at stride 0
+
+
+@interpret
+@pytest.mark.parametrize("varlen", [False, True])
+def test_tensor_descriptor_loads_match_pointer_loads(varlen):
+    """The interpreter runs the descriptor path as the GPU does (zero-filled rows and columns past
+    each sequence's end and the head dim): it must give the pointer path's results."""
+    torch.manual_seed(21)
+    if varlen:
+        q, k, v, cu_q, cu_k = varlen_batch([1, 17, 0, 30], [5, 17, 9, 33], 4, 2, 40, torch.float32, "cpu")
+        params = AttentionParams(40 ** -0.5, window_right=0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 max_seqlen_q=30, max_seqlen_k=33)
+    else:
+        q, k, v = make_qkv(2, 37, 50, 4, 2, 40, torch.float32, "cpu")
+        params = AttentionParams(40 ** -0.5, window_right=0)
+    assert use_tma(Launch(16, 16, 1, 1, tma=True), q, k, v)
+    check_tile_loads(q, k, v, params, Launch(32, 16, 1, 1), Launch(16, 32, 1, 1), Launch(32, 16, 1, 1), tol=1e-6)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from ..params import AttentionParams
-from .common import LOG2E, band, dropout_keep, head_options, load_tile, logits, mma, score_tile, sequence, \
-    softcap_grad, store_tile, tile_ptrs
-from .config import Launch, backward_configs, cdiv
+from .common import LOG2E, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, query_tile, \
+    row_source, score_tile, sequence, softcap_grad, store_tile, tile_ptrs
+from .config import Launch, backward_configs, cdiv, use_tma
 from .variant import lse_strides, problem, variant_args
 
 
@@ -43,21 +43,22 @@ def _attn_bwd_delta(Out, DO, Delta,
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, stride_qm, stride_dom, lse_ptr, delta_ptr,
                          mask_ptrs, stride_mask_m, stride_mask_n, offs_n, offs_m, offs_d, lo, hi,
                          seqlen_q, seqlen_k, head_dim, offset, window_left, window_right, qk_scale, softcap,
                          slope, drop_key, drop_threshold, drop_scale,
                          BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                          HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                          MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-                         INPUT_PRECISION: tl.constexpr):
+                         INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     # Works on transposed scores (keys along rows) so that dK, dV need no transposes.
-    q_ptrs += tl.cast(lo, tl.int64) * stride_qm
-    do_ptrs += tl.cast(lo, tl.int64) * stride_dom
-    for start_m in range(lo, hi, BLOCK_M):
+    if not TMA:
+        q_src += tl.cast(lo, tl.int64) * stride_qm
+        do_src += tl.cast(lo, tl.int64) * stride_dom
+    for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
         rows = start_m + offs_m
-        q = load_tile(q_ptrs, rows, seqlen_q, offs_d, head_dim, MASKED, not EVEN_D)
-        do = load_tile(do_ptrs, rows, seqlen_q, offs_d, head_dim, MASKED, not EVEN_D)
+        q = load_rows(q_src, start_m, rows, seqlen_q, offs_d, head_dim, MASKED, not EVEN_D, TMA)
+        do = load_rows(do_src, start_m, rows, seqlen_q, offs_d, head_dim, MASKED, not EVEN_D, TMA)
         if MASKED:
             # Rows past seqlen_q read lse = +inf, so that their P is exactly 0.
             lse = tl.load(lse_ptr + rows, mask=rows < seqlen_q, other=float("inf"))
@@ -82,8 +83,9 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, l
         if SOFTCAP:
             ds_t *= softcap_grad(x_t, softcap)
         dk = mma(ds_t.to(q.dtype), q, dk, INPUT_PRECISION)
-        q_ptrs += BLOCK_M * stride_qm
-        do_ptrs += BLOCK_M * stride_dom
+        if not TMA:
+            q_src += BLOCK_M * stride_qm
+            do_src += BLOCK_M * stride_dom
     return dk, dv
 
 
@@ -102,7 +104,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Slop
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                   EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_GROUP_ACC: tl.constexpr):
+                   EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_GROUP_ACC: tl.constexpr,
+                   TMA: tl.constexpr, WS: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
     off_b = (off_bhk // nheads_k).to(tl.int64)
@@ -139,8 +142,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Slop
             dk_head = dk
             dv_head = dv
         off_h = off_hk * group_size + g
-        q_ptrs = tile_ptrs(Q, off_b, stride_qb, off_h, stride_qh, q_first, stride_qm, offs_m, offs_d)
-        do_ptrs = tile_ptrs(DO, off_b, stride_dob, off_h, stride_doh, q_first, stride_dom, offs_m, offs_d)
+        q_src = row_source(Q, off_b, stride_qb, off_h, stride_qh, q_first, stride_qm, seqlen_q, head_dim,
+                           offs_m, offs_d, BLOCK_M, BLOCK_D, TMA)
+        do_src = row_source(DO, off_b, stride_dob, off_h, stride_doh, q_first, stride_dom, seqlen_q, head_dim,
+                            offs_m, offs_d, BLOCK_M, BLOCK_D, TMA)
         lse_ptr = Lse + off_b * stride_lb + off_h * stride_lh + q_first
         delta_ptr = Delta + off_b * stride_lb + off_h * stride_lh + q_first
         mask_ptrs, slope, drop_key = head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng,
@@ -148,23 +153,26 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Slop
                                                   ALIBI, MASK_KIND, DROPOUT)
         if HAS_RIGHT:  # only a causal diagonal or window's right edge cuts query tiles before the band
             dk_head, dv_head = _attn_bwd_dkdv_inner(
-                dk_head, dv_head, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr,
+                dk_head, dv_head, k, v, q_src, do_src, stride_qm, stride_dom, lse_ptr, delta_ptr,
                 mask_ptrs, stride_mask_m, stride_mask_n, offs_n, offs_m, offs_d, lo, full_lo,
                 seqlen_q, seqlen_k, head_dim, offset, window_left, window_right, qk_scale, softcap,
                 slope, drop_key, drop_threshold, drop_scale,
-                BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+                BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
+                TMA, False)
         dk_head, dv_head = _attn_bwd_dkdv_inner(
-            dk_head, dv_head, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr,
+            dk_head, dv_head, k, v, q_src, do_src, stride_qm, stride_dom, lse_ptr, delta_ptr,
             mask_ptrs, stride_mask_m, stride_mask_n, offs_n, offs_m, offs_d, full_lo, full_hi,
             seqlen_q, seqlen_k, head_dim, offset, window_left, window_right, qk_scale, softcap,
             slope, drop_key, drop_threshold, drop_scale,
-            BLOCK_M, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+            BLOCK_M, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
+            TMA, WS)
         dk_head, dv_head = _attn_bwd_dkdv_inner(
-            dk_head, dv_head, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, lse_ptr, delta_ptr,
+            dk_head, dv_head, k, v, q_src, do_src, stride_qm, stride_dom, lse_ptr, delta_ptr,
             mask_ptrs, stride_mask_m, stride_mask_n, offs_n, offs_m, offs_d, full_hi, hi,
             seqlen_q, seqlen_k, head_dim, offset, window_left, window_right, qk_scale, softcap,
             slope, drop_key, drop_threshold, drop_scale,
-            BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+            BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
+            TMA, False)
         if SPLIT_GROUP_ACC:
             dk += dk_head
             dv += dv_head
@@ -181,19 +189,20 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Slop
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m,
+def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, mask_ptrs, stride_mask_m,
                        stride_mask_n, offs_m, offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, head_dim, offset,
                        window_left, window_right, qk_scale, softcap, slope, drop_key, drop_threshold, drop_scale,
                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                        HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                        MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-                       INPUT_PRECISION: tl.constexpr):
-    k_ptrs += tl.cast(lo, tl.int64) * stride_kn
-    v_ptrs += tl.cast(lo, tl.int64) * stride_vn
-    for start_n in range(lo, hi, BLOCK_N):
+                       INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    if not TMA:
+        k_src += tl.cast(lo, tl.int64) * stride_kn
+        v_src += tl.cast(lo, tl.int64) * stride_vn
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
-        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D)
-        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D)
+        k = load_rows(k_src, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
+        v = load_rows(v_src, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
         x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), qk_scale, softcap, SOFTCAP)
         s = score_tile(x, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, offset, window_left,
                        window_right, slope, mask_ptrs, stride_mask_m, stride_mask_n,
@@ -207,8 +216,9 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_
         if SOFTCAP:
             ds *= softcap_grad(x, softcap)
         dq = mma(ds.to(k.dtype), k, dq, INPUT_PRECISION)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not TMA:
+            k_src += BLOCK_N * stride_kn
+            v_src += BLOCK_N * stride_vn
     return dq
 
 
@@ -226,8 +236,8 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Ma
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                 EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
+                 EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    start_m = query_tile(HAS_RIGHT) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
@@ -250,8 +260,10 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Ma
     row_ptr = off_b * stride_lb + off_h * stride_lh + q_first + offs_m
     lse = tl.load(Lse + row_ptr, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
     delta = tl.load(Delta + row_ptr, mask=offs_m < seqlen_q, other=0.0)
-    k_ptrs = tile_ptrs(K, off_b, stride_kb, off_hk, stride_kh, k_first, stride_kn, offs_n, offs_d)
-    v_ptrs = tile_ptrs(V, off_b, stride_vb, off_hk, stride_vh, k_first, stride_vn, offs_n, offs_d)
+    k_src = row_source(K, off_b, stride_kb, off_hk, stride_kh, k_first, stride_kn, seqlen_k, head_dim,
+                       offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
+    v_src = row_source(V, off_b, stride_vb, off_hk, stride_vh, k_first, stride_vn, seqlen_k, head_dim,
+                       offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
     mask_ptrs, slope, drop_key = head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng,
                                               off_b, off_h, off_bh, ALIBI, MASK_KIND, DROPOUT)
 
@@ -260,20 +272,23 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Ma
                                     offset + window_right, HAS_LEFT, HAS_RIGHT)
     if HAS_LEFT:
         dq = _attn_bwd_dq_inner(
-            dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
+            dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
             offs_m, offs_n, offs_d, lo, full_lo, seqlen_q, seqlen_k, head_dim, offset, window_left, window_right,
             qk_scale, softcap, slope, drop_key, drop_threshold, drop_scale,
-            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
+            TMA, False)
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
+        dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
         offs_m, offs_n, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, head_dim, offset, window_left, window_right,
         qk_scale, softcap, slope, drop_key, drop_threshold, drop_scale,
-        BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+        BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
+        TMA, WS)
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
+        dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
         offs_m, offs_n, offs_d, full_hi, hi, seqlen_q, seqlen_k, head_dim, offset, window_left, window_right,
         qk_scale, softcap, slope, drop_key, drop_threshold, drop_scale,
-        BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+        BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
+        TMA, False)
     dq_ptrs = tile_ptrs(DQ, off_b, stride_dqb, off_h, stride_dqh, q_first + start_m, stride_dqm, rows, offs_d)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, not EVEN_D)
 
@@ -290,6 +305,9 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams,
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    # Warp specialization is asked for only with tensor descriptors (Triton 3.6 cannot compile it
+    # for pointer loads on Hopper), so it falls back with them to plain loads.
+    dkdv_tma, dq_tma = use_tma(dkdv_cfg, q, dout), use_tma(dq_cfg, k, v)
     lse_args = lse_strides(prob, params)
     shared = dict(**prob.strides("q", q), **prob.strides("k", k, "n"), **prob.strides("v", v, "n"),
                   **prob.strides("do", dout), **lse_args, **variant_args(prob, params),
@@ -309,12 +327,13 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams,
         Q=q, K=k, V=v, DO=dout, Lse=lse, Delta=delta, DK=dk, DV=dv,
         **prob.strides("dk", dk, "n"), **prob.strides("dv", dv, "n"), **shared, nheads_k=prob.nheads_k,
         BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n, INPUT_PRECISION=dkdv_cfg.input_precision,
-        SPLIT_GROUP_ACC=q.dtype == torch.float32, num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
+        SPLIT_GROUP_ACC=q.dtype == torch.float32, TMA=dkdv_tma, WS=dkdv_tma and dkdv_cfg.warp_specialize,
+        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
     )
     _attn_bwd_dq[(cdiv(prob.seqlen_q, dq_cfg.block_m), prob.batch * prob.nheads)](
         Q=q, K=k, V=v, DO=dout, Lse=lse, Delta=delta, DQ=dq,
         **prob.strides("dq", dq), **shared, nheads=prob.nheads,
         BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, INPUT_PRECISION=dq_cfg.input_precision,
-        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
+        TMA=dq_tma, WS=dq_tma and dq_cfg.warp_specialize, num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
     )
     return dq, dk, dv

@@ -49,6 +49,33 @@ def tile_ptrs(base, off_b, stride_b, off_h, stride_h, start, stride_row, rows, c
 
 
 @triton.jit
+def row_source(base, off_b, stride_b, off_h, stride_h, first, stride_row, n_rows, n_cols, rows, cols,
+               BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, TMA: tl.constexpr):
+    """What a loop reads its tiles from, rows [first, first + n_rows) of one (batch, head): a
+    tensor descriptor (TMA: the copy engine fetches each tile whole and zero-fills rows and
+    columns past n_rows and n_cols, as the masked loads do) or pointers to the first tile, which
+    the loop advances itself. The launcher turns TMA on only for 16-byte aligned tensors."""
+    if TMA:  # (one return statement: Triton wants every return of a function to have one type)
+        src = tl.make_tensor_descriptor(
+            base + off_b * stride_b + off_h * stride_h + tl.cast(first, tl.int64) * stride_row,
+            shape=[n_rows, n_cols], strides=[stride_row, 1], block_shape=[BLOCK_ROWS, BLOCK_COLS])
+    else:
+        src = tile_ptrs(base, off_b, stride_b, off_h, stride_h, first, stride_row, rows, cols)
+    return src
+
+
+@triton.jit
+def load_rows(src, start, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr,
+              TMA: tl.constexpr):
+    """The tile of rows start + [0, BLOCK_ROWS) from a row_source (pointers: already at start)."""
+    if TMA:
+        tile = src.load([start, 0])
+    else:
+        tile = load_tile(src, rows, n_rows, cols, n_cols, CHECK_ROWS, CHECK_COLS)
+    return tile
+
+
+@triton.jit
 def store_tile(ptrs, tile, rows, n_rows, cols, n_cols, CHECK_COLS: tl.constexpr):
     if CHECK_COLS:
         tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
@@ -67,6 +94,17 @@ def sequence(cu_seqlens, off_b, seqlen, VARLEN: tl.constexpr):
         first = 0
         length = seqlen
     return first, length
+
+
+@triton.jit
+def query_tile(HEAVY_LAST: tl.constexpr):
+    """The query tile of a program (grid axis 0). Under a causal diagonal (HEAVY_LAST) the last
+    tiles see the most keys: they are handed out first, so that the light ones fill the tail."""
+    if HEAVY_LAST:
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        tile = tl.program_id(0)
+    return tile
 
 
 @triton.jit

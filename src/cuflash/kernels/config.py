@@ -2,19 +2,44 @@
 architecture: no autotuning at run time, so the first call on a new shape only compiles."""
 from __future__ import annotations
 
+import dataclasses
 import functools
-from dataclasses import dataclass
 
 import torch
+import triton
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Launch:
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     input_precision: str = "ieee"
+    tma: bool = False  # stream the loop's tiles through tensor descriptors (Hopper and later)
+    warp_specialize: bool = False  # the unmasked loop split into producer and consumer warps
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # Global memory where the kernels write their tensor descriptors (128 bytes each, per program).
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def use_tma(cfg: Launch, *tensors: torch.Tensor) -> bool:
+    """Whether a launch streams these tensors through tensor descriptors: the configuration asks
+    for it and each tensor is one the copy engine can address (16-byte aligned base and strides,
+    rows at a positive stride). Installs the allocator the descriptors need (global scratch from
+    torch's caching allocator) when it is used."""
+    if not cfg.tma:
+        return False
+    for t in tensors:
+        unit = 16 // t.element_size()
+        if t.data_ptr() % 16 or any(stride % unit or (stride <= 0 and n > 1)
+                                    for n, stride in zip(t.shape[:-1], t.stride()[:-1])):
+            return False
+    if tensors[0].is_cuda:
+        triton.set_allocator(_scratch)
+    return True
 
 
 def cdiv(a: int, b: int) -> int:
@@ -60,15 +85,21 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
         return Launch(16, 16, 4, 1), Launch(16, 16, 4, 1), Launch(16, 16, 4, 1)
     if arch >= 90:
         # 64 x 64 forward tiles: causal up to 2k keys (+2..23% at D=64/128), D=128 non-causal up
-        # to 512 (+9..15%); the 128-row tiles win beyond (tune_short.log).
+        # to 512 (+9..15%); the 128-row tiles win beyond (tune_short.log). Tensor descriptors
+        # (tma) and warp specialization only where they measured faster in every round
+        # (2026-11-22-h200-tma): elsewhere they cost up to 7%.
         small_fwd = Launch(64, 64, 4, 3)
         if block_d <= 64:
-            fwd = (small_fwd if length < 2 else Launch(128, 64, 4, 3)) if banded else Launch(128, 64, 8, 3)
+            fwd = (small_fwd if length < 2 else Launch(128, 64, 4, 3, tma=True)) if banded else Launch(128, 64, 8, 3)
             dkdv = Launch(32, 64, 4, 3) if length == 0 else Launch(64, 128, 8, 3)
             return fwd, dkdv, Launch(64, 64, 4, 3)
         if block_d <= 128:
-            fwd = small_fwd if length == 0 or (banded and length == 1) else Launch(128, 64, 8, 3)
-            return fwd, Launch(64, 128, 8, 2), Launch(128, 64, 8, 3)
+            if banded and length == 1:
+                fwd = Launch(64, 64, 4, 3, tma=True)
+            else:
+                fwd = small_fwd if length == 0 else Launch(128, 64, 8, 3)
+            dkdv = Launch(64, 128, 8, 2, tma=length > 0, warp_specialize=length > 0)
+            return fwd, dkdv, Launch(128, 64, 8, 3)
         return Launch(64, 64, 4, 2), Launch(32, 64, 4, 2), Launch(64, 32, 4, 2)
     if block_d <= 64:
         return Launch(128, 64, 4, 3), Launch(32, 128, 4, 2), Launch(128, 32, 4, 2)
@@ -85,8 +116,7 @@ def _precision(q: torch.Tensor) -> str:
 @functools.lru_cache(maxsize=None)
 def _launches(arch: int, block_d: int, fp32: bool, precision: str, length: int,
               banded: bool) -> tuple[Launch, Launch, Launch]:
-    return tuple(Launch(c.block_m, c.block_n, c.num_warps, c.num_stages, precision)
-                 for c in _table(arch, block_d, fp32, length, banded))
+    return tuple(dataclasses.replace(c, input_precision=precision) for c in _table(arch, block_d, fp32, length, banded))
 
 
 def _configs(q: torch.Tensor, block_d: int, seqlen: int, banded: bool) -> tuple[Launch, Launch, Launch]:

@@ -10,25 +10,26 @@ import triton
 import triton.language as tl
 
 from ..params import AttentionParams
-from .common import LN2, NO_MASK, band, dropout_keep, head_options, load_tile, logits, mma, score_tile, \
-    sequence, store_tile, tile_ptrs
-from .config import Launch, cdiv, forward_config
+from .common import LN2, NO_MASK, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, \
+    query_tile, row_source, score_tile, sequence, store_tile, tile_ptrs
+from .config import Launch, cdiv, forward_config, use_tma
 from .variant import lse_shape, lse_strides, problem, variant_args
 
 
 @triton.jit
-def _attn_fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m,
+def _attn_fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, mask_ptrs, stride_mask_m,
                     stride_mask_n, offs_m, offs_n, offs_d, lo, hi, seqlen_q, seqlen_k, head_dim, offset,
                     window_left, window_right, qk_scale, softcap, slope, drop_key, drop_threshold,
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr):
-    k_ptrs += tl.cast(lo, tl.int64) * stride_kn
-    v_ptrs += tl.cast(lo, tl.int64) * stride_vn
-    for start_n in range(lo, hi, BLOCK_N):
+                    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    if not TMA:
+        k_src += tl.cast(lo, tl.int64) * stride_kn
+        v_src += tl.cast(lo, tl.int64) * stride_vn
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
-        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D)
+        k = load_rows(k_src, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
         x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), qk_scale, softcap, SOFTCAP)
         s = score_tile(x, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, offset, window_left,
                        window_right, slope, mask_ptrs, stride_mask_m, stride_mask_n,
@@ -45,11 +46,12 @@ def _attn_fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, mask
         if DROPOUT:
             # The softmax sum counts every probability; only the output sees the dropped ones.
             p = tl.where(dropout_keep(drop_key, offs_m[:, None], cols[None, :], drop_threshold), p, 0.0)
-        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D)
+        v = load_rows(v_src, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not TMA:
+            k_src += BLOCK_N * stride_kn
+            v_src += BLOCK_N * stride_vn
     return acc, m_i, l_i
 
 
@@ -66,8 +68,8 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-              EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
+              EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    start_m = query_tile(HAS_RIGHT) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
@@ -84,8 +86,10 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
 
     rows = tl.arange(0, BLOCK_M)
     q_ptrs = tile_ptrs(Q, off_b, stride_qb, off_h, stride_qh, q_first + start_m, stride_qm, rows, offs_d)
-    k_ptrs = tile_ptrs(K, off_b, stride_kb, off_hk, stride_kh, k_first, stride_kn, offs_n, offs_d)
-    v_ptrs = tile_ptrs(V, off_b, stride_vb, off_hk, stride_vh, k_first, stride_vn, offs_n, offs_d)
+    k_src = row_source(K, off_b, stride_kb, off_hk, stride_kh, k_first, stride_kn, seqlen_k, head_dim,
+                       offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
+    v_src = row_source(V, off_b, stride_vb, off_hk, stride_vh, k_first, stride_vn, seqlen_k, head_dim,
+                       offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, not EVEN_D)
     mask_ptrs, slope, drop_key = head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng,
                                               off_b, off_h, off_bh, ALIBI, MASK_KIND, DROPOUT)
@@ -97,20 +101,23 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
                                     offset + window_right, HAS_LEFT, HAS_RIGHT)
     if HAS_LEFT:  # only a window's left edge cuts tiles before the visible ones
         acc, m_i, l_i = _attn_fwd_inner(
-            acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
+            acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
             offs_m, offs_n, offs_d, lo, full_lo, seqlen_q, seqlen_k, head_dim, offset, window_left,
             window_right, qk_scale, softcap, slope, drop_key, drop_threshold,
-            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
+            TMA, False)
     acc, m_i, l_i = _attn_fwd_inner(
-        acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
+        acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
         offs_m, offs_n, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, head_dim, offset, window_left,
         window_right, qk_scale, softcap, slope, drop_key, drop_threshold,
-        BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+        BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
+        TMA, WS)
     acc, m_i, l_i = _attn_fwd_inner(
-        acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
+        acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, mask_ptrs, stride_mask_m, stride_mask_n,
         offs_m, offs_n, offs_d, full_hi, hi, seqlen_q, seqlen_k, head_dim, offset, window_left,
         window_right, qk_scale, softcap, slope, drop_key, drop_threshold,
-        BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION)
+        BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
+            TMA, False)
 
     # Rows that saw no key at all (l_i == 0) get out = 0 and lse = +inf, so that the backward's
     # exp(s - lse) is 0 for them.
@@ -132,6 +139,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape(prob, params), dtype=torch.float32, device=q.device)
     cfg = config or forward_config(q, prob.block_d, max(prob.seqlen_q, prob.seqlen_k), params.banded)
+    tma = use_tma(cfg, k, v)
     grid = (cdiv(prob.seqlen_q, cfg.block_m), prob.batch * prob.nheads)
     _attn_fwd[grid](
         Q=q, K=k, V=v, Out=out, Lse=lse,
@@ -140,6 +148,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
         nheads=prob.nheads, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
         group_size=prob.nheads // prob.nheads_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=prob.block_d, EVEN_D=prob.head_dim == prob.block_d,
-        INPUT_PRECISION=cfg.input_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INPUT_PRECISION=cfg.input_precision, TMA=tma, WS=tma and cfg.warp_specialize,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
