@@ -33,7 +33,8 @@ def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_
 @triton.jit
 def mma(a, b, acc, INPUT_PRECISION: tl.constexpr):
     """a @ b (+ acc) in fp32. With TF32, operands are first rounded to nearest TF32: the tensor
-    cores would otherwise drop the 13 low mantissa bits, a bias that triples the error."""
+    cores would otherwise drop the 13 low mantissa bits, a bias that triples the error. tf32x3
+    (three TF32 passes on the split operands, as exact as ieee) goes to tl.dot as it is."""
     if INPUT_PRECISION == "tf32":
         a = ((a.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
         b = ((b.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)

@@ -15,7 +15,7 @@ class Launch:
     block_n: int
     num_warps: int
     num_stages: int
-    input_precision: str = "ieee"
+    input_precision: str = "ieee"  # of fp32 dots: ieee, tf32x3 (both exact) or tf32 (allow_tf32)
     tma: bool = False  # stream the loop's tiles through tensor descriptors (Hopper and later)
     warp_specialize: bool = False  # the unmasked loop split into producer and consumer warps
 
@@ -78,11 +78,17 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
         # masked/unmasked split with tiles of different heights and widths.
         return Launch(32, 16, 1, 1), Launch(16, 32, 1, 1), Launch(32, 16, 1, 1)
     if fp32:
+        if block_d > 128:
+            return Launch(16, 16, 4, 1), Launch(16, 16, 4, 1), Launch(16, 16, 4, 1)
+        dq = Launch(64, 32, 4, 2) if block_d <= 64 else Launch(32, 32, 4, 2)
+        if arch >= 90:
+            # Exact fp32 dots as three TF32 tensor-core passes (tf32x3): 4.4x the forward and 1.3x
+            # the dK/dV kernel of IEEE FMA dots at D=128 on an H200, with the same error against
+            # float64 (5.3e-7 vs 7.0e-7, tune_fp32.log). dQ was not measured that way yet.
+            return Launch(128, 32, 8, 3, "tf32x3"), Launch(32, 64, 4, 3, "tf32x3"), dq
         if block_d <= 64:
-            return Launch(64, 32, 4, 2), Launch(32, 64, 4, 2), Launch(64, 32, 4, 2)
-        if block_d <= 128:
-            return Launch(32, 32, 4, 2), Launch(32, 32, 4, 2), Launch(32, 32, 4, 2)
-        return Launch(16, 16, 4, 1), Launch(16, 16, 4, 1), Launch(16, 16, 4, 1)
+            return Launch(64, 32, 4, 2), Launch(32, 64, 4, 2), dq
+        return Launch(32, 32, 4, 2), Launch(32, 32, 4, 2), dq
     if arch >= 90:
         # 64 x 64 forward tiles: causal up to 2k keys (+2..23% at D=64/128), D=128 non-causal up
         # to 512 (+9..15%); the 128-row tiles win beyond (tune_short.log). Tensor descriptors
@@ -100,7 +106,9 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 fwd = small_fwd if length == 0 else Launch(128, 64, 8, 3)
             dkdv = Launch(64, 128, 8, 2, tma=length > 0, warp_specialize=length > 0)
             return fwd, dkdv, Launch(128, 64, 8, 3)
-        return Launch(64, 64, 4, 2), Launch(32, 64, 4, 2), Launch(64, 32, 4, 2)
+        # D=256 at 4k (tune_d256.log): 1.8-1.9x the forward, 2.1-2.4x dK/dV, 1.2x dQ of the
+        # untuned (64,64,4,2) / (32,64,4,2) / (64,32,4,2) launches.
+        return Launch(128, 64, 8, 2, tma=True), Launch(64, 64, 8, 2, tma=True), Launch(128, 32, 8, 3)
     if block_d <= 64:
         return Launch(128, 64, 4, 3), Launch(32, 128, 4, 2), Launch(128, 32, 4, 2)
     if block_d <= 128:
@@ -114,13 +122,17 @@ def _precision(q: torch.Tensor) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _launches(arch: int, block_d: int, fp32: bool, precision: str, length: int,
+def _launches(arch: int, block_d: int, fp32: bool, tf32: bool, length: int,
               banded: bool) -> tuple[Launch, Launch, Launch]:
-    return tuple(dataclasses.replace(c, input_precision=precision) for c in _table(arch, block_d, fp32, length, banded))
+    configs = _table(arch, block_d, fp32, length, banded)
+    if tf32:  # the user opted into TF32 matmuls: one TF32 pass per fp32 dot
+        return tuple(dataclasses.replace(c, input_precision="tf32") for c in configs)
+    return configs
 
 
 def _configs(q: torch.Tensor, block_d: int, seqlen: int, banded: bool) -> tuple[Launch, Launch, Launch]:
-    return _launches(_arch(q.device), block_d, q.dtype == torch.float32, _precision(q), _length(seqlen), banded)
+    return _launches(_arch(q.device), block_d, q.dtype == torch.float32, _precision(q) == "tf32", _length(seqlen),
+                     banded)
 
 
 def forward_config(q: torch.Tensor, block_d: int, seqlen: int, banded: bool) -> Launch:
