@@ -201,8 +201,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         fail(ErrorCode.SHAPE_MISMATCH, f"value has head dim {value.shape[-1]} but query has {query.shape[-1]}; "
              f"cuflash needs them equal")
 
-    def to_flash(t):  # (..., H, N, D) -> (B, N, H, D), a view
-        return t.reshape(-1, *t.shape[-3:]).transpose(1, 2)
+    def to_flash(t):  # (..., H, N, D) -> (B, N, H, D), a view (4-D inputs skip the reshape: ~2 us each)
+        return (t if t.ndim == 4 else t.reshape(-1, *t.shape[-3:])).transpose(1, 2)
 
     q, k, v = to_flash(query), to_flash(key), to_flash(value)
     check_attention_inputs(q, k, v, names)
@@ -217,7 +217,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                         bottom_right=False, attn_mask=mask, dropout_p=dropout_p,
                         rng_seed=draw_seed(q.device) if dropout_p > 0 else None)
     out, _ = ops.forward(q, k, v, p)
-    return out.transpose(1, 2).reshape(query.shape)
+    out = out.transpose(1, 2)
+    return out if query.ndim == 4 else out.reshape(query.shape)
 
 
 def _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes) -> AttentionParams:
