@@ -14,13 +14,43 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from cuflash.kernels import attention_backward, attention_forward
 from cuflash.kernels.config import Launch, backward_configs, forward_config
 from cuflash.params import AttentionParams
+from cuflash.reference import attention_reference
 
-FWD = [Launch(*c) for c in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
-                            (64, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3)]]
-DKDV = [Launch(*c) for c in [(32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 4, 2), (32, 64, 4, 3),
-                             (64, 64, 4, 3), (128, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3)]]
-DQ = [Launch(*c) for c in [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3),
-                           (64, 128, 4, 2), (128, 128, 8, 2), (128, 64, 8, 3)]]
+def _launches(*specs, **fields):
+    return [Launch(*c, **fields) for c in specs]
+
+
+# Candidates (forward, dK/dV, dQ) per kind of input: 16-bit up to D=128, 16-bit D=256, fp32.
+CANDIDATES = {
+    "16-bit": (_launches((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
+                         (128, 64, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3)),
+               _launches((32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 4, 2), (32, 64, 4, 3), (64, 64, 4, 3),
+                         (128, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3)),
+               _launches((128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 2),
+                         (128, 128, 8, 2), (128, 64, 8, 3))),
+    "d256": (_launches((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2),
+                       (128, 32, 8, 3), (64, 128, 8, 2), (64, 64, 8, 2))
+             + _launches((128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 3), tma=True),
+             _launches((32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 1), (32, 64, 4, 3),
+                       (64, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2))
+             + _launches((64, 64, 8, 2), (32, 64, 4, 2), tma=True),
+             _launches((64, 32, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2),
+                       (128, 32, 8, 3), (64, 32, 4, 3))
+             + _launches((64, 64, 8, 2), (128, 32, 8, 2), tma=True)),
+    "fp32": (_launches((64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2),
+                       (32, 64, 4, 2), (32, 32, 4, 2), (128, 32, 4, 2))
+             + _launches((64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3), input_precision="tf32x3"),
+             _launches((32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 32, 4, 2),
+                       (64, 32, 4, 2), (16, 64, 4, 2))
+             + _launches((64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 3), input_precision="tf32x3"),
+             _launches((64, 32, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (32, 32, 4, 2),
+                       (64, 64, 4, 2), (128, 32, 4, 2))
+             + _launches((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3), input_precision="tf32x3")),
+}
+
+
+def kind(dtype, d):
+    return "fp32" if dtype == torch.float32 else "d256" if d > 128 else "16-bit"
 
 
 def bench(fn):
@@ -107,23 +137,47 @@ def main():
     p.add_argument("--loads", help="time the table's launches with these tile loads: plain, tma, ws")
     p.add_argument("--kernels", default="fwd,dkdv,dq", help="with --loads: which kernels to time")
     args = p.parse_args()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if args.table:
         return time_table(args, dtype)
     if args.loads:
         return time_loads(args, dtype)
     for n, d, causal, b, h, q, k, v, do, flops, params in cases(args, dtype):
-        fwd = {c: bench(lambda: attention_forward(q, k, v, params, c)) for c in FWD}
+        fwd_list, dkdv_list, dq_list = CANDIDATES[kind(dtype, d)]
+        fwd0 = forward_config(q, d, n, causal)
+        dkdv0, dq0 = backward_configs(q, d, n, causal)
         out, lse = attention_forward(q, k, v, params)
-        _, dq0 = backward_configs(q, d, n, causal)
-        dkdv = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, (c, dq0))) for c in DKDV}
+        fwd = {c: bench(lambda: attention_forward(q, k, v, params, c)) for c in [fwd0] + fwd_list}
+        dkdv = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, (c, dq0)))
+                for c in [dkdv0] + dkdv_list}
         best_dkdv = min(dkdv, key=dkdv.get)
-        dq = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, (best_dkdv, c))) for c in DQ}
-        print(f"\n== D={d} causal={causal} N={n} B={b} H={h} (current fwd {forward_config(q, d, n, causal)})")
+        dq = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, (best_dkdv, c)))
+              for c in [dq0] + dq_list}
+        print(f"\n== D={d} causal={causal} N={n} B={b} H={h} {args.dtype} (table: {fwd0} / {dkdv0} / {dq0})")
         for name, res, mult in (("fwd", fwd, 1.0), ("bwd dkdv sweep", dkdv, 2.5), ("bwd dq sweep", dq, 2.5)):
             for c, ms in sorted(res.items(), key=lambda kv: kv[1]):
+                err = "" if ms == float("inf") else f"  err {_error(c, name, dtype, d, causal):.1e}"
                 print(f"  {name:15s} BM={c.block_m:3d} BN={c.block_n:3d} warps={c.num_warps} stages={c.num_stages}"
-                      f"  {ms:7.3f} ms  {mult * flops / ms / 1e9:6.1f} TFLOP/s")
+                      f" {c.input_precision:6s} tma={c.tma:d}  {ms:7.3f} ms  {mult * flops / ms / 1e9:6.1f} TFLOP/s{err}",
+                      flush=True)
+
+
+def _error(cfg, name, dtype, d, causal):
+    """Largest relative error (out, or the gradients of a backward sweep) of a launch against the
+    float64 oracle on a 1k problem, the other kernels with the table's launches."""
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, 1024, 4, d, dtype=dtype, device="cuda") for _ in range(4))
+    params = AttentionParams(d ** -0.5, window_right=0 if causal else -1)
+    fwd0 = forward_config(q, d, 1024, causal)
+    dkdv0, dq0 = backward_configs(q, d, 1024, causal)
+    out, lse = attention_forward(q, k, v, params, cfg if name == "fwd" else fwd0)
+    configs = (cfg, dq0) if "dkdv" in name else (dkdv0, cfg) if "dq" in name else (dkdv0, dq0)
+    grads = attention_backward(do, q, k, v, out, lse, params, configs)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_reference(qd, kd, vd, causal=causal)
+    ref.backward(do.double())
+    pairs = [(out, ref)] if name == "fwd" else list(zip(grads, (qd.grad, kd.grad, vd.grad)))
+    return max(((a.double() - b).norm() / b.norm()).item() for a, b in pairs)
 
 
 if __name__ == "__main__":

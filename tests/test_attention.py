@@ -138,16 +138,17 @@ def test_deterministic_backward(backend):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_tensor_descriptors_only_for_aligned_tensors():
-    tma = Launch(64, 64, 4, 3, tma=True)
+def test_tensor_descriptors_only_where_they_compile():
+    tma, n = Launch(64, 64, 4, 3, tma=True), (17, 33)
     x = torch.randn(2, 17, 3, 40, dtype=torch.float16)
-    assert use_tma(tma, x, x[:, :, 1:])  # 80-byte rows and heads
-    assert not use_tma(Launch(64, 64, 4, 3), x)  # not asked for
-    assert not use_tma(tma, torch.randn(2, 17, 3, 44, dtype=torch.float16))  # 88-byte rows
+    assert use_tma(tma, n, x, x[:, :, 1:])  # 80-byte rows and heads
+    assert not use_tma(Launch(64, 64, 4, 3), n, x)  # not asked for
+    assert not use_tma(tma, (1, 33), x) and not use_tma(tma, (17, 1), x)  # a length Triton makes a constant 1
+    assert not use_tma(tma, n, torch.randn(2, 17, 3, 44, dtype=torch.float16))  # 88-byte rows
     buf = torch.randn(x.numel() + 8, dtype=torch.float16)
-    assert use_tma(tma, buf[8:].view(x.shape))  # base 16 bytes in
-    assert not use_tma(tma, buf[4:-4].view(x.shape))  # base 8 bytes in
-    assert not use_tma(tma, torch.randn(1, 1, 3, 40).expand(2, 17, 3, 40))  # rows at stride 0
+    assert use_tma(tma, n, buf[8:].view(x.shape))  # base 16 bytes in
+    assert not use_tma(tma, n, buf[4:-4].view(x.shape))  # base 8 bytes in
+    assert not use_tma(tma, n, torch.randn(1, 1, 3, 40).expand(2, 17, 3, 40))  # rows at stride 0
 
 
 @interpret
@@ -163,7 +164,7 @@ def test_tensor_descriptor_loads_match_pointer_loads(varlen):
     else:
         q, k, v = make_qkv(2, 37, 50, 4, 2, 40, torch.float32, "cpu")
         params = AttentionParams(40 ** -0.5, window_right=0)
-    assert use_tma(Launch(16, 16, 1, 1, tma=True), q, k, v)
+    assert use_tma(Launch(16, 16, 1, 1, tma=True), (30, 33), q, k, v)
     check_tile_loads(q, k, v, params, Launch(32, 16, 1, 1), Launch(16, 32, 1, 1), Launch(32, 16, 1, 1), tol=1e-6)
 
 

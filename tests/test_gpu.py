@@ -190,7 +190,7 @@ def test_tensor_descriptor_loads_on_gpu(dtype, varlen):
     else:
         q, k, v = make_qkv(2, 700, 1500, 8, 2, 96, dtype, "cuda")
         params = AttentionParams(96 ** -0.5, window_right=0)
-    assert use_tma(Launch(64, 64, 4, 3, tma=True), q, k, v)  # what the test compares exists
+    assert use_tma(Launch(64, 64, 4, 3, tma=True), (700, 1000), q, k, v)  # what the test compares exists
     check_tile_loads(q, k, v, params, forward_config(q, 128, 1500, True), *backward_configs(q, 128, 1500, True),
                      tol=1e-4)
 

@@ -307,7 +307,8 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams,
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     # Warp specialization is asked for only with tensor descriptors (Triton 3.6 cannot compile it
     # for pointer loads on Hopper), so it falls back with them to plain loads.
-    dkdv_tma, dq_tma = use_tma(dkdv_cfg, q, dout), use_tma(dq_cfg, k, v)
+    seqlens = (prob.seqlen_q, prob.seqlen_k)
+    dkdv_tma, dq_tma = use_tma(dkdv_cfg, seqlens, q, dout), use_tma(dq_cfg, seqlens, k, v)
     lse_args = lse_strides(prob, params)
     shared = dict(**prob.strides("q", q), **prob.strides("k", k, "n"), **prob.strides("v", v, "n"),
                   **prob.strides("do", dout), **lse_args, **variant_args(prob, params),

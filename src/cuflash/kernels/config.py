@@ -25,12 +25,15 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def use_tma(cfg: Launch, *tensors: torch.Tensor) -> bool:
+def use_tma(cfg: Launch, seqlens: tuple[int, int], *tensors: torch.Tensor) -> bool:
     """Whether a launch streams these tensors through tensor descriptors: the configuration asks
-    for it and each tensor is one the copy engine can address (16-byte aligned base and strides,
-    rows at a positive stride). Installs the allocator the descriptors need (global scratch from
-    torch's caching allocator) when it is used."""
-    if not cfg.tma:
+    for it, neither sequence length is 1 and each tensor is one the copy engine can address
+    (16-byte aligned base and strides, rows at a positive stride). Installs the allocator the
+    descriptors need (global scratch from torch's caching allocator) when it is used.
+    Length 1: Triton specializes an argument equal to 1 into a constant, and with it Triton 3.6
+    fails to compile descriptor loops (the dK/dV pipeliner for seqlen_q 1 with GQA, ptxas crashing
+    on the D=256 causal forward for 1 x 1), so those launches read through pointers."""
+    if not cfg.tma or min(seqlens) == 1:
         return False
     for t in tensors:
         unit = 16 // t.element_size()
@@ -106,10 +109,9 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 fwd = small_fwd if length == 0 else Launch(128, 64, 8, 3)
             dkdv = Launch(64, 128, 8, 2, tma=length > 0, warp_specialize=length > 0)
             return fwd, dkdv, Launch(128, 64, 8, 3)
-        # D=256: (128,64,8,2,tma) / (64,64,8,2,tma) / (128,32,8,3) measured 1.8-1.9x the forward,
-        # 2.1-2.4x dK/dV and 1.2x dQ of these at 4k (tune_d256.log), but Triton 3.6's ptxas crashed
-        # (SIGSEGV) compiling that forward for causal seqlen 1: not adopted until that is avoided.
-        return Launch(64, 64, 4, 2), Launch(32, 64, 4, 2), Launch(64, 32, 4, 2)
+        # D=256 at 4k (tune_d256.log): 1.8-1.9x the forward, 2.1-2.4x dK/dV and 1.2x dQ of the
+        # untuned (64,64,4,2) / (32,64,4,2) / (64,32,4,2).
+        return Launch(128, 64, 8, 2, tma=True), Launch(64, 64, 8, 2, tma=True), Launch(128, 32, 8, 3)
     if block_d <= 64:
         return Launch(128, 64, 4, 3), Launch(32, 128, 4, 2), Launch(128, 32, 4, 2)
     if block_d <= 128:

@@ -139,7 +139,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape(prob, params), dtype=torch.float32, device=q.device)
     cfg = config or forward_config(q, prob.block_d, max(prob.seqlen_q, prob.seqlen_k), params.banded)
-    tma = use_tma(cfg, k, v)
+    tma = use_tma(cfg, (prob.seqlen_q, prob.seqlen_k), k, v)
     grid = (cdiv(prob.seqlen_q, cfg.block_m), prob.batch * prob.nheads)
     _attn_fwd[grid](
         Q=q, K=k, V=v, Out=out, Lse=lse,

@@ -1,0 +1,97 @@
+"""Compiles, without running and without a GPU, every kernel the launch table picks for Hopper
+(sm_90) over many input specializations, with the installed Triton and its own ptxas, and prints
+the ones that fail. Triton specializes arguments (an int equal to 1 becomes a constant), and some
+specializations crash its passes or ptxas where the benchmark shapes compile fine: this finds them
+for free before a GPU run. Match the GPU machine's Triton in a separate environment:
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0
+    PYTHONPATH=src /tmp/t36/bin/python scripts/compile_check.py [--dtype bf16,fp32] [--hdims 64,96,128,256]
+        [--options plain,causal,window,softcap,dropout,varlen]
+"""
+import argparse
+import itertools
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+
+class _Hopper:
+    """A stand-in for the CUDA driver: the target is sm_90, there is no device to launch on."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+driver.set_active(_Hopper())
+_run = JITFunction.run
+JITFunction.run = lambda self, *args, grid, warmup, **kwargs: _run(self, *args, grid=grid, warmup=True, **kwargs)
+
+from cuflash.kernels import attention_backward, attention_forward  # noqa: E402 (after the stand-in)
+from cuflash.kernels.config import _launches, _length, padded_head_dim  # noqa: E402
+from cuflash.params import AttentionParams  # noqa: E402
+
+# (seqlen_q, seqlen_k, nheads, nheads_k): ones that Triton turns into constants, GQA, MQA, ragged.
+SHAPES = [(1, 1, 4, 4), (1, 1000, 4, 2), (1000, 1, 4, 4), (17, 17, 4, 1), (1000, 1000, 4, 2), (3000, 3000, 2, 2),
+          (1, 3000, 4, 1)]
+OPTIONS = {"plain": {}, "causal": dict(window_right=0), "window": dict(window_left=256, window_right=0),
+           "softcap": dict(softcap=30.0), "dropout": dict(dropout_p=0.1), "varlen": {}, "varlen causal": dict(window_right=0)}
+
+
+def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
+    """Compiles forward and backward for one case; returns the failure, or None."""
+    opts = dict(OPTIONS[name])
+    if "dropout_p" in opts:
+        opts["rng_seed"] = torch.zeros(2, dtype=torch.int64)
+    if name.startswith("varlen"):
+        lens_q, lens_k = [nq, 1, 17], [nk, 9, 17]
+        cu_q, cu_k = (torch.tensor([0] + lens).cumsum(0).to(torch.int32) for lens in (lens_q, lens_k))
+        q = torch.randn(sum(lens_q), h, d, dtype=dtype)
+        k, v = (torch.randn(sum(lens_k), hk, d, dtype=dtype) for _ in range(2))
+        params = AttentionParams(d ** -0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                                 max_seqlen_k=max(lens_k), **opts)
+        lse = torch.zeros(h, sum(lens_q))
+    else:
+        q = torch.randn(2, nq, h, d, dtype=dtype)
+        k, v = (torch.randn(2, nk, hk, d, dtype=dtype) for _ in range(2))
+        params = AttentionParams(d ** -0.5, **opts)
+        lse = torch.zeros(2, h, nq)
+    fwd, dkdv, dq = _launches(90, padded_head_dim(d), dtype == torch.float32, False,
+                              _length(max(params.max_seqlen_q or nq, params.max_seqlen_k or nk)), params.banded)
+    for kernel, call in (("forward", lambda: attention_forward(q, k, v, params, fwd)),
+                         ("backward", lambda: attention_backward(q, q, k, v, q, lse, params, (dkdv, dq)))):
+        try:
+            call()
+        except Exception as exc:  # a compiler pass or ptxas failing
+            lines = str(exc).strip().splitlines() or [""]
+            return f"{kernel}: {type(exc).__name__}: {lines[-1][:120]}"
+    return None
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--hdims", default="64,128,256")
+    p.add_argument("--options", default="plain,causal,varlen", help=f"from {','.join(OPTIONS)}")
+    args = p.parse_args()
+    dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[x] for x in args.dtype.split(",")]
+    failed = total = 0
+    for dtype, d, name, shape in itertools.product(dtypes, map(int, args.hdims.split(",")),
+                                                   args.options.split(","), SHAPES):
+        total += 1
+        error = compile_case(dtype, d, *shape, name)
+        if error:
+            failed += 1
+            print(f"FAIL {dtype} D={d} {name} {shape}: {error}", flush=True)
+    print(f"{failed} of {total} cases failed to compile")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
