@@ -164,7 +164,9 @@ class _Attention(torch.autograd.Function):
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
     """(out, softmax_lse), differentiable in q, k, v."""
     if _direct(q):
-        return _Attention.apply(q, k, v, params)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _Attention.apply(q, k, v, params)
+        return _backend(q.device, q.dtype).attention_forward(q, k, v, params)  # no graph: ~10 us less
     return attention_forward(q, k, v, *params.as_args())
 
 
