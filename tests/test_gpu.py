@@ -195,6 +195,18 @@ def test_tensor_descriptor_loads_on_gpu(dtype, varlen):
                      tol=1e-4)
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 1000), (1000, 1)])
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_length_one_with_descriptor_launches(causal, head_dim, seqlen_q, seqlen_k):
+    """Lengths of 1 under launches that ask for tensor descriptors (D=128 dK/dV beyond 512 keys,
+    D=256): Triton 3.6 fails to compile the descriptor loops for them (seqlen_q 1 with GQA in the
+    dK/dV pipeliner, ptxas on the D=256 causal 1 x 1 forward), so use_tma reads through pointers."""
+    torch.manual_seed(seqlen_q + seqlen_k + head_dim)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, torch.bfloat16, "cuda")
+    check_against_oracle(_flash(causal), q, k, v, causal)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dropout_on_gpu(dtype):
     torch.manual_seed(21)
