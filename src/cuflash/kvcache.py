@@ -9,6 +9,7 @@ CPU path gathers each sequence's keys and runs the blocked varlen attention on t
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -84,7 +85,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         check_tensor(name, t, 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or paged "
                      "(num_blocks, page_block_size, nheads_k, headdim)")
     check_attention_inputs(q[:1, :1], k_cache[:1, :1], v_cache[:1, :1], ("q", "k_cache", "v_cache"))
-    ops.backend_name(q.device, q.dtype)
+    backend = ops.backend_name(q.device, q.dtype)
     batch, seqlen_q, nheads, head_dim = q.shape
     paged = block_table is not None
     if k_cache.shape != v_cache.shape:
@@ -140,10 +141,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             fail(ErrorCode.SHAPE_MISMATCH, f"rotary_cos {tuple(rotary_cos.shape)} and rotary_sin "
                  f"{tuple(rotary_sin.shape)} must match, with 2 * rotary_dim / 2 <= headdim {head_dim}")
 
-    def per_sequence(x) -> torch.Tensor:
-        """(batch,) long tensor of an int, a tensor or None (0)."""
-        x = 0 if x is None else x
-        return x.long() if isinstance(x, torch.Tensor) else torch.full((batch,), x, dtype=torch.long, device=q.device)
+    @functools.cache
+    def bounds() -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache_leftpad, cache_seqlens) as (batch,) long tensors, built once and only when needed
+        (a plain decode step with an int cache_seqlens needs neither)."""
+        def per_sequence(x):
+            return x.long() if isinstance(x, torch.Tensor) else torch.full((batch,), x, dtype=torch.long,
+                                                                          device=q.device)
+        return per_sequence(0 if leftpad is None else leftpad), per_sequence(seqlens)
 
     # Query token i sits at position cache_seqlens + i (counted from cache_leftpad) when causal or
     # windowed, else all at cache_seqlens (flash-attn's rotary convention).
@@ -161,24 +166,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return (seq if rows is None else rows[seq].long()) * rows_per_seq + positions
 
     if rotary_cos is not None:
-        positions_q = (per_sequence(seqlens) - per_sequence(leftpad))[:, None] + (
+        starts, lengths = bounds()
+        positions_q = (lengths - starts)[:, None] + (
             torch.arange(seqlen_q, device=q.device)[None, :] if shifted else 0)
         q = _rotate(q, rotary_cos, rotary_sin, positions_q.expand(batch, seqlen_q), rotary_interleaved)
     if k is not None:
-        positions_new = per_sequence(seqlens)[:, None] + torch.arange(seqlen_new, device=q.device)[None, :]
+        starts, lengths = bounds()
+        positions_new = lengths[:, None] + torch.arange(seqlen_new, device=q.device)[None, :]
         if rotary_cos is not None:
-            k = _rotate(k, rotary_cos, rotary_sin, positions_new - per_sequence(leftpad)[:, None], rotary_interleaved)
+            k = _rotate(k, rotary_cos, rotary_sin, positions_new - starts[:, None], rotary_interleaved)
         target = flat(torch.arange(batch, device=q.device)[:, None], positions_new).flatten()
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, target, k.reshape(-1, *k.shape[2:]))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, target, v.reshape(-1, *v.shape[2:]))
 
-    if ops.backend_name(q.device, q.dtype) == "triton":
+    if backend == "triton":
         from .kernels.decode import decode_forward
         out, lse = decode_forward(q, k_cache, v_cache, seqlens, seqlen_new, leftpad, rows, table if paged else None,
                                   params, num_splits)
     else:
-        out, lse = _gathered_attention(q, k_cache, v_cache, flat, per_sequence(leftpad),
-                                       per_sequence(seqlens) + seqlen_new, params)
+        starts, lengths = bounds()
+        out, lse = _gathered_attention(q, k_cache, v_cache, flat, starts, lengths + seqlen_new, params)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -4,9 +4,9 @@ autograd registration, and the single place that picks a backend.
 forward() and backward() go through the custom ops wherever PyTorch needs to see them (under
 torch.compile, a dispatch mode such as FakeTensorMode, torch.func transforms, tensor subclasses,
 meta tensors). On plain tensors in eager mode they call the backend directly, with autograd
-through a plain autograd.Function where a graph is built (none without grad): on an H200 host (scripts/overhead.py) the custom op's dispatch
-costs ~50 us per forward call, ~170 us with inputs requiring grad, the Function ~25 us; a whole
-forward kernel of a short sequence takes about as long.
+through a plain autograd.Function where a graph is built (none without grad): on an H200 host
+(scripts/overhead.py) the custom op's dispatch costs ~50 us per forward call, ~170 us with inputs
+requiring grad, the Function ~25 us; a whole forward kernel of a short sequence takes about as long.
 
 Backends: the Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1) and the
 blocked PyTorch implementation in cpu.py (CPU tensors). CUFLASH_BACKEND=triton|cpu forces one.
