@@ -158,7 +158,8 @@ def main():
             for c, ms in sorted(res.items(), key=lambda kv: kv[1]):
                 err = "" if ms == float("inf") else f"  err {_error(c, name, dtype, d, causal):.1e}"
                 print(f"  {name:15s} BM={c.block_m:3d} BN={c.block_n:3d} warps={c.num_warps} stages={c.num_stages}"
-                      f" {c.input_precision:6s} tma={c.tma:d}  {ms:7.3f} ms  {mult * flops / ms / 1e9:6.1f} TFLOP/s{err}",
+                      f" {c.input_precision:6s} tma={c.tma:d}  {ms:7.3f} ms"
+                      f"  {mult * flops / ms / 1e9:6.1f} TFLOP/s{err}",
                       flush=True)
 
 

@@ -162,10 +162,7 @@ def test_variant_against_oracle(dtype, variant, shape):
 def test_varlen_on_gpu(dtype, causal):
     torch.manual_seed(20 + causal)
     lens_q, lens_k = [1, 17, 1000, 0, 513, 64], [5, 17, 1000, 9, 1030, 1]
-    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
-    q = torch.randn(sum(lens_q), 8, 128, dtype=dtype, device="cuda")
-    k, v = (torch.randn(sum(lens_k), 2, 128, dtype=dtype, device="cuda") for _ in range(2))
+    q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, 8, 2, 128, dtype, "cuda")
     dout = torch.randn_like(q)
     got = run_and_grad(lambda a, b, c: cuflash.flash_attn_varlen_func(a, b, c, cu_q, cu_k, max(lens_q), max(lens_k),
                                                                       causal=causal), q, k, v, dout)
