@@ -8,9 +8,9 @@ import triton
 
 import cuflash
 from cuflash import ops
+from cuflash.kernels import backward as kb
 from cuflash.kernels import forward as kf
-from cuflash.kernels.config import forward_config
-from cuflash.kernels.variant import lse_shape, lse_strides, problem, variant_args
+from cuflash.kernels.variant import variant_tensors
 from cuflash.params import AttentionParams
 
 
@@ -29,16 +29,9 @@ def per_call_us(fn, calls=2000):
 q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 p = AttentionParams(0.125, window_right=0)
-prob = problem(q, k, v, p)
-out = torch.empty_like(q)
-lse = torch.empty(lse_shape(prob, p), device="cuda")
-cfg = forward_config(q, prob.block_d, 128, True)
-kwargs = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **prob.strides("q", q), **prob.strides("k", k, "n"),
-              **prob.strides("v", v, "n"), **prob.strides("o", out), **lse_strides(prob, p), **variant_args(prob, p),
-              nheads=2, seqlen_q=128, seqlen_k=128, head_dim=64, group_size=1, BLOCK_M=cfg.block_m,
-              BLOCK_N=cfg.block_n, BLOCK_D=64, EVEN_D=True, INPUT_PRECISION="ieee", num_warps=cfg.num_warps,
-              num_stages=cfg.num_stages)
-grid = (triton.cdiv(128, cfg.block_m), 2)
+out, lse = kf.attention_forward(q, k, v, p)
+dout = torch.randn_like(out)
+kernel, grid, kwargs = kf._launch(dict(Q=q, K=k, V=v, Out=out, Lse=lse, **variant_tensors(q, p)), p, None)
 
 
 def _no_grad_sdpa():
@@ -49,9 +42,10 @@ def _no_grad_sdpa():
 
 
 layers = {
-    "kernel launch only (_attn_fwd[grid](**kwargs))": lambda: kf._attn_fwd[grid](**kwargs),
-    "launcher (kernels.attention_forward)": lambda: kf.attention_forward(q, k, v, p),
-    "kernel launch only, bottom_right=0": lambda: kf._attn_fwd[grid](**dict(kwargs, bottom_right=0)),
+    "Triton JIT launch (_attn_fwd[grid](**kwargs))": lambda: kernel[grid](**kwargs),
+    "launcher (kernels.attention_forward: a launch plan)": lambda: kf.attention_forward(q, k, v, p),
+    "backward launcher (kernels.attention_backward, 3 kernels)":
+        lambda: kb.attention_backward(dout, q, k, v, out, lse, p),
     "custom op (torch.library dispatch)": lambda: ops.attention_forward(q, k, v, *p.as_args()),
     "ops.forward (eager: autograd.Function)": lambda: ops.forward(q, k, v, p),
     "ops.forward, top-left causal (SDPA's)": lambda: ops.forward(q, k, v, AttentionParams(0.125, window_right=0,

@@ -80,7 +80,11 @@ def check_against_oracle(fn, q, k, v, causal, with_sdpa=True, grads=True, **opti
         errors[name] = err
         bound = BOUNDS[dtype] if fp32 is None else max(BOUNDS[dtype], 2 * rel_err(fp32[i], ref[i]))
         assert err < bound, f"{name}: error {err:.3g} above the {dtype} bound {bound:g}"
-        if theirs is not None:
+        # Where the float64 gradient is exactly zero (one visible key: dS = P * (dP - delta) with
+        # P = 1), err is the absolute rounding left by the fused kernels' delta = rowsum(dO * O),
+        # which torch's flash and cuDNN backends leave too and its math backend does not: only the
+        # bound above applies.
+        if theirs is not None and ref[i].any():
             torch_err = rel_err(theirs[i], ref[i])
             assert err <= max(2 * torch_err, ROUNDING_FLOOR[dtype]), \
                 f"{name}: error {err:.3g} more than 2x torch SDPA's {torch_err:.3g}"

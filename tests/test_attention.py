@@ -168,6 +168,51 @@ def test_tensor_descriptor_loads_match_pointer_loads(varlen):
     check_tile_loads(q, k, v, params, Launch(32, 16, 1, 1), Launch(16, 32, 1, 1), Launch(32, 16, 1, 1), tol=1e-6)
 
 
+@interpret
+def test_launch_plans_are_reused_per_signature_and_hold_no_tensors():
+    """A launch plan keeps every argument of a signature's first call but its tensors: later
+    calls with new data reuse it, new strides, options or a misaligned base make a new one, and
+    the first call's tensors are not kept alive."""
+    import gc
+    import weakref
+
+    from cuflash.kernels import attention_backward, attention_forward
+    from cuflash.kernels import launch
+
+    def check(q, k, v, causal):
+        params = AttentionParams(40 ** -0.5, window_right=0 if causal else -1)
+        dout = torch.randn_like(q)
+
+        def ours(a, b, c):
+            out, lse = attention_forward(a, b, c, params)
+            return (out,) + attention_backward(dout, a, b, c, out, lse, params)
+
+        ref = run_and_grad(lambda a, b, c: attention_reference(a, b, c, causal=causal)[0],
+                           q.double(), k.double(), v.double(), dout.double())
+        for got, want in zip(ours(q, k, v), ref):
+            assert rel_err(got, want) < 1e-5
+
+    launch._plans.clear()
+    torch.manual_seed(5)
+    first = make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu")
+    check(*first, True)
+    assert len(launch._plans) == 2  # forward, backward
+    watch = weakref.ref(first[0])
+    del first
+    gc.collect()
+    assert watch() is None
+    check(*make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu"), True)  # new data: the same plans
+    assert len(launch._plans) == 2
+    check(*make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu"), False)  # another option
+    assert len(launch._plans) == 4
+    check(*make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu", layout="bhnd"), True)  # other strides
+    assert len(launch._plans) == 6
+    q, k, v = make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu")
+    shifted = torch.empty(q.numel() + 1)[1:].view(q.shape).copy_(q)  # base 4 bytes past 16-byte alignment
+    check(shifted, k, v, True)
+    assert len(launch._plans) == 8
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradcheck_float64_cpu_path(monkeypatch, causal):
     monkeypatch.setenv("CUFLASH_BACKEND", "cpu")

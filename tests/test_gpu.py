@@ -192,6 +192,33 @@ def test_tensor_descriptor_loads_on_gpu(dtype, varlen):
                      tol=1e-4)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_launch_plans_on_gpu(head_dim):
+    """Calls after a signature's first launch the compiled kernels directly (kernels/launch.py):
+    fresh data through the same plans, from the main thread and from another one (descriptor
+    kernels need Triton's per-thread scratch allocator set by the plan; D=128 and 256 use
+    descriptors at these lengths), must match the oracle every time."""
+    import threading
+
+    from cuflash.kernels import launch
+
+    def step(seed):
+        torch.manual_seed(seed)
+        q, k, v = make_qkv(2, 1100, 1100, 8, 2, head_dim, torch.bfloat16, "cuda")
+        check_against_oracle(_flash(True), q, k, v, True)
+        return True
+
+    step(1)
+    plans = len(launch._plans)
+    step(2)
+    done = []
+    worker = threading.Thread(target=lambda: done.append(step(3)))
+    worker.start()
+    worker.join()
+    assert done == [True], "the step in another thread failed (its traceback is printed above)"
+    assert len(launch._plans) == plans  # the later steps reused the first one's plans
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 1000), (1000, 1)])
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .errors import ErrorCode, fail, lse_dtype
-from .params import FIELD_NAMES, TENSOR_FIELDS, AttentionParams
+from .params import TENSOR_FIELDS, AttentionParams
 
 BACKENDS = ("auto", "triton", "cpu")
 
@@ -34,14 +34,15 @@ def triton_version() -> str | None:
     return triton.__version__
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)  # a driver query: ~10 us per call uncached
-
-
 def backend_name(device: torch.device, dtype: torch.dtype) -> str:
     """The backend that will run for tensors on `device`; raises FlashAttentionError when none can."""
-    choice = os.environ.get("CUFLASH_BACKEND", "auto").lower()
+    return _backend_name(os.environ.get("CUFLASH_BACKEND", "auto"), os.environ.get("TRITON_INTERPRET"), device,
+                         dtype)
+
+
+@functools.lru_cache(maxsize=None)  # a driver query inside; errors raise, so they are not cached
+def _backend_name(choice: str, interpret: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    choice = choice.lower()
     if choice not in BACKENDS:
         fail(ErrorCode.INVALID_ARGUMENT, f"CUFLASH_BACKEND={choice!r}; accepted: {', '.join(BACKENDS)}")
     if choice == "auto":
@@ -52,15 +53,15 @@ def backend_name(device: torch.device, dtype: torch.dtype) -> str:
         if triton_version() is None:
             fail(ErrorCode.UNSUPPORTED_DEVICE, "the Triton kernels need the `triton` package, which is not installed")
         if device.type == "cuda":
-            if os.environ.get("TRITON_INTERPRET") == "1":
+            if interpret == "1":
                 fail(ErrorCode.UNSUPPORTED_DEVICE,
                      "TRITON_INTERPRET=1 runs the kernels on CPU tensors only; got tensors on cuda")
-            major, minor = _capability(device)
+            major, minor = torch.cuda.get_device_capability(device)
             if major < 8:
                 fail(ErrorCode.UNSUPPORTED_DEVICE,
                      f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; "
                      f"the kernels need 8.0 (Ampere) or newer")
-        elif device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        elif device.type == "cpu" and interpret != "1":
             fail(ErrorCode.UNSUPPORTED_DEVICE,
                  "CUFLASH_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 set before cuflash is imported")
         elif device.type not in ("cuda", "cpu"):
@@ -91,15 +92,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax
     return _backend(q.device, q.dtype).attention_forward(q, k, v, params)
 
 
-def _lse_shape(q: torch.Tensor, varlen: bool) -> tuple:
-    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
-
-
 @attention_forward.register_fake
 def _(q, k, v, *params):
-    varlen = params[FIELD_NAMES.index("cu_seqlens_q")] is not None
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty(_lse_shape(q, varlen), dtype=lse_dtype(q.dtype)))
+            q.new_empty(AttentionParams(*params).lse_shape(q), dtype=lse_dtype(q.dtype)))
 
 
 @torch.library.custom_op("cuflash::bwd", mutates_args=())

@@ -4,6 +4,7 @@ are shaped (scale, softcap, ALiBi) and dropout."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -59,12 +60,24 @@ class AttentionParams:
             slopes = slopes[b:b + 1]
         return dataclasses.replace(self, alibi_slopes=slopes, cu_seqlens_q=None, cu_seqlens_k=None)
 
+    def lse_shape(self, q: torch.Tensor) -> tuple:
+        """softmax_lse's shape for q: (batch, nheads, seqlen_q), varlen (nheads, total_q)."""
+        return (q.shape[1], q.shape[0]) if self.varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+    def key(self) -> tuple:
+        """The scalar fields and which tensor fields are given: with the tensors' shapes, strides
+        and dtypes, all a kernel launch's arguments depend on but the tensors' addresses."""
+        return _SCALARS(self) + tuple(t is None for t in _TENSORS(self))
+
     def as_args(self) -> tuple:
         """The fields in order: the trailing arguments of the custom ops."""
-        return tuple(getattr(self, name) for name in FIELD_NAMES)
+        return tuple(getattr(self, name) for name in FIELD_NAMES)  # (traced by torch.compile)
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))
+_TENSOR_NAMES = ("alibi_slopes", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k")
 # Positions of the tensor fields among FIELD_NAMES (autograd saves those with save_for_backward).
-TENSOR_FIELDS = tuple(i for i, name in enumerate(FIELD_NAMES)
-                      if name in ("alibi_slopes", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k"))
+TENSOR_FIELDS = tuple(i for i, name in enumerate(FIELD_NAMES) if name in _TENSOR_NAMES)
+# key()'s field getters, in C (a Python loop over the fields costs microseconds per launch).
+_SCALARS = operator.attrgetter(*(name for name in FIELD_NAMES if name not in _TENSOR_NAMES))
+_TENSORS = operator.attrgetter(*_TENSOR_NAMES)

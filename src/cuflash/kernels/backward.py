@@ -17,8 +17,9 @@ import triton.language as tl
 from ..params import AttentionParams
 from .common import LOG2E, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, query_tile, \
     row_source, score_tile, sequence, softcap_grad, store_tile, tile_ptrs
-from .config import Launch, backward_configs, cdiv, use_tma
-from .variant import lse_strides, problem, variant_args
+from .config import Launch, backward_configs, cdiv, tf32, use_tma
+from .launch import launch
+from .variant import lse_strides, problem, variant_args, variant_tensors
 
 
 @triton.jit
@@ -297,21 +298,29 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams,
                        configs: tuple[Launch, Launch] | None = None):
     """Gradients of attention_forward: dq, dk, dv shaped like q, k, v. dout and out are shaped
     like q, lse like the forward's softmax_lse."""
+    lse = lse.contiguous()
+    tensors = dict(Q=q, K=k, V=v, Out=out, DO=dout, Lse=lse, Delta=torch.empty_like(lse),
+                   DQ=torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                   DK=torch.empty(k.shape, dtype=k.dtype, device=k.device),
+                   DV=torch.empty(v.shape, dtype=v.dtype, device=v.device), **variant_tensors(q, params))
+    launch((attention_backward, params.key(), configs, tf32(q)), tensors, lambda: _launches(tensors, params, configs))
+    return tensors["DQ"], tensors["DK"], tensors["DV"]
+
+
+def _launches(t: dict, params: AttentionParams, configs: tuple[Launch, Launch] | None) -> list[tuple]:
+    """delta, then dK/dV, then dQ."""
+    q, k, v, dout, dq, dk, dv = t["Q"], t["K"], t["V"], t["DO"], t["DQ"], t["DK"], t["DV"]
     prob = problem(q, k, v, params)
     dkdv_cfg, dq_cfg = configs or backward_configs(q, prob.block_d, max(prob.seqlen_q, prob.seqlen_k),
                                                    params.banded)
-    lse = lse.contiguous()
-    delta = torch.empty_like(lse)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     # Warp specialization is asked for only with tensor descriptors (Triton 3.6 cannot compile it
     # for pointer loads on Hopper), so it falls back with them to plain loads.
     seqlens = (prob.seqlen_q, prob.seqlen_k)
     dkdv_tma, dq_tma = use_tma(dkdv_cfg, seqlens, q, dout), use_tma(dq_cfg, seqlens, k, v)
     lse_args = lse_strides(prob, params)
-    shared = dict(**prob.strides("q", q), **prob.strides("k", k, "n"), **prob.strides("v", v, "n"),
-                  **prob.strides("do", dout), **lse_args, **variant_args(prob, params),
+    shared = dict(Q=q, K=k, V=v, DO=dout, Lse=t["Lse"], Delta=t["Delta"],
+                  **prob.strides("q", q), **prob.strides("k", k, "n"), **prob.strides("v", v, "n"),
+                  **prob.strides("do", dout), **lse_args, **variant_tensors(q, params), **variant_args(params),
                   seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
                   group_size=prob.nheads // prob.nheads_k, softmax_scale=params.softmax_scale,
                   BLOCK_D=prob.block_d, EVEN_D=prob.head_dim == prob.block_d)
@@ -319,22 +328,20 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams,
     # delta over the rows as stored: a varlen batch is one sequence of total_q rows here.
     delta_rows, delta_batch = (q.shape[0], 1) if params.varlen else (prob.seqlen_q, prob.batch)
     delta_block_m = 64
-    _attn_bwd_delta[(cdiv(delta_rows, delta_block_m), delta_batch * prob.nheads)](
-        Out=out, DO=dout, Delta=delta, **prob.strides("o", out), **prob.strides("do", dout), **lse_args,
-        nheads=prob.nheads, seqlen_q=delta_rows, head_dim=prob.head_dim, BLOCK_M=delta_block_m,
+    delta = _attn_bwd_delta, (cdiv(delta_rows, delta_block_m), delta_batch * prob.nheads), dict(
+        Out=t["Out"], DO=dout, Delta=t["Delta"], **prob.strides("o", t["Out"]), **prob.strides("do", dout),
+        **lse_args, nheads=prob.nheads, seqlen_q=delta_rows, head_dim=prob.head_dim, BLOCK_M=delta_block_m,
         BLOCK_D=prob.block_d,
     )
-    _attn_bwd_dkdv[(cdiv(prob.seqlen_k, dkdv_cfg.block_n), prob.batch * prob.nheads_k)](
-        Q=q, K=k, V=v, DO=dout, Lse=lse, Delta=delta, DK=dk, DV=dv,
-        **prob.strides("dk", dk, "n"), **prob.strides("dv", dv, "n"), **shared, nheads_k=prob.nheads_k,
+    dkdv = _attn_bwd_dkdv, (cdiv(prob.seqlen_k, dkdv_cfg.block_n), prob.batch * prob.nheads_k), dict(
+        DK=dk, DV=dv, **prob.strides("dk", dk, "n"), **prob.strides("dv", dv, "n"), **shared, nheads_k=prob.nheads_k,
         BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n, INPUT_PRECISION=dkdv_cfg.input_precision,
         SPLIT_GROUP_ACC=q.dtype == torch.float32, TMA=dkdv_tma, WS=dkdv_tma and dkdv_cfg.warp_specialize,
         num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
     )
-    _attn_bwd_dq[(cdiv(prob.seqlen_q, dq_cfg.block_m), prob.batch * prob.nheads)](
-        Q=q, K=k, V=v, DO=dout, Lse=lse, Delta=delta, DQ=dq,
-        **prob.strides("dq", dq), **shared, nheads=prob.nheads,
+    dq = _attn_bwd_dq, (cdiv(prob.seqlen_q, dq_cfg.block_m), prob.batch * prob.nheads), dict(
+        DQ=dq, **prob.strides("dq", dq), **shared, nheads=prob.nheads,
         BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, INPUT_PRECISION=dq_cfg.input_precision,
         TMA=dq_tma, WS=dq_tma and dq_cfg.warp_specialize, num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
     )
-    return dq, dk, dv
+    return [delta, dkdv, dq]

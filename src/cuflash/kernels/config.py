@@ -20,7 +20,7 @@ class Launch:
     warp_specialize: bool = False  # the unmasked loop split into producer and consumer warps
 
 
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+def scratch(size: int, alignment: int, stream) -> torch.Tensor:
     # Global memory where the kernels write their tensor descriptors (128 bytes each, per program).
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -41,7 +41,7 @@ def use_tma(cfg: Launch, seqlens: tuple[int, int], *tensors: torch.Tensor) -> bo
                                     for n, stride in zip(t.shape[:-1], t.stride()[:-1])):
             return False
     if tensors[0].is_cuda:
-        triton.set_allocator(_scratch)
+        triton.set_allocator(scratch)
     return True
 
 
@@ -119,9 +119,9 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
     return Launch(64, 32, 4, 1), Launch(16, 64, 4, 1), Launch(64, 16, 4, 1)
 
 
-def _precision(q: torch.Tensor) -> str:
-    # fp32 stays exact IEEE unless the user opted into TF32 for matmuls, as torch does.
-    return "tf32" if q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+def tf32(q: torch.Tensor) -> bool:
+    """fp32 stays exact unless the user opted into TF32 for matmuls, as torch does."""
+    return q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,8 +134,7 @@ def _launches(arch: int, block_d: int, fp32: bool, tf32: bool, length: int,
 
 
 def _configs(q: torch.Tensor, block_d: int, seqlen: int, banded: bool) -> tuple[Launch, Launch, Launch]:
-    return _launches(_arch(q.device), block_d, q.dtype == torch.float32, _precision(q) == "tf32", _length(seqlen),
-                     banded)
+    return _launches(_arch(q.device), block_d, q.dtype == torch.float32, tf32(q), _length(seqlen), banded)
 
 
 def forward_config(q: torch.Tensor, block_d: int, seqlen: int, banded: bool) -> Launch:
@@ -148,7 +147,7 @@ def decode_config(q: torch.Tensor, block_d: int, paged: bool, fills_gpu: bool) -
     per program, block_n the key tile. fills_gpu: the sequences x KV heads alone give every SM its
     programs, so the cache is read unsplit. Measured on an H200 (docs/perf-notes.md)."""
     arch = _arch(q.device)
-    precision = _precision(q)
+    precision = "tf32" if tf32(q) else "ieee"
     if arch == 0:
         return Launch(16, 16, 1, 1, precision)
     if q.dtype == torch.float32 or block_d > 128:

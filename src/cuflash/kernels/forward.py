@@ -12,8 +12,9 @@ import triton.language as tl
 from ..params import AttentionParams
 from .common import LN2, NO_MASK, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, \
     query_tile, row_source, score_tile, sequence, store_tile, tile_ptrs
-from .config import Launch, cdiv, forward_config, use_tma
-from .variant import lse_shape, lse_strides, problem, variant_args
+from .config import Launch, cdiv, forward_config, tf32, use_tma
+from .launch import launch
+from .variant import lse_strides, problem, variant_args, variant_tensors
 
 
 @triton.jit
@@ -135,20 +136,25 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
                       config: Launch | None = None):
     """q (B, Nq, H, D), k and v (B, Nk, Hk, D), any strides with a contiguous last dim (varlen:
     (total, H, D)). Returns out shaped like q and softmax_lse (B, H, Nq) (varlen: (H, total_q)) fp32."""
-    prob = problem(q, k, v, params)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(lse_shape(prob, params), dtype=torch.float32, device=q.device)
+    lse = torch.empty(params.lse_shape(q), dtype=torch.float32, device=q.device)
+    tensors = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **variant_tensors(q, params))
+    launch((attention_forward, params.key(), config, tf32(q)), tensors, lambda: [_launch(tensors, params, config)])
+    return out, lse
+
+
+def _launch(tensors: dict, params: AttentionParams, config: Launch | None):
+    q, k, v, out = tensors["Q"], tensors["K"], tensors["V"], tensors["Out"]
+    prob = problem(q, k, v, params)
     cfg = config or forward_config(q, prob.block_d, max(prob.seqlen_q, prob.seqlen_k), params.banded)
     tma = use_tma(cfg, (prob.seqlen_q, prob.seqlen_k), k, v)
     grid = (cdiv(prob.seqlen_q, cfg.block_m), prob.batch * prob.nheads)
-    _attn_fwd[grid](
-        Q=q, K=k, V=v, Out=out, Lse=lse,
-        **prob.strides("q", q), **prob.strides("k", k, "n"), **prob.strides("v", v, "n"), **prob.strides("o", out),
-        **lse_strides(prob, params), **variant_args(prob, params),
+    return _attn_fwd, grid, dict(
+        **tensors, **prob.strides("q", q), **prob.strides("k", k, "n"), **prob.strides("v", v, "n"),
+        **prob.strides("o", out), **lse_strides(prob, params), **variant_args(params),
         nheads=prob.nheads, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
         group_size=prob.nheads // prob.nheads_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=prob.block_d, EVEN_D=prob.head_dim == prob.block_d,
         INPUT_PRECISION=cfg.input_precision, TMA=tma, WS=tma and cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out, lse

@@ -62,12 +62,6 @@ def lse_strides(prob: Problem, p: AttentionParams) -> dict:
     return {"stride_lb": prob.nheads * prob.seqlen_q, "stride_lh": prob.seqlen_q}
 
 
-def lse_shape(prob: Problem, p: AttentionParams) -> tuple:
-    if p.varlen:
-        return (prob.nheads, prob.q.shape[1])
-    return (prob.batch, prob.nheads, prob.seqlen_q)
-
-
 def logit_scales(p: AttentionParams) -> tuple[float, float]:
     """(qk_scale, softcap) as the kernels' logits() takes them: logits in base 2; with softcap,
     tanh takes scale / softcap and its result is scaled back by softcap * LOG2E."""
@@ -76,10 +70,18 @@ def logit_scales(p: AttentionParams) -> tuple[float, float]:
     return p.softmax_scale * LOG2E.value, 0.0
 
 
-def variant_args(prob: Problem, p: AttentionParams) -> dict:
-    """Keyword arguments of the variant, the same names in every kernel. Unused pointers get q as
-    a placeholder: the constexpr flags compile their reads away."""
-    placeholder = prob.q
+def variant_tensors(q: torch.Tensor, p: AttentionParams) -> dict:
+    """The variant's tensor arguments, the same names in every kernel. Absent ones get q as a
+    placeholder: the constexpr flags compile their reads away."""
+    return dict(CuSeqlensQ=q if p.cu_seqlens_q is None else p.cu_seqlens_q,
+                CuSeqlensK=q if p.cu_seqlens_k is None else p.cu_seqlens_k,
+                Slopes=q if p.alibi_slopes is None else p.alibi_slopes,
+                Mask=q if p.attn_mask is None else p.attn_mask,
+                Rng=q if p.rng_seed is None else p.rng_seed)
+
+
+def variant_args(p: AttentionParams) -> dict:
+    """The variant's other arguments (strides, scalars, constexpr flags), named as in every kernel."""
     mask = p.attn_mask
     if mask is None:
         mask_kind, mask_strides = NO_MASK.value, (0, 0, 0, 0)
@@ -89,14 +91,9 @@ def variant_args(prob: Problem, p: AttentionParams) -> dict:
     slopes = p.alibi_slopes
     qk_scale, softcap = logit_scales(p)
     return dict(
-        CuSeqlensQ=p.cu_seqlens_q if p.varlen else placeholder,
-        CuSeqlensK=p.cu_seqlens_k if p.varlen else placeholder,
-        Slopes=placeholder if slopes is None else slopes,
         stride_slope_b=0 if slopes is None or slopes.dim() == 1 else slopes.stride(0),
-        Mask=placeholder if mask is None else mask,
         stride_mask_b=mask_strides[0], stride_mask_h=mask_strides[1],
         stride_mask_m=mask_strides[2], stride_mask_n=mask_strides[3],
-        Rng=placeholder if p.rng_seed is None else p.rng_seed,
         bottom_right=int(p.bottom_right), window_left=p.window_left, window_right=p.window_right,
         qk_scale=qk_scale, softcap=softcap,
         drop_threshold=int(p.dropout_p * 2**31), drop_scale=1.0 / (1.0 - p.dropout_p),

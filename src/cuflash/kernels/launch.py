@@ -1,0 +1,85 @@
+"""Kernel launches whose host work is done once per call signature.
+
+A signature (the launcher's key: its scalar options and configuration; and every tensor
+argument's shape, strides, dtype, device and 16-byte alignment, which is all Triton specializes a
+pointer on) fixes every argument of a launch but the tensors' addresses. The first call of a
+signature builds the arguments, launches through Triton's JIT (compiling if needed) and keeps the
+compiled kernel with its arguments in the kernel's order; later calls put the new tensors in
+their places and launch the compiled kernel directly, skipping our argument building and Triton's
+binding and specialization of ~45 arguments, each about half of a short forward's host time
+(scripts/overhead.py). Compiled-kernel launches (`compiled[grid](*args)`, every argument in
+signature order) work the same in Triton 3.6 and 3.9.
+
+Under Triton's interpreter (the CPU tests) there is no compiled kernel: plans launch the
+interpreted kernel with the stored arguments, the same order and tensor slots as on the GPU.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import triton
+
+from .config import scratch
+
+# One plan per signature; a workload with endlessly new shapes (varlen batches with a new longest
+# sequence each step) drops the oldest plans past this many.
+MAX_PLANS = 4096
+_plans: dict[tuple, list[_Launch]] = {}
+
+
+class _Launch:
+    """One kernel launch of a plan: the compiled kernel's launcher for its grid and its arguments,
+    with the tensors' places left empty (a plan holds no tensor)."""
+    __slots__ = ("run", "args", "slots", "scratch")
+
+    def __init__(self, kernel, grid: tuple, kwargs: dict, names: tuple[str, ...]):
+        options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
+        args = [kwargs.pop(name) for name in kernel.arg_names]
+        if kwargs:
+            raise TypeError(f"{kernel.arg_names[0]}...: not kernel arguments: {sorted(kwargs)}")
+        compiled = kernel[grid](*args, **options)  # this call's launch (compiles a new variant)
+        self.slots = tuple((i, names.index(name)) for i, name in enumerate(kernel.arg_names) if name in names)
+        for i, _ in self.slots:
+            args[i] = None
+        if any(isinstance(a, torch.Tensor) for a in args):
+            raise TypeError("a tensor argument missing from the launch's tensors would be frozen into its plan")
+        self.args = args
+        if compiled is None:  # the interpreter
+            self.run, self.scratch = lambda *a: kernel[grid](*a, **options), False
+        else:
+            self.run = compiled[(*grid, 1, 1)[:3]]
+            # Descriptors built in the kernel need global scratch; Triton's allocator is per thread
+            # (a context variable) and autograd runs the backward in its own thread.
+            self.scratch = getattr(compiled.metadata, "global_scratch_size", 0) > 0
+
+    def __call__(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        args = self.args.copy()
+        for i, j in self.slots:
+            args[i] = tensors[j]
+        if self.scratch:
+            triton.set_allocator(scratch)
+        self.run(*args)
+
+
+def signature(tensors) -> tuple:
+    return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
+
+
+def launch(key: tuple, tensors: dict[str, torch.Tensor], build: Callable[[], list[tuple]]) -> None:
+    """Runs the launches build() describes, [(kernel, grid, keyword arguments with num_warps and
+    num_stages)], on `tensors`: every tensor argument of those kernels, by argument name (the same
+    name for the same tensor in each kernel). build() runs for a new signature only; key must hold
+    the launcher (its first element) and everything else the arguments depend on."""
+    names = tuple(tensors)
+    values = tuple(tensors.values())
+    full_key = (key, names, signature(values))
+    plan = _plans.get(full_key)
+    if plan is None:
+        plan = [_Launch(kernel, grid, kwargs, names) for kernel, grid, kwargs in build()]
+        if len(_plans) >= MAX_PLANS:
+            del _plans[next(iter(_plans))]
+        _plans[full_key] = plan
+        return
+    for one in plan:
+        one(values)
