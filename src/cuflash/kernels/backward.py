@@ -302,7 +302,7 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams,
     tensors = dict(Q=q, K=k, V=v, Out=out, DO=dout, Lse=lse, Delta=torch.empty_like(lse),
                    DQ=torch.empty(q.shape, dtype=q.dtype, device=q.device),
                    DK=torch.empty(k.shape, dtype=k.dtype, device=k.device),
-                   DV=torch.empty(v.shape, dtype=v.dtype, device=v.device), **variant_tensors(q, params))
+                   DV=torch.empty(v.shape, dtype=v.dtype, device=v.device), **variant_tensors(params))
     launch((attention_backward, params.key(), configs, tf32(q)), tensors, lambda: _launches(tensors, params, configs))
     return tensors["DQ"], tensors["DK"], tensors["DV"]
 
@@ -320,7 +320,7 @@ def _launches(t: dict, params: AttentionParams, configs: tuple[Launch, Launch] |
     lse_args = lse_strides(prob, params)
     shared = dict(Q=q, K=k, V=v, DO=dout, Lse=t["Lse"], Delta=t["Delta"],
                   **prob.strides("q", q), **prob.strides("k", k, "n"), **prob.strides("v", v, "n"),
-                  **prob.strides("do", dout), **lse_args, **variant_tensors(q, params), **variant_args(params),
+                  **prob.strides("do", dout), **lse_args, **variant_tensors(params), **variant_args(params),
                   seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
                   group_size=prob.nheads // prob.nheads_k, softmax_scale=params.softmax_scale,
                   BLOCK_D=prob.block_d, EVEN_D=prob.head_dim == prob.block_d)

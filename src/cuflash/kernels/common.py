@@ -197,7 +197,7 @@ def head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng
                  ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr):
     """What a variant needs per (batch, head): the attn_mask's base pointer, the ALiBi slope (times
     LOG2E) and the dropout key of head off_bh = batch * nheads + head."""
-    mask_ptrs = Mask
+    mask_ptrs = 0  # (Mask is None without a mask: a function cannot return None)
     if MASK_KIND != NO_MASK:
         mask_ptrs = Mask + off_b * stride_mask_b + off_h * stride_mask_h
     slope = 0.0

@@ -138,7 +138,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     (total, H, D)). Returns out shaped like q and softmax_lse (B, H, Nq) (varlen: (H, total_q)) fp32."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(params.lse_shape(q), dtype=torch.float32, device=q.device)
-    tensors = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **variant_tensors(q, params))
+    tensors = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **variant_tensors(params))
     launch((attention_forward, params.key(), config, tf32(q)), tensors, lambda: [_launch(tensors, params, config)])
     return out, lse
 

@@ -70,18 +70,21 @@ def logit_scales(p: AttentionParams) -> tuple[float, float]:
     return p.softmax_scale * LOG2E.value, 0.0
 
 
-def variant_tensors(q: torch.Tensor, p: AttentionParams) -> dict:
-    """The variant's tensor arguments, the same names in every kernel. Absent ones get q as a
-    placeholder: the constexpr flags compile their reads away."""
-    return dict(CuSeqlensQ=q if p.cu_seqlens_q is None else p.cu_seqlens_q,
-                CuSeqlensK=q if p.cu_seqlens_k is None else p.cu_seqlens_k,
-                Slopes=q if p.alibi_slopes is None else p.alibi_slopes,
-                Mask=q if p.attn_mask is None else p.attn_mask,
-                Rng=q if p.rng_seed is None else p.rng_seed)
+def _tensor_fields(p: AttentionParams) -> dict:
+    return dict(CuSeqlensQ=p.cu_seqlens_q, CuSeqlensK=p.cu_seqlens_k, Slopes=p.alibi_slopes, Mask=p.attn_mask,
+                Rng=p.rng_seed)
+
+
+def variant_tensors(p: AttentionParams) -> dict:
+    """The variant's tensors that this call has (varlen offsets, ALiBi slopes, attn_mask, dropout
+    seed), by their argument names in every kernel."""
+    return {name: t for name, t in _tensor_fields(p).items() if t is not None}
 
 
 def variant_args(p: AttentionParams) -> dict:
-    """The variant's other arguments (strides, scalars, constexpr flags), named as in every kernel."""
+    """The variant's other arguments (strides, scalars, constexpr flags, and None for the tensors
+    the call does not have: Triton makes None a constant, and the flags compile their reads away),
+    named as in every kernel."""
     mask = p.attn_mask
     if mask is None:
         mask_kind, mask_strides = NO_MASK.value, (0, 0, 0, 0)
@@ -91,6 +94,7 @@ def variant_args(p: AttentionParams) -> dict:
     slopes = p.alibi_slopes
     qk_scale, softcap = logit_scales(p)
     return dict(
+        **{name: None for name, t in _tensor_fields(p).items() if t is None},
         stride_slope_b=0 if slopes is None or slopes.dim() == 1 else slopes.stride(0),
         stride_mask_b=mask_strides[0], stride_mask_h=mask_strides[1],
         stride_mask_m=mask_strides[2], stride_mask_n=mask_strides[3],
