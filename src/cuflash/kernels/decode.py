@@ -20,6 +20,7 @@ import triton.language as tl
 from ..params import AttentionParams
 from .common import LN2, LOG2E, NO_MASK, logits, mma, score_tile
 from .config import Launch, _arch, cdiv, decode_config, next_power_of_2, padded_head_dim
+from .launch import launch
 from .variant import logit_scales
 
 MAX_SPLITS = 64  # the combine kernel holds one row of every split in registers
@@ -27,7 +28,7 @@ PROGRAMS_PER_SM = 2  # the split heuristic's target
 
 
 @triton.jit
-def _decode_fwd(Q, K, V, Out, Lse, CacheSeqlens, Leftpad, CacheRows, BlockTable, Slopes,
+def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, Slopes,
                 stride_qb, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                 stride_os, stride_ob, stride_om, stride_oh, stride_ls, stride_lb, stride_lm, stride_lh,
                 stride_tb, stride_slope_b,
@@ -123,9 +124,9 @@ def _decode_fwd(Q, K, V, Out, Lse, CacheSeqlens, Leftpad, CacheRows, BlockTable,
     empty = float("-inf") if SPLIT else float("inf")
     lse = tl.where(l_i == 0.0, empty, (m_i + tl.math.log2(l_safe)) * LN2)
     out = acc / l_safe[:, None]
-    o_ptrs = Out + split * stride_os + off_b * stride_ob + tok[:, None] * stride_om + head[:, None] * stride_oh
-    tl.store(o_ptrs + offs_d[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + split * stride_ls + off_b * stride_lb + tok * stride_lm + head * stride_lh, lse, mask=row_ok)
+    o_ptrs = OutPart + split * stride_os + off_b * stride_ob + tok[:, None] * stride_om + head[:, None] * stride_oh
+    tl.store(o_ptrs + offs_d[None, :], out.to(OutPart.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LsePart + split * stride_ls + off_b * stride_lb + tok * stride_lm + head * stride_lh, lse, mask=row_ok)
 
 
 @triton.jit
@@ -179,49 +180,68 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     Returns out (B, Sq, H, D) and softmax_lse (B, H, Sq) fp32."""
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, rows_per_seq = k_cache.shape[2], k_cache.shape[1]
-    group = nheads // nheads_k
     block_d = padded_head_dim(head_dim)
     fills_gpu = batch * nheads_k >= PROGRAMS_PER_SM * _num_sms(q.device)
     cfg = config or decode_config(q, block_d, block_table is not None, fills_gpu)
-    block_m = min(cfg.block_m, max(16, next_power_of_2(seqlen_q * group)))
-    m_tiles = cdiv(seqlen_q * group, block_m)
-    programs = batch * nheads_k * m_tiles
+    block_m = min(cfg.block_m, max(16, next_power_of_2(seqlen_q * nheads // nheads_k)))
+    m_tiles = cdiv(seqlen_q * nheads // nheads_k, block_m)
     capacity = rows_per_seq * (block_table.shape[1] if block_table is not None else 1)
-    splits = num_splits_for(programs, capacity, cfg.block_n, q.device, num_splits)
+    splits = num_splits_for(batch * nheads_k * m_tiles, capacity, cfg.block_n, q.device, num_splits)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    tensors = dict(Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse, OutPart=out, LsePart=lse)
     if splits > 1:
-        out_part = torch.empty((splits, *q.shape), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((splits, batch, seqlen_q, nheads), dtype=torch.float32, device=q.device)
-        out_strides = out_part.stride()
-        lse_strides = lse_part.stride()
-    else:
-        out_part, lse_part = out, lse
-        out_strides = (0, *out.stride()[:3])
-        lse_strides = (0, lse.stride(0), lse.stride(2), lse.stride(1))  # (split, b, i, h)
-    slopes = params.alibi_slopes
-    qk_scale, softcap = logit_scales(params)
+        tensors.update(OutPart=torch.empty((splits, *q.shape), dtype=torch.float32, device=q.device),
+                       LsePart=torch.empty((splits, batch, seqlen_q, nheads), dtype=torch.float32, device=q.device))
     seqlens_given = isinstance(cache_seqlens, torch.Tensor)
-    placeholder = q
-    _decode_fwd[(splits, m_tiles, batch * nheads_k)](
-        q, k_cache, v_cache, out_part, lse_part, cache_seqlens if seqlens_given else placeholder,
-        placeholder if leftpad is None else leftpad, placeholder if cache_rows is None else cache_rows,
-        placeholder if block_table is None else block_table, placeholder if slopes is None else slopes,
-        *q.stride()[:3], k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-        *out_strides[:4], *lse_strides,
-        0 if block_table is None else block_table.stride(0),
-        0 if slopes is None or slopes.dim() == 1 else slopes.stride(0),
-        nheads_k, seqlen_q, group, rows_per_seq, head_dim, splits, 0 if seqlens_given else cache_seqlens, seqlen_new,
-        params.window_left, params.window_right, qk_scale, softcap,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SEQLENS=seqlens_given, PAGED=block_table is not None,
-        LEFTPAD=leftpad is not None, BATCH_IDX=cache_rows is not None,
-        HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0, SOFTCAP=params.softcap > 0,
-        ALIBI=slopes is not None, SPLIT=splits > 1, PREFETCH_PAGES=not fills_gpu, INPUT_PRECISION=cfg.input_precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if splits > 1:
-        _decode_combine[(batch * seqlen_q * nheads,)](
-            out_part, lse_part, out, lse, nheads, seqlen_q, head_dim, splits,
-            BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2,
-        )
+    given = dict(CacheSeqlens=cache_seqlens if seqlens_given else None, Leftpad=leftpad, CacheRows=cache_rows,
+                 BlockTable=block_table, Slopes=params.alibi_slopes)
+    tensors.update({name: t for name, t in given.items() if t is not None})
+    cache_seqlen = 0 if seqlens_given else cache_seqlens
+    launch((decode_forward, params.key(), cfg, block_m, splits, seqlen_new, cache_seqlen), tensors,
+           lambda: _launches(tensors, params, cfg, block_m, m_tiles, splits, seqlen_new, cache_seqlen,
+                             not fills_gpu))
     return out, lse
+
+
+def _launches(t: dict, params: AttentionParams, cfg: Launch, block_m: int, m_tiles: int, splits: int,
+              seqlen_new: int, cache_seqlen: int, prefetch_pages: bool) -> list[tuple]:
+    """The decode kernel, then (with splits) the combine."""
+    q, k_cache, v_cache, out_part, lse_part = t["Q"], t["K"], t["V"], t["OutPart"], t["LsePart"]
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_k = k_cache.shape[2]
+    block_d = padded_head_dim(head_dim)
+    if splits > 1:
+        out_strides, lse_strides = out_part.stride(), lse_part.stride()
+    else:
+        out_strides = (0, *out_part.stride()[:3])
+        lse_strides = (0, lse_part.stride(0), lse_part.stride(2), lse_part.stride(1))  # (split, b, i, h)
+    block_table, slopes = t.get("BlockTable"), params.alibi_slopes
+    qk_scale, softcap = logit_scales(params)
+    names = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes")
+    decode = _decode_fwd, (splits, m_tiles, batch * nheads_k), dict(
+        Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part, **{name: t.get(name) for name in names},
+        stride_qb=q.stride(0), stride_qm=q.stride(1), stride_qh=q.stride(2),
+        stride_kn=k_cache.stride(1), stride_kh=k_cache.stride(2), stride_vn=v_cache.stride(1),
+        stride_vh=v_cache.stride(2),
+        **dict(zip(("stride_os", "stride_ob", "stride_om", "stride_oh"), out_strides[:4])),
+        **dict(zip(("stride_ls", "stride_lb", "stride_lm", "stride_lh"), lse_strides)),
+        stride_tb=0 if block_table is None else block_table.stride(0),
+        stride_slope_b=0 if slopes is None or slopes.dim() == 1 else slopes.stride(0),
+        nheads_k=nheads_k, seqlen_q=seqlen_q, group_size=nheads // nheads_k, rows_per_seq=k_cache.shape[1],
+        head_dim=head_dim, num_splits=splits, cache_seqlen=cache_seqlen, seqlen_new=seqlen_new,
+        window_left=params.window_left, window_right=params.window_right, qk_scale=qk_scale, softcap=softcap,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SEQLENS="CacheSeqlens" in t,
+        PAGED=block_table is not None, LEFTPAD="Leftpad" in t, BATCH_IDX="CacheRows" in t,
+        HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0, SOFTCAP=params.softcap > 0,
+        ALIBI=slopes is not None, SPLIT=splits > 1, PREFETCH_PAGES=prefetch_pages,
+        INPUT_PRECISION=cfg.input_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits == 1:
+        return [decode]
+    combine = _decode_combine, (batch * seqlen_q * nheads,), dict(
+        OutPart=out_part, LsePart=lse_part, Out=t["Out"], Lse=t["Lse"], nheads=nheads, seqlen_q=seqlen_q,
+        head_dim=head_dim, num_splits=splits, BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_D=block_d,
+        num_warps=4 if block_d >= 128 else 2,
+    )
+    return [decode, combine]
