@@ -155,6 +155,22 @@ def logits(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def softmax_step(s, m_i, l_i, MAY_BE_EMPTY: tl.constexpr):
+    """One tile of the online softmax over base-2 scores s (rows x keys): returns the new running
+    max, the tile's unnormalized probabilities, alpha (rescales what was summed before) and the new
+    running sum. MAY_BE_EMPTY: a row may have seen no visible key yet (its max is -inf); it is then
+    shifted by 0 so that exp2 sees -inf, not NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MAY_BE_EMPTY:
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    return m_new, p, alpha, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def score_tile(x, rows, cols, seqlen_q, seqlen_k, offset, window_left, window_right, slope,
                mask_ptrs, stride_mask_m, stride_mask_n,
                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,

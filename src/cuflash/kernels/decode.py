@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..params import AttentionParams
-from .common import LN2, LOG2E, NO_MASK, logits, mma, score_tile
+from .common import LN2, LOG2E, NO_MASK, logits, mma, score_tile, softmax_step
 from .config import Launch, _arch, cdiv, decode_config, next_power_of_2, padded_head_dim
 from .launch import launch
 from .variant import logit_scales
@@ -109,11 +109,7 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
         x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), qk_scale, softcap, SOFTCAP)
         s = score_tile(x, tok[:, None], cols[None, :], seqlen_q, hi, offset, window_left, window_right, slope,
                        Q, 0, 0, True, HAS_LEFT, HAS_RIGHT, ALIBI, NO_MASK)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_new_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_new_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, p, alpha, l_i = softmax_step(s, m_i, l_i, True)
         v = tl.load(V + kv_row[:, None] * stride_vn + off_hk * stride_vh + offs_d[None, :], mask=tile_ok, other=0.0)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new

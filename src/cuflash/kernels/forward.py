@@ -11,7 +11,7 @@ import triton.language as tl
 
 from ..params import AttentionParams
 from .common import LN2, NO_MASK, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, \
-    query_tile, row_source, score_tile, sequence, store_tile, tile_ptrs
+    query_tile, row_source, score_tile, sequence, softmax_step, store_tile, tile_ptrs
 from .config import Launch, cdiv, forward_config, tf32, use_tma
 from .launch import launch
 from .variant import lse_strides, problem, variant_args, variant_tensors
@@ -35,15 +35,7 @@ def _attn_fwd_inner(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, mask_p
         s = score_tile(x, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, offset, window_left,
                        window_right, slope, mask_ptrs, stride_mask_m, stride_mask_n,
                        MASKED, HAS_LEFT, HAS_RIGHT, ALIBI, MASK_KIND)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED or MASK_KIND != NO_MASK:
-            # A row with no visible key yet keeps m = -inf; shift by 0 so that exp2 sees -inf, not NaN.
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new_safe = m_new
-        p = tl.math.exp2(s - m_new_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_new_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, p, alpha, l_i = softmax_step(s, m_i, l_i, MASKED or MASK_KIND != NO_MASK)
         if DROPOUT:
             # The softmax sum counts every probability; only the output sees the dropped ones.
             p = tl.where(dropout_keep(drop_key, offs_m[:, None], cols[None, :], drop_threshold), p, 0.0)
