@@ -23,7 +23,8 @@ def _launches(*specs, **fields):
 # Candidates (forward, dK/dV, dQ) per kind of input: 16-bit up to D=128, 16-bit D=256, fp32.
 CANDIDATES = {
     "16-bit": (_launches((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
-                         (128, 64, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3)),
+                         (128, 64, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2),
+                         (128, 32, 4, 2), (64, 32, 4, 2)),
                _launches((32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 4, 2), (32, 64, 4, 3), (64, 64, 4, 3),
                          (128, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3)),
                _launches((128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 2),
@@ -135,7 +136,7 @@ def main():
     p.add_argument("--hdims", default="64,128")
     p.add_argument("--table", action="store_true", help="only time the table's own launches (to compare trees)")
     p.add_argument("--loads", help="time the table's launches with these tile loads: plain, tma, ws")
-    p.add_argument("--kernels", default="fwd,dkdv,dq", help="with --loads: which kernels to time")
+    p.add_argument("--kernels", default="fwd,dkdv,dq", help="which kernels to time (sweep and --loads)")
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if args.table:
@@ -147,12 +148,14 @@ def main():
         fwd0 = forward_config(q, d, n, causal)
         dkdv0, dq0 = backward_configs(q, d, n, causal)
         out, lse = attention_forward(q, k, v, params)
-        fwd = {c: bench(lambda: attention_forward(q, k, v, params, c)) for c in [fwd0] + fwd_list}
+        wanted = args.kernels.split(",")
+        fwd = {c: bench(lambda: attention_forward(q, k, v, params, c)) for c in [fwd0] + fwd_list
+               if "fwd" in wanted}
         dkdv = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, (c, dq0)))
-                for c in [dkdv0] + dkdv_list}
-        best_dkdv = min(dkdv, key=dkdv.get)
+                for c in [dkdv0] + dkdv_list if "dkdv" in wanted}
+        best_dkdv = min(dkdv, key=dkdv.get) if dkdv else dkdv0
         dq = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, (best_dkdv, c)))
-              for c in [dq0] + dq_list}
+              for c in [dq0] + dq_list if "dq" in wanted}
         print(f"\n== D={d} causal={causal} N={n} B={b} H={h} {args.dtype} (table: {fwd0} / {dkdv0} / {dq0})")
         for name, res, mult in (("fwd", fwd, 1.0), ("bwd dkdv sweep", dkdv, 2.5), ("bwd dq sweep", dq, 2.5)):
             for c, ms in sorted(res.items(), key=lambda kv: kv[1]):
