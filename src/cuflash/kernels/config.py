@@ -68,8 +68,9 @@ def _arch(device: torch.device) -> int:
 
 
 def _length(seqlen: int) -> int:
-    """The sequence-length classes the table distinguishes: 0 up to 512, 1 up to 2048, 2 beyond."""
-    return 0 if seqlen <= 512 else 1 if seqlen <= 2048 else 2
+    """The sequence-length classes the table distinguishes: 0 up to 128, 1 up to 512, 2 up to 2048,
+    3 beyond."""
+    return 0 if seqlen <= 128 else 1 if seqlen <= 512 else 2 if seqlen <= 2048 else 3
 
 
 # (arch, block_d, fp32?, length class, banded?) -> forward, backward dK/dV, backward dQ launches.
@@ -94,20 +95,28 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
         return (Launch(64, 32, 4, 2) if block_d <= 64 else Launch(32, 32, 4, 2)), dkdv, dq
     if arch >= 90:
         # 64 x 64 forward tiles: causal up to 2k keys (+2..23% at D=64/128), D=128 non-causal up
-        # to 512 (+9..15%); the 128-row tiles win beyond (tune_short.log). Tensor descriptors
-        # (tma) and warp specialization only where they measured faster in every round
-        # (2026-11-22-h200-tma): elsewhere they cost up to 7%.
+        # to 512 (+9..15%); the 128-row tiles win beyond (tune_short.log). Up to 128 keys, shallower
+        # pipelines for the causal and D=128 forwards (+5..11%, tune_fwd_short.log, table_n128.txt).
+        # Tensor descriptors (tma) and warp specialization only where they measured faster in
+        # every round (2026-11-22-h200-tma): elsewhere they cost up to 7%.
         small_fwd = Launch(64, 64, 4, 3)
         if block_d <= 64:
-            fwd = (small_fwd if length < 2 else Launch(128, 64, 4, 3, tma=True)) if banded else Launch(128, 64, 8, 3)
-            dkdv = Launch(32, 64, 4, 3) if length == 0 else Launch(64, 128, 8, 3)
+            if not banded:
+                fwd = Launch(128, 64, 8, 3)
+            elif length == 0 and block_d == 64:  # (Triton 3.6's ptxas crashes on D <= 32, length 1)
+                fwd = Launch(64, 32, 4, 2)
+            else:
+                fwd = small_fwd if length < 3 else Launch(128, 64, 4, 3, tma=True)
+            dkdv = Launch(32, 64, 4, 3) if length < 2 else Launch(64, 128, 8, 3)
             return fwd, dkdv, Launch(64, 64, 4, 3)
         if block_d <= 128:
-            if banded and length == 1:
+            if length == 0:
+                fwd = Launch(64, 32, 4, 2) if banded else Launch(128, 32, 4, 4)
+            elif banded and length == 2:
                 fwd = Launch(64, 64, 4, 3, tma=True)
             else:
-                fwd = small_fwd if length == 0 else Launch(128, 64, 8, 3)
-            dkdv = Launch(64, 128, 8, 2, tma=length > 0, warp_specialize=length > 0)
+                fwd = small_fwd if length == 1 else Launch(128, 64, 8, 3)
+            dkdv = Launch(64, 128, 8, 2, tma=length > 1, warp_specialize=length > 1)
             return fwd, dkdv, Launch(128, 64, 8, 3)
         # D=256 at 4k (tune_d256.log): 1.8-1.9x the forward, 2.1-2.4x dK/dV and 1.2x dQ of the
         # untuned (64,64,4,2) / (32,64,4,2) / (64,32,4,2).
