@@ -84,15 +84,15 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
     if fp32:
         if block_d > 128:
             return Launch(16, 16, 4, 1), Launch(16, 16, 4, 1), Launch(16, 16, 4, 1)
-        dq = Launch(64, 32, 4, 2) if block_d <= 64 else Launch(32, 32, 4, 2)
+        small = Launch(64, 32, 4, 2) if block_d <= 64 else Launch(32, 32, 4, 2)  # dQ, and the forward before Hopper
         dkdv = Launch(32, 64, 4, 2) if block_d <= 64 else Launch(32, 32, 4, 2)
         if arch >= 90:
             # The forward's exact fp32 dots as three TF32 tensor-core passes (tf32x3): 4.4x IEEE
             # FMA dots at D=128 on an H200, error against float64 5.3e-7 vs 7.0e-7 (tune_fp32.log).
             # Not in dK/dV: 1.3x there, but dK at seqlen 1 (dP - delta cancels to rounding noise)
             # went 1.2e-5 from float64, above the GPU tests' bound.
-            return Launch(128, 32, 8, 3, "tf32x3"), dkdv, dq
-        return (Launch(64, 32, 4, 2) if block_d <= 64 else Launch(32, 32, 4, 2)), dkdv, dq
+            return Launch(128, 32, 8, 3, "tf32x3"), dkdv, small
+        return small, dkdv, small
     if arch >= 90:
         # 64 x 64 forward tiles: causal up to 2k keys (+2..23% at D=64/128), D=128 non-causal up
         # to 512 (+9..15%); the 128-row tiles win beyond (tune_short.log). Up to 128 keys, shallower

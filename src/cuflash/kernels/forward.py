@@ -110,7 +110,7 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
         offs_m, offs_n, offs_d, full_hi, hi, seqlen_q, seqlen_k, head_dim, offset, window_left,
         window_right, qk_scale, softcap, slope, drop_key, drop_threshold,
         BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
-            TMA, False)
+        TMA, False)
 
     # Rows that saw no key at all (l_i == 0) get out = 0 and lse = +inf, so that the backward's
     # exp(s - lse) is 0 for them.

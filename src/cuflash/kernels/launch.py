@@ -37,7 +37,7 @@ class _Launch:
         options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
         args = [kwargs.pop(name) for name in kernel.arg_names]
         if kwargs:
-            raise TypeError(f"{kernel.arg_names[0]}...: not kernel arguments: {sorted(kwargs)}")
+            raise TypeError(f"{kernel.fn.__name__}: not kernel arguments: {sorted(kwargs)}")
         compiled = kernel[grid](*args, **options)  # this call's launch (compiles a new variant)
         self.slots = tuple((i, names.index(name)) for i, name in enumerate(kernel.arg_names) if name in names)
         for i, _ in self.slots:
