@@ -78,14 +78,17 @@ def check_against_oracle(fn, q, k, v, causal, with_sdpa=True, grads=True, **opti
     for i, name in enumerate(("out", "dq", "dk", "dv")[:len(ours)]):
         err = rel_err(ours[i], ref[i])
         errors[name] = err
+        torch_err = rel_err(theirs[i], ref[i]) if theirs is not None else None
         bound = BOUNDS[dtype] if fp32 is None else max(BOUNDS[dtype], 2 * rel_err(fp32[i], ref[i]))
+        if torch_err is not None and not ref[i].any():
+            # The float64 gradient is exactly zero (one visible key: dS = P * (dP - delta) with
+            # P = 1) and err is the absolute rounding left by the fused kernels' delta =
+            # rowsum(dO * O), a norm that grows with the tensor's size. torch's fused backends leave
+            # it too (its efficient fp32 kernel 8e-6 at B=2, H=4, D=128), its math backend does not
+            # (0): the bound is the dtype's or 2x torch's, the larger.
+            bound = max(bound, 2 * torch_err)
         assert err < bound, f"{name}: error {err:.3g} above the {dtype} bound {bound:g}"
-        # Where the float64 gradient is exactly zero (one visible key: dS = P * (dP - delta) with
-        # P = 1), err is the absolute rounding left by the fused kernels' delta = rowsum(dO * O),
-        # which torch's flash and cuDNN backends leave too and its math backend does not: only the
-        # bound above applies.
-        if theirs is not None and ref[i].any():
-            torch_err = rel_err(theirs[i], ref[i])
+        if torch_err is not None and ref[i].any():
             assert err <= max(2 * torch_err, ROUNDING_FLOOR[dtype]), \
                 f"{name}: error {err:.3g} more than 2x torch SDPA's {torch_err:.3g}"
     return errors

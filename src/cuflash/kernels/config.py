@@ -87,11 +87,16 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
         small = Launch(64, 32, 4, 2) if block_d <= 64 else Launch(32, 32, 4, 2)  # dQ, and the forward before Hopper
         dkdv = Launch(32, 64, 4, 2) if block_d <= 64 else Launch(32, 32, 4, 2)
         if arch >= 90:
-            # The forward's exact fp32 dots as three TF32 tensor-core passes (tf32x3): 4.4x IEEE
-            # FMA dots at D=128 on an H200, error against float64 5.3e-7 vs 7.0e-7 (tune_fp32.log).
-            # Not in dK/dV: 1.3x there, but dK at seqlen 1 (dP - delta cancels to rounding noise)
-            # went 1.2e-5 from float64, above the GPU tests' bound.
-            return Launch(128, 32, 8, 3, "tf32x3"), dkdv, small
+            # Exact fp32 dots as three TF32 tensor-core passes (tf32x3) on Hopper: 4.4x IEEE FMA
+            # dots in the forward, 2.9x (D=128) to 5x (D=64) in the backward; errors against
+            # float64 at or below the IEEE kernels' and torch's efficient kernel's, but where a
+            # gradient cancels to exactly zero (one key): 1.5x torch's there (2026-11-22-h200-fp32).
+            # The split operands double the shared memory: D=128 takes small tiles only.
+            if block_d <= 64:
+                return (Launch(128, 64, 8, 2, "tf32x3"), Launch(64, 128, 8, 2, "tf32x3"),
+                        Launch(128, 64, 8, 2, "tf32x3"))
+            return (Launch(128, 32, 8, 3, "tf32x3"), Launch(32, 32, 4, 2, "tf32x3", tma=True),
+                    Launch(64, 32, 4, 2, "tf32x3"))
         return small, dkdv, small
     if arch >= 90:
         # 64 x 64 forward tiles: causal up to 2k keys (+2..23% at D=64/128), D=128 non-causal up
