@@ -69,8 +69,8 @@ def test_sdpa_interface_on_gpu():
 
 
 def test_tf32_only_when_allowed():
-    """fp32 is exact IEEE by default; with allow_tf32 it runs on TF32 tensor cores, with an error
-    no more than 2x that of torch's own attention computed with TF32 matmuls."""
+    """fp32 is exact by default (IEEE dots, or tf32x3 on Hopper); with allow_tf32 it runs on one TF32
+    pass per dot, with an error no more than 2x that of torch's own attention with TF32 matmuls."""
     torch.manual_seed(1)
     q, k, v = make_qkv(1, 512, 512, 2, 2, 64, torch.float32, "cuda")
     from cuflash.reference import attention_reference

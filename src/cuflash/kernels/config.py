@@ -84,11 +84,9 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
     if fp32:
         if block_d > 128:
             return Launch(16, 16, 4, 1), Launch(16, 16, 4, 1), Launch(16, 16, 4, 1)
-        small = Launch(64, 32, 4, 2) if block_d <= 64 else Launch(32, 32, 4, 2)  # dQ, and the forward before Hopper
-        dkdv = Launch(32, 64, 4, 2) if block_d <= 64 else Launch(32, 32, 4, 2)
         if arch >= 90:
             # Exact fp32 dots as three TF32 tensor-core passes (tf32x3) on Hopper: 4.4x IEEE FMA
-            # dots in the forward, 2.9x (D=128) to 5x (D=64) in the backward; errors against
+            # dots in the forward, 3x (D=128) to 5x (D=64) in the backward; errors against
             # float64 at or below the IEEE kernels' and torch's efficient kernel's, but where a
             # gradient cancels to exactly zero (one key): 1.5x torch's there (2026-11-22-h200-fp32).
             # The split operands double the shared memory: D=128 takes small tiles only.
@@ -97,6 +95,9 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                         Launch(128, 64, 8, 2, "tf32x3"))
             return (Launch(128, 32, 8, 3, "tf32x3"), Launch(32, 32, 4, 2, "tf32x3", tma=True),
                     Launch(64, 32, 4, 2, "tf32x3"))
+        # Before Hopper: IEEE FMA dots (tf32x3 not measured there).
+        small = Launch(64, 32, 4, 2) if block_d <= 64 else Launch(32, 32, 4, 2)  # the forward and dQ
+        dkdv = Launch(32, 64, 4, 2) if block_d <= 64 else Launch(32, 32, 4, 2)
         return small, dkdv, small
     if arch >= 90:
         # 64 x 64 forward tiles: causal up to 2k keys (+2..23% at D=64/128), D=128 non-causal up
