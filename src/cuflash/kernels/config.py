@@ -83,7 +83,11 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
         return Launch(32, 16, 1, 1), Launch(16, 32, 1, 1), Launch(32, 16, 1, 1)
     if fp32:
         if block_d > 128:
-            return Launch(16, 16, 4, 1), Launch(16, 16, 4, 1), Launch(16, 16, 4, 1)
+            # D=256 on Hopper: a tf32x3 forward, 2.7x IEEE (tune_fp32_d256.log); larger tiles run
+            # out of shared memory. A tf32x3 backward (1.6x) left dQ at seqlen 1, where it cancels
+            # to zero, at 2.04x torch's error: the backward stays IEEE.
+            fwd = Launch(32, 16, 4, 2, "tf32x3") if arch >= 90 else Launch(16, 16, 4, 1)
+            return fwd, Launch(16, 16, 4, 1), Launch(16, 16, 4, 1)
         if arch >= 90:
             # Exact fp32 dots as three TF32 tensor-core passes (tf32x3) on Hopper: 4.4x IEEE FMA
             # dots in the forward, 3x (D=128) to 5x (D=64) in the backward; errors against
