@@ -230,6 +230,37 @@ def test_length_one_with_descriptor_launches(causal, head_dim, seqlen_q, seqlen_
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
+@pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (4100, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_hopper_forward(dtype, causal, seqlen_q, seqlen_k, layout):
+    """The Gluon forward (kernels/hopper_forward.py; Hopper, D=128, beyond 512 keys) is the kernel
+    that runs, and matches float64 like the Triton kernels: ragged tiles, GQA, rows with no visible
+    key (causal, seqlen_q > seqlen_k), non-contiguous inputs; the gradients check its lse."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is for Hopper (sm_90)")
+    from cuflash.kernels import hopper_forward
+    from cuflash.kernels.variant import problem
+    torch.manual_seed(seqlen_q + seqlen_k)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, 128, dtype, "cuda", layout=layout)
+    params = AttentionParams(128 ** -0.5, window_right=0 if causal else -1)
+    assert forward_config(q, 128, max(seqlen_q, seqlen_k), causal).gluon
+    assert hopper_forward.accepts(problem(q, k, v, params), params)
+    check_against_oracle(_flash(causal), q, k, v, causal)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(3000, 600), (600, 3000)])
+def test_hopper_forward_top_left_causal(seqlen_q, seqlen_k):
+    """SDPA's causal mask (top-left aligned) through the Gluon forward."""
+    torch.manual_seed(seqlen_q)
+    q, k, v = make_qkv(1, seqlen_q, seqlen_k, 4, 4, 128, torch.bfloat16, "cuda", layout="bhnd")
+    ours = cuflash.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2).double() for x in (q, k, v)),
+                                                           is_causal=True)
+    assert rel_err(ours, ref) < BOUNDS[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dropout_on_gpu(dtype):
     torch.manual_seed(21)

@@ -18,6 +18,9 @@ class Launch:
     input_precision: str = "ieee"  # of fp32 dots: ieee, tf32x3 (both exact) or tf32 (allow_tf32)
     tma: bool = False  # stream the loop's tiles through tensor descriptors (Hopper and later)
     warp_specialize: bool = False  # the unmasked loop split into producer and consumer warps
+    # The Gluon forward for Hopper (kernels/hopper_forward.py, its own fixed tiles) where it
+    # accepts the input; the Triton kernel with this launch's tiles elsewhere.
+    gluon: bool = False
 
 
 def scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -33,15 +36,20 @@ def use_tma(cfg: Launch, seqlens: tuple[int, int], *tensors: torch.Tensor) -> bo
     Length 1: Triton specializes an argument equal to 1 into a constant, and with it Triton 3.6
     fails to compile descriptor loops (the dK/dV pipeliner for seqlen_q 1 with GQA, ptxas crashing
     on the D=256 causal forward for 1 x 1), so those launches read through pointers."""
-    if not cfg.tma or min(seqlens) == 1:
+    if not cfg.tma or min(seqlens) == 1 or not tma_addressable(*tensors):
         return False
+    if tensors[0].is_cuda:
+        triton.set_allocator(scratch)
+    return True
+
+
+def tma_addressable(*tensors: torch.Tensor) -> bool:
+    """16-byte aligned bases and strides, rows at positive strides: what a descriptor can read."""
     for t in tensors:
         unit = 16 // t.element_size()
         if t.data_ptr() % 16 or any(stride % unit or (stride <= 0 and n > 1)
                                     for n, stride in zip(t.shape[:-1], t.stride()[:-1])):
             return False
-    if tensors[0].is_cuda:
-        triton.set_allocator(scratch)
     return True
 
 
@@ -126,6 +134,10 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 fwd = Launch(64, 64, 4, 3, tma=True)
             else:
                 fwd = small_fwd if length == 1 else Launch(128, 64, 8, 3)
+            if arch == 90 and length >= 2:
+                # The Gluon forward beyond 512 keys (wgmma is Hopper's alone): 0.90-1.03x cuDNN at
+                # 4k-16k where these Triton launches reach 0.74-0.78x (2026-11-22-h100-gluon).
+                fwd = dataclasses.replace(fwd, gluon=True)
             dkdv = Launch(64, 128, 8, 2, tma=length > 1, warp_specialize=length > 1)
             return fwd, dkdv, Launch(128, 64, 8, 3)
         # D=256 at 4k (tune_d256.log): 1.8-1.9x the forward, 2.1-2.4x dK/dV and 1.2x dQ of the

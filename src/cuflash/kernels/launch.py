@@ -34,7 +34,7 @@ class _Launch:
     __slots__ = ("run", "args", "slots", "scratch")
 
     def __init__(self, kernel, grid: tuple, kwargs: dict, names: tuple[str, ...]):
-        options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
+        options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in kwargs}
         args = [kwargs.pop(name) for name in kernel.arg_names]
         if kwargs:
             raise TypeError(f"{kernel.fn.__name__}: not kernel arguments: {sorted(kwargs)}")
@@ -67,8 +67,8 @@ def signature(tensors) -> tuple:
 
 
 def launch(key: tuple, tensors: dict[str, torch.Tensor], build: Callable[[], list[tuple]]) -> None:
-    """Runs the launches build() describes, [(kernel, grid, keyword arguments with num_warps and
-    num_stages)], on `tensors`: every tensor argument of those kernels, by argument name (the same
+    """Runs the launches build() describes, [(kernel, grid, keyword arguments with num_warps,
+    num_stages or maxnreg)], on `tensors`: every tensor argument of those kernels, by argument name (the same
     name for the same tensor in each kernel). build() runs for a new signature only; key must hold
     the launcher (its first element) and everything else the arguments depend on."""
     names = tuple(tensors)
