@@ -8,8 +8,8 @@ import torch
 import triton
 
 from cuflash.bench.decode import copy_bandwidth
-from cuflash.kernels.config import Launch
-from cuflash.kernels.decode import PROGRAMS_PER_SM, _num_sms, decode_forward
+from cuflash.kernels.config import Launch, num_sms
+from cuflash.kernels.decode import PROGRAMS_PER_SM, decode_forward
 from cuflash.params import AttentionParams
 
 CONFIGS = [Launch(64, *c) for c in [(64, 4, 3), (64, 4, 2), (128, 4, 2), (128, 4, 3), (128, 8, 3)]]
@@ -45,7 +45,7 @@ def main():
     torch.manual_seed(0)
     nheads, nheads_k, d, dtype = 32, 8, 128, torch.bfloat16
     copy = copy_bandwidth(torch.device("cuda"), 2**30, 20)
-    print(f"copy bandwidth {copy:.0f} GB/s; {_num_sms(torch.device('cuda'))} SMs; default PROGRAMS_PER_SM "
+    print(f"copy bandwidth {copy:.0f} GB/s; {num_sms(torch.device('cuda'))} SMs; default PROGRAMS_PER_SM "
           f"{PROGRAMS_PER_SM}")
     if "--profile" in sys.argv:
         for batch, n in ((1, 32768), (8, 4096), (1, 131072)):
@@ -63,7 +63,7 @@ def main():
         results = []
         for cfg in CONFIGS:
             for per_sm in (1, 2, 4):
-                splits = max(1, min(64, -(-per_sm * _num_sms(q.device) // (batch * nheads_k))))
+                splits = max(1, min(64, -(-per_sm * num_sms(q.device) // (batch * nheads_k))))
                 fn = lambda: decode_forward(q, k, v, seqlens, 0, None, None, table, params, splits, cfg)  # noqa: E731
                 try:
                     fn()

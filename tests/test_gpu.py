@@ -232,20 +232,21 @@ def test_length_one_with_descriptor_launches(causal, head_dim, seqlen_q, seqlen_
 
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (4100, 1)])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (64, False)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_hopper_forward(dtype, causal, seqlen_q, seqlen_k, layout):
-    """The Gluon forward (kernels/hopper_forward.py; Hopper, D=128, beyond 512 keys) is the kernel
-    that runs, and matches float64 like the Triton kernels: ragged tiles, GQA, rows with no visible
-    key (causal, seqlen_q > seqlen_k), non-contiguous inputs; the gradients check its lse."""
+def test_hopper_forward(dtype, head_dim, causal, seqlen_q, seqlen_k, layout):
+    """The Gluon forward (kernels/hopper_forward.py; Hopper beyond 512 keys: D=128, D=64
+    non-causal) is the kernel that runs, and matches float64 like the Triton kernels: ragged tiles,
+    GQA, rows with no visible key (causal, seqlen_q > seqlen_k), non-contiguous inputs; the
+    gradients check its lse."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (sm_90)")
     from cuflash.kernels import hopper_forward
     from cuflash.kernels.variant import problem
     torch.manual_seed(seqlen_q + seqlen_k)
-    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, 128, dtype, "cuda", layout=layout)
-    params = AttentionParams(128 ** -0.5, window_right=0 if causal else -1)
-    assert forward_config(q, 128, max(seqlen_q, seqlen_k), causal).gluon
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, dtype, "cuda", layout=layout)
+    params = AttentionParams(head_dim ** -0.5, window_right=0 if causal else -1)
+    assert forward_config(q, head_dim, max(seqlen_q, seqlen_k), causal).gluon
     assert hopper_forward.accepts(problem(q, k, v, params), params)
     check_against_oracle(_flash(causal), q, k, v, causal)
 

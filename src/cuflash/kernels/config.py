@@ -75,6 +75,13 @@ def _arch(device: torch.device) -> int:
     return major * 10 + minor
 
 
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if _arch(device) == 0:
+        return 4  # the interpreter: a few "SMs", so that the CPU tests see the decode kernel's splits
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _length(seqlen: int) -> int:
     """The sequence-length classes the table distinguishes: 0 up to 128, 1 up to 512, 2 up to 2048,
     3 beyond."""
@@ -125,6 +132,10 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 fwd = Launch(64, 32, 4, 2)
             else:
                 fwd = small_fwd if length < 3 else Launch(128, 64, 4, 3, tma=True)
+            if arch == 90 and length >= 2 and not banded:
+                # The Gluon forward (see D=128): 0.89-0.94x cuDNN non-causal from 1k where these
+                # launches reach 0.87-0.89x; causal it loses up to 4k (0.51-0.78x vs 0.71-0.83x).
+                fwd = dataclasses.replace(fwd, gluon=True)
             dkdv = Launch(32, 64, 4, 3) if length < 2 else Launch(64, 128, 8, 3)
             return fwd, dkdv, Launch(64, 64, 4, 3)
         if block_d <= 128:
@@ -135,8 +146,9 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             else:
                 fwd = small_fwd if length == 1 else Launch(128, 64, 8, 3)
             if arch == 90 and length >= 2:
-                # The Gluon forward beyond 512 keys (wgmma is Hopper's alone): 0.90-1.03x cuDNN at
-                # 4k-16k where these Triton launches reach 0.74-0.78x (2026-11-22-h100-gluon).
+                # The Gluon forward beyond 512 keys (wgmma is Hopper's alone): 0.84-1.00x cuDNN
+                # non-causal, 0.78-1.01x causal from 2k, where these launches reach 0.63-0.82x;
+                # causal 1k 0.62x vs 0.65x (2026-11-22-h100-gluon/ab_pingpong.log).
                 fwd = dataclasses.replace(fwd, gluon=True)
             dkdv = Launch(64, 128, 8, 2, tma=length > 1, warp_specialize=length > 1)
             return fwd, dkdv, Launch(128, 64, 8, 3)

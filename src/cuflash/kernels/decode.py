@@ -11,7 +11,6 @@ Keys are addressed by position, through the page table of a paged cache or the c
 sequence, so nothing is gathered or copied before the kernel, and no value (sequence lengths,
 pages) is read to the host: the launch can be captured in a CUDA graph.
 """
-import functools
 
 import torch
 import triton
@@ -19,7 +18,7 @@ import triton.language as tl
 
 from ..params import AttentionParams
 from .common import LN2, LOG2E, NO_MASK, logits, mma, score_tile, softmax_step
-from .config import Launch, _arch, cdiv, decode_config, next_power_of_2, padded_head_dim
+from .config import Launch, cdiv, decode_config, next_power_of_2, num_sms, padded_head_dim
 from .launch import launch
 from .variant import logit_scales
 
@@ -151,17 +150,11 @@ def _decode_combine(OutPart, LsePart, Out, Lse, nheads, seqlen_q, head_dim, num_
     tl.store(Lse + (b * nheads + h) * seqlen_q + i, tl.where(total == 0.0, float("inf"), m + tl.log(total_safe)))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if _arch(device) == 0:
-        return 4  # the interpreter: a few "SMs", so that the CPU tests see splits
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
 
 def num_splits_for(programs: int, capacity: int, block_n: int, device: torch.device, requested: int = 0) -> int:
     """How many splits of each sequence's keys: `requested`, or (0) enough to give every SM
     PROGRAMS_PER_SM programs, never more than MAX_SPLITS or than the cache has key tiles."""
-    splits = requested or cdiv(PROGRAMS_PER_SM * _num_sms(device), programs)
+    splits = requested or cdiv(PROGRAMS_PER_SM * num_sms(device), programs)
     return max(1, min(splits, MAX_SPLITS, cdiv(capacity, block_n)))
 
 
@@ -177,7 +170,7 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, rows_per_seq = k_cache.shape[2], k_cache.shape[1]
     block_d = padded_head_dim(head_dim)
-    fills_gpu = batch * nheads_k >= PROGRAMS_PER_SM * _num_sms(q.device)
+    fills_gpu = batch * nheads_k >= PROGRAMS_PER_SM * num_sms(q.device)
     cfg = config or decode_config(q, block_d, block_table is not None, fills_gpu)
     block_m = min(cfg.block_m, max(16, next_power_of_2(seqlen_q * nheads // nheads_k)))
     m_tiles = cdiv(seqlen_q * nheads // nheads_k, block_m)

@@ -1,20 +1,22 @@
 """Forward pass for Hopper in Gluon: warp-specialized, two consumer warpgroups (FlashAttention-3's
 structure, written with Triton's Gluon dialect).
 
-A program owns 2 x 64 query rows of one (batch, head). Three partitions share its shared memory:
-- the loader (one warp) copies the Q tile once and the K/V tiles into a ring of STAGES buffers
-  with the tensor memory accelerator, each load signalling a "ready" barrier;
+A work item is 2 x 64 query rows of one (batch, head); a program runs one item or, persistent,
+every num_programs-th. Three partitions share the program's shared memory:
+- the loader (one warp) copies each item's Q tile and its K/V tiles into a ring of STAGES buffers
+  with the tensor memory accelerator, each load signalling a "ready" barrier; it runs ahead into
+  the next item while the consumers finish the last;
 - two consumer warpgroups, each owning 64 of the rows, run S = Q K^T, the online softmax and
-  O += P V on the tensor cores (wgmma; P from registers), then release the K/V buffer on its
-  "empty" barrier (both consumers must release it before the loader refills it).
+  O += P V on the tensor cores (wgmma; P from registers), then release the K/V buffer (and, after
+  an item's last S, the Q buffer) on "empty" barriers that both must arrive at.
 The two consumers run independent instruction streams, so one's softmax overlaps the other's
 matrix products; within a consumer, the product P V of one tile runs while the softmax of the
 next is computed. Tile-level Triton (one instruction stream per program, each dot awaited
 before its result is used) expresses neither.
 
 Logits are in base 2 (qk_scale has LOG2E folded in). Only the plain forward is here: 16-bit
-inputs, head dim 128, causal or not (either alignment), GQA; other inputs take the Triton kernel
-(kernels/forward.py). GPU only: Triton's interpreter does not run Gluon.
+inputs, head dims 64 and 128, causal or not (either alignment), GQA; other inputs take the Triton
+kernel (kernels/forward.py). GPU only: Triton's interpreter does not run Gluon.
 """
 import torch
 import triton
@@ -23,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ..params import AttentionParams
-from .config import cdiv, scratch, tma_addressable
+from .config import cdiv, num_sms, scratch, tma_addressable
 from .variant import Problem, lse_strides, logit_scales
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M
@@ -31,43 +33,59 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-    (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-     stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-     nheads, seqlen_q, seqlen_k, group_size, offset, qk_scale) = args
-    start_m, off_b, off_h, n_tiles = _program(seqlen_q, seqlen_k, nheads, offset, CAUSAL, BLOCK_N)
-    off_hk = off_h // group_size
-    q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + off_h * stride_qh, [seqlen_q, HEAD_D],
-                                        [stride_qm, 1], [ROWS, HEAD_D], q_smem.layout)
-    k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, [seqlen_k, HEAD_D],
-                                        [stride_kn, 1], [BLOCK_N, HEAD_D], k_smem.layout)
-    v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [seqlen_k, HEAD_D],
-                                        [stride_vn, 1], [BLOCK_N, HEAD_D], v_smem.layout)
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [start_m + ROWS, 0], q_bar, q_smem.index(1))
-    for j in range(n_tiles):
-        stage = j % STAGES
-        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+def _item(w, n_m, nheads, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(first query row, batch, head, K/V tiles to visit) of work item w. The query tiles of one
+    (batch, head) are consecutive items (their K/V stay in L2); under a causal mask each head's
+    heaviest tile (the last) comes first."""
+    bh = w // n_m
+    tile = w % n_m
+    if CAUSAL:
+        tile = n_m - 1 - tile
+        hi = gl.minimum(gl.maximum((tile + 1) * 2 * ROWS + offset, 0), seqlen_k)
+    else:
+        hi = seqlen_k
+    return tile * 2 * ROWS, bh // nheads, bh % nheads, gl.cdiv(hi, BLOCK_N)
 
 
 @gluon.jit
-def _program(seqlen_q, seqlen_k, nheads, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(first query row, batch, head, K/V tiles to visit) of this program. Under a causal mask the
-    heaviest query tiles (the last) are handed out first."""
-    if CAUSAL:
-        tile = gl.num_programs(0) - 1 - gl.program_id(0)
-        hi = gl.minimum(gl.maximum((tile + 1) * 2 * ROWS + offset, 0), seqlen_k)
-    else:
-        tile = gl.program_id(0)
-        hi = seqlen_k
-    off_bh = gl.program_id(1)
-    return tile * 2 * ROWS, (off_bh // nheads).to(gl.int64), (off_bh % nheads).to(gl.int64), gl.cdiv(hi, BLOCK_N)
+def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+     stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+     batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale) = args
+    dtype: gl.constexpr = Q.dtype.element_ty
+    # One 4-D descriptor per tensor for the whole program: a box is one (batch, head)'s rows, cut
+    # (zero-filled) at its sequence's end.
+    q_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, ROWS, 1, HEAD_D], dtype)
+    kv_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, 1, HEAD_D], dtype)
+    q_desc = tma.make_tensor_descriptor(Q, [batch, seqlen_q, nheads, HEAD_D], [stride_qb, stride_qm, stride_qh, 1],
+                                        [1, ROWS, 1, HEAD_D], q_box)
+    k_desc = tma.make_tensor_descriptor(K, [batch, seqlen_k, nheads_k, HEAD_D],
+                                        [stride_kb, stride_kn, stride_kh, 1], [1, BLOCK_N, 1, HEAD_D], kv_box)
+    v_desc = tma.make_tensor_descriptor(V, [batch, seqlen_k, nheads_k, HEAD_D],
+                                        [stride_vb, stride_vn, stride_vh, 1], [1, BLOCK_N, 1, HEAD_D], kv_box)
+    n_m = gl.cdiv(seqlen_q, 2 * ROWS)
+    it = 0  # K/V tiles loaded so far: the ring's position
+    done = 0  # work items loaded so far
+    for w in range(gl.program_id(0), n_m * batch * nheads, gl.num_programs(0)):
+        start_m, off_b, off_h, n_tiles = _item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N)
+        off_hk = off_h // (nheads // nheads_k)
+        mbarrier.wait(q_empty, (done & 1) ^ 1)
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        for half in gl.static_range(2):
+            tma.async_copy_global_to_shared(q_desc, [off_b, start_m + half * ROWS, off_h, 0], q_ready,
+                                            q_smem.index(half).reshape([1, ROWS, 1, HEAD_D]))
+        for j in range(n_tiles):
+            stage = it % STAGES
+            mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(stage),
+                                            k_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(stage),
+                                            v_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
+            it += 1
+        done += 1
 
 
 @gluon.jit
@@ -90,19 +108,20 @@ def _softmax(s, m_i, l_i, j, rows, seqlen_k, offset, qk_scale, MASKED: gl.conste
 
 
 @gluon.jit
-def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, first, last, rows, seqlen_k, offset,
-           qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-           s_layout: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
-    """K/V tiles [first, last), software-pipelined: p holds the probabilities of tile j - 1 whose
-    product with V is still to do; it runs on the tensor cores while this warpgroup computes the
-    softmax of tile j (S of tile j is issued first, so waiting for all but one product gives S)."""
+def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, base, first, last, rows, seqlen_k,
+           offset, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+           STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
+    """K/V tiles [first, last) of a work item whose tile 0 sits at position `base` of the buffer
+    ring, software-pipelined: p holds the probabilities of tile j - 1 whose product with V is still
+    to do; it runs on the tensor cores while this warpgroup computes the softmax of tile j (S of
+    tile j is issued first, so waiting for all but one product gives S)."""
     zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     for j in range(first, last):
-        stage = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        stage = (base + j) % STAGES
+        prev = (base + j - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), ((base + j) // STAGES) & 1)
         s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((base + j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         p_new, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, rows, seqlen_k, offset, qk_scale, MASKED, CAUSAL,
@@ -115,61 +134,71 @@ def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, firs
 
 
 @gluon.jit
-def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
-    (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+             WG: gl.constexpr):
+    (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
      stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-     nheads, seqlen_q, seqlen_k, group_size, offset, qk_scale) = args
+     batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    start_m, off_b, off_h, n_tiles = _program(seqlen_q, seqlen_k, nheads, offset, CAUSAL, BLOCK_N)
-    row0 = start_m + WG * ROWS
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    # Tiles every row of this warpgroup sees whole: below its first row's diagonal and the key bound.
-    n_full = seqlen_k // BLOCK_N
-    if CAUSAL:
-        n_full = gl.minimum(n_full, gl.maximum(row0 + offset + 1, 0) // BLOCK_N)
-    n_full = gl.minimum(n_full, n_tiles)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    n_m = gl.cdiv(seqlen_q, 2 * ROWS)
+    it = 0  # K/V tiles consumed so far: the ring's position
+    done = 0  # work items done so far
+    for w in range(gl.program_id(0), n_m * batch * nheads, gl.num_programs(0)):
+        start_m, off_b, off_h, n_tiles = _item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N)
+        row0 = start_m + WG * ROWS
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        # Tiles every row of this warpgroup sees whole: below its first row's diagonal, within the keys.
+        n_full = seqlen_k // BLOCK_N
+        if CAUSAL:
+            n_full = gl.minimum(n_full, gl.maximum(row0 + offset + 1, 0) // BLOCK_N)
+        n_full = gl.maximum(gl.minimum(n_full, n_tiles), 1)
 
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-    mbarrier.wait(q_bar, 0)
-    q = q_smem.index(WG)
-    if n_tiles > 0:
-        # Tile 0 alone (its softmax masked: it may hold the diagonal or the key bound), then the
-        # pipelined loops, then the last tile's product with V.
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-                          use_acc=False)
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N,
-                                      s_layout)
-        p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-        n_full = gl.maximum(n_full, 1)
-        acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, 1, n_full, rows,
-                                  seqlen_k, offset, qk_scale, False, CAUSAL, BLOCK_N, STAGES, s_layout, p_layout,
-                                  o_layout)
-        acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, n_full, n_tiles,
-                                  rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N, STAGES, s_layout,
-                                  p_layout, o_layout)
-        last = (n_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p, v_smem.index(last), acc)
-        mbarrier.arrive(kv_empty.index(last), count=1)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+        p = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+        q = q_smem.index(WG)
+        mbarrier.wait(q_ready, done & 1)
+        if n_tiles > 0:
+            # Tile 0 alone (its softmax masked: it may hold the diagonal or the key bound), then
+            # the pipelined loops.
+            mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)),
+                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N,
+                                          s_layout)
+            p = gl.convert_layout(p.to(dtype), p_layout)
+            acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, 1,
+                                      n_full, rows, seqlen_k, offset, qk_scale, False, CAUSAL, BLOCK_N, STAGES,
+                                      s_layout, p_layout, o_layout)
+            acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, n_full,
+                                      n_tiles, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N, STAGES,
+                                      s_layout, p_layout, o_layout)
+        mbarrier.arrive(q_empty, count=1)  # every S of this item is done: the loader may fetch the next Q
+        if n_tiles > 0:  # the last tile's product with V
+            last = it + n_tiles - 1
+            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc)
+            mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
+        it += n_tiles
+        done += 1
 
-    # Rows that saw no key (l_i == 0) get out = 0 and lse = +inf, as in the Triton kernel.
-    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    lse = gl.where(l_i == 0.0, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
-    gl.store(Lse + off_b * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = (Out + off_b * stride_ob + off_h * stride_oh + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
-              + gl.expand_dims(o_cols, 0))
-    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=gl.expand_dims(o_rows < seqlen_q, 1))
+        # Rows that saw no key (l_i == 0) get out = 0 and lse = +inf, as in the Triton kernel.
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        lse = gl.where(l_i == 0.0, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
+        gl.store(Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
+        out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+        o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+                  + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0))
+        gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(o_rows < seqlen_q, 1))
 
 
 @gluon.jit
@@ -186,7 +215,7 @@ def _consume_second(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: g
 def _attn_fwd_hopper(Q, K, V, Out, Lse,
                      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
                      stride_vh, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                     nheads, seqlen_q, seqlen_k, group_size, offset, qk_scale,
+                     batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
                      CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -195,19 +224,22 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse,
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # both consumers release a buffer
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a buffer
-    args = (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+        mbarrier.init(kv_empty.index(i), count=2)
+    args = (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
             stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
             stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-            nheads, seqlen_q, seqlen_k, group_size, offset, qk_scale)
+            batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale)
     gl.warp_specialize([(_consume_first, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES)),
                         (_consume_second, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES)),
                         (_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
@@ -215,26 +247,37 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse,
 
 def accepts(prob: Problem, params: AttentionParams) -> bool:
     """Whether this kernel computes the call: the plain forward (causal or not, GQA) of 16-bit
-    inputs with head dim 128 that the tensor memory accelerator can address."""
+    inputs with head dim 64 or 128 that the tensor memory accelerator can address."""
     plain = (params.window_left < 0 and params.window_right in (-1, 0) and params.softcap == 0
              and params.alibi_slopes is None and params.attn_mask is None and params.dropout_p == 0)
-    return (plain and not prob.varlen and prob.head_dim == 128 and prob.q.dtype in (torch.float16, torch.bfloat16)
+    return (plain and not prob.varlen and prob.head_dim in (64, 128) and prob.q.dtype in (torch.float16, torch.bfloat16)
             and tma_addressable(prob.q, prob.k, prob.v))
 
 
 def launch_args(tensors: dict, prob: Problem, params: AttentionParams):
     """(kernel, grid, keyword arguments) for kernels/launch.py. Tiles: 2 x 64 query rows, 128 keys,
     3 K/V buffers (D=128 at 16k tokens on an H100: 0.90-1.03x cuDNN where 2 buffers gave
-    0.81-0.90x; docs/perf-notes.md)."""
+    0.81-0.90x). Non-causal: one persistent program per SM, whose loader fetches the next work
+    item during the last one's epilogue (+12% at 1k, +2% at 16k). Causal: one program per item, so
+    that the hardware hands the unequal items to whichever SM is free (a static round-robin left
+    16k causal 24% slower). docs/perf-notes.md."""
     q, k, v, out = tensors["Q"], tensors["K"], tensors["V"], tensors["Out"]
     triton.set_allocator(scratch)  # the kernel builds its tensor descriptors in global scratch
     qk_scale, _ = logit_scales(params)
-    return _attn_fwd_hopper, (cdiv(prob.seqlen_q, 2 * ROWS), prob.batch * prob.nheads), dict(
-        Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], **prob.strides("q", q), **prob.strides("k", k, "n"),
-        **prob.strides("v", v, "n"), **prob.strides("o", out), **lse_strides(prob, params),
-        nheads=prob.nheads, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, group_size=prob.nheads // prob.nheads_k,
-        offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
-        CAUSAL=params.window_right == 0, BLOCK_N=128, HEAD_D=prob.head_dim, STAGES=3, CONSUMER_REGS=240,
+    causal = params.window_right == 0
+    items = cdiv(prob.seqlen_q, 2 * ROWS) * prob.batch * prob.nheads
+    return _attn_fwd_hopper, (items if causal else min(items, num_sms(q.device)),), dict(
+        Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], **_box_strides(prob, "q", q), **_box_strides(prob, "k", k, "n"),
+        **_box_strides(prob, "v", v, "n"), **prob.strides("o", out), **lse_strides(prob, params),
+        batch=prob.batch, nheads=prob.nheads, nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q,
+        seqlen_k=prob.seqlen_k, offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
+        CAUSAL=causal, BLOCK_N=128, HEAD_D=prob.head_dim, STAGES=3, CONSUMER_REGS=240,
         # 9 warps run as 3 warpgroups of 168 registers a thread, which the partitions trade: 240 each
         # for the consumers, 24 for the loader.
         num_warps=4, maxnreg=168)
+
+
+def _box_strides(prob: Problem, name: str, t: torch.Tensor, row: str = "m") -> dict:
+    """prob.strides for a tensor descriptor: a dim of size 1 is never stepped over, but the
+    descriptor still wants a positive multiple of 16 bytes there."""
+    return {key: stride if n > 1 else 128 for (key, stride), n in zip(prob.strides(name, t, row).items(), t.shape)}
