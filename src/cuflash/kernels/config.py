@@ -132,9 +132,10 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 fwd = Launch(64, 32, 4, 2)
             else:
                 fwd = small_fwd if length < 3 else Launch(128, 64, 4, 3, tma=True)
-            if arch == 90 and length >= 2 and not banded:
-                # The Gluon forward (see D=128): 0.89-0.94x cuDNN non-causal from 1k where these
-                # launches reach 0.87-0.89x; causal it loses up to 4k (0.51-0.78x vs 0.71-0.83x).
+            if arch == 90 and (length == 3 or (length == 2 and not banded)):
+                # The Gluon forward (see D=128), side by side (ab_pairs.log): non-causal 0.86-0.95x
+                # cuDNN from 1k, even with these launches but at 16k (+5%); causal 0.82-0.94x from
+                # 2k vs 0.78-0.87x, but 0.66x vs 0.71x at 1k.
                 fwd = dataclasses.replace(fwd, gluon=True)
             dkdv = Launch(32, 64, 4, 3) if length < 2 else Launch(64, 128, 8, 3)
             return fwd, dkdv, Launch(64, 64, 4, 3)
@@ -146,9 +147,9 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             else:
                 fwd = small_fwd if length == 1 else Launch(128, 64, 8, 3)
             if arch == 90 and length >= 2:
-                # The Gluon forward beyond 512 keys (wgmma is Hopper's alone): 0.84-1.00x cuDNN
-                # non-causal, 0.78-1.01x causal from 2k, where these launches reach 0.63-0.82x;
-                # causal 1k 0.62x vs 0.65x (2026-11-22-h100-gluon/ab_pingpong.log).
+                # The Gluon forward beyond 512 keys (wgmma is Hopper's alone): 0.85-1.03x cuDNN
+                # non-causal, 0.79-1.04x causal, where these launches reach 0.64-0.83x
+                # (2026-11-22-h100-gluon/ab_pairs.log).
                 fwd = dataclasses.replace(fwd, gluon=True)
             dkdv = Launch(64, 128, 8, 2, tma=length > 1, warp_specialize=length > 1)
             return fwd, dkdv, Launch(128, 64, 8, 3)

@@ -33,14 +33,28 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
+def _count(items):
+    """How many work items this program runs (_work), the last maybe past the end: programs take
+    pairs of consecutive items, round-robin."""
+    return 2 * gl.cdiv(gl.cdiv(items, 2) - gl.program_id(0), gl.num_programs(0))
+
+
+@gluon.jit
+def _work(k):
+    """The k-th work item of this program."""
+    return 2 * (gl.program_id(0) + k // 2 * gl.num_programs(0)) + k % 2
+
+
+@gluon.jit
 def _item(w, n_m, nheads, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """(first query row, batch, head, K/V tiles to visit) of work item w. The query tiles of one
-    (batch, head) are consecutive items (their K/V stay in L2); under a causal mask each head's
-    heaviest tile (the last) comes first."""
+    (batch, head) are consecutive items (their K/V stay in L2). Under a causal mask heavy and light
+    tiles alternate (the last, the first, the second last, ...), so that a pair of items costs
+    about the same everywhere and the round-robin over pairs balances the programs."""
     bh = w // n_m
     tile = w % n_m
     if CAUSAL:
-        tile = n_m - 1 - tile
+        tile = gl.where(tile % 2 == 0, n_m - 1 - tile // 2, tile // 2)
         hi = gl.minimum(gl.maximum((tile + 1) * 2 * ROWS + offset, 0), seqlen_k)
     else:
         hi = seqlen_k
@@ -67,25 +81,28 @@ def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexp
     n_m = gl.cdiv(seqlen_q, 2 * ROWS)
     it = 0  # K/V tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
-    for w in range(gl.program_id(0), n_m * batch * nheads, gl.num_programs(0)):
-        start_m, off_b, off_h, n_tiles = _item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N)
-        off_hk = off_h // (nheads // nheads_k)
-        mbarrier.wait(q_empty, (done & 1) ^ 1)
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        for half in gl.static_range(2):
-            tma.async_copy_global_to_shared(q_desc, [off_b, start_m + half * ROWS, off_h, 0], q_ready,
-                                            q_smem.index(half).reshape([1, ROWS, 1, HEAD_D]))
-        for j in range(n_tiles):
-            stage = it % STAGES
-            mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(stage),
-                                            k_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(stage),
-                                            v_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
-            it += 1
-        done += 1
+    items = n_m * batch * nheads
+    for k in range(_count(items)):
+        w = _work(k)
+        if w < items:
+            start_m, off_b, off_h, n_tiles = _item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N)
+            off_hk = off_h // (nheads // nheads_k)
+            mbarrier.wait(q_empty, (done & 1) ^ 1)
+            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+            for part in gl.static_range(2):
+                tma.async_copy_global_to_shared(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready,
+                                                q_smem.index(part).reshape([1, ROWS, 1, HEAD_D]))
+            for j in range(n_tiles):
+                stage = it % STAGES
+                mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(stage),
+                                                k_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
+                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(stage),
+                                                v_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
+                it += 1
+            done += 1
 
 
 @gluon.jit
@@ -149,56 +166,59 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
     n_m = gl.cdiv(seqlen_q, 2 * ROWS)
     it = 0  # K/V tiles consumed so far: the ring's position
     done = 0  # work items done so far
-    for w in range(gl.program_id(0), n_m * batch * nheads, gl.num_programs(0)):
-        start_m, off_b, off_h, n_tiles = _item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N)
-        row0 = start_m + WG * ROWS
-        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        # Tiles every row of this warpgroup sees whole: below its first row's diagonal, within the keys.
-        n_full = seqlen_k // BLOCK_N
-        if CAUSAL:
-            n_full = gl.minimum(n_full, gl.maximum(row0 + offset + 1, 0) // BLOCK_N)
-        n_full = gl.maximum(gl.minimum(n_full, n_tiles), 1)
+    items = n_m * batch * nheads
+    for k in range(_count(items)):
+        w = _work(k)
+        if w < items:
+            start_m, off_b, off_h, n_tiles = _item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N)
+            row0 = start_m + WG * ROWS
+            rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            # Tiles every row of this warpgroup sees whole: below its first row's diagonal, within the keys.
+            n_full = seqlen_k // BLOCK_N
+            if CAUSAL:
+                n_full = gl.minimum(n_full, gl.maximum(row0 + offset + 1, 0) // BLOCK_N)
+            n_full = gl.maximum(gl.minimum(n_full, n_tiles), 1)
 
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-        p = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
-        q = q_smem.index(WG)
-        mbarrier.wait(q_ready, done & 1)
-        if n_tiles > 0:
-            # Tile 0 alone (its softmax masked: it may hold the diagonal or the key bound), then
-            # the pipelined loops.
-            mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)),
-                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N,
-                                          s_layout)
-            p = gl.convert_layout(p.to(dtype), p_layout)
-            acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, 1,
-                                      n_full, rows, seqlen_k, offset, qk_scale, False, CAUSAL, BLOCK_N, STAGES,
-                                      s_layout, p_layout, o_layout)
-            acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, n_full,
-                                      n_tiles, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N, STAGES,
-                                      s_layout, p_layout, o_layout)
-        mbarrier.arrive(q_empty, count=1)  # every S of this item is done: the loader may fetch the next Q
-        if n_tiles > 0:  # the last tile's product with V
-            last = it + n_tiles - 1
-            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-            acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc)
-            mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
-        it += n_tiles
-        done += 1
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+            p = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+            q = q_smem.index(WG)
+            mbarrier.wait(q_ready, done & 1)
+            if n_tiles > 0:
+                # Tile 0 alone (its softmax masked: it may hold the diagonal or the key bound), then
+                # the pipelined loops.
+                mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+                s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)),
+                                  gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N,
+                                              s_layout)
+                p = gl.convert_layout(p.to(dtype), p_layout)
+                acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, 1,
+                                          n_full, rows, seqlen_k, offset, qk_scale, False, CAUSAL, BLOCK_N, STAGES,
+                                          s_layout, p_layout, o_layout)
+                acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, n_full,
+                                          n_tiles, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N, STAGES,
+                                          s_layout, p_layout, o_layout)
+            mbarrier.arrive(q_empty, count=1)  # every S of this item is done: the loader may fetch the next Q
+            if n_tiles > 0:  # the last tile's product with V
+                last = it + n_tiles - 1
+                mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+                acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc)
+                mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
+            it += n_tiles
+            done += 1
 
-        # Rows that saw no key (l_i == 0) get out = 0 and lse = +inf, as in the Triton kernel.
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        lse = gl.where(l_i == 0.0, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
-        gl.store(Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
-        out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-        o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-        o_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
-                  + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0))
-        gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(o_rows < seqlen_q, 1))
+            # Rows that saw no key (l_i == 0) get out = 0 and lse = +inf, as in the Triton kernel.
+            l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+            lse = gl.where(l_i == 0.0, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
+            gl.store(Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
+            out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+            o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+            o_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+            o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+                      + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0))
+            gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(o_rows < seqlen_q, 1))
 
 
 @gluon.jit
@@ -257,21 +277,19 @@ def accepts(prob: Problem, params: AttentionParams) -> bool:
 def launch_args(tensors: dict, prob: Problem, params: AttentionParams):
     """(kernel, grid, keyword arguments) for kernels/launch.py. Tiles: 2 x 64 query rows, 128 keys,
     3 K/V buffers (D=128 at 16k tokens on an H100: 0.90-1.03x cuDNN where 2 buffers gave
-    0.81-0.90x). Non-causal: one persistent program per SM, whose loader fetches the next work
-    item during the last one's epilogue (+12% at 1k, +2% at 16k). Causal: one program per item, so
-    that the hardware hands the unequal items to whichever SM is free (a static round-robin left
-    16k causal 24% slower). docs/perf-notes.md."""
+    0.81-0.90x). One persistent program per SM, whose loader fetches the next work item during the
+    last one's epilogue, taking pairs of items round-robin (causal D=128 1k +24% over one program
+    per item; docs/perf-notes.md)."""
     q, k, v, out = tensors["Q"], tensors["K"], tensors["V"], tensors["Out"]
     triton.set_allocator(scratch)  # the kernel builds its tensor descriptors in global scratch
     qk_scale, _ = logit_scales(params)
-    causal = params.window_right == 0
     items = cdiv(prob.seqlen_q, 2 * ROWS) * prob.batch * prob.nheads
-    return _attn_fwd_hopper, (items if causal else min(items, num_sms(q.device)),), dict(
+    return _attn_fwd_hopper, (min(cdiv(items, 2), num_sms(q.device)),), dict(
         Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], **_box_strides(prob, "q", q), **_box_strides(prob, "k", k, "n"),
         **_box_strides(prob, "v", v, "n"), **prob.strides("o", out), **lse_strides(prob, params),
         batch=prob.batch, nheads=prob.nheads, nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q,
         seqlen_k=prob.seqlen_k, offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
-        CAUSAL=causal, BLOCK_N=128, HEAD_D=prob.head_dim, STAGES=3, CONSUMER_REGS=240,
+        CAUSAL=params.window_right == 0, BLOCK_N=128, HEAD_D=prob.head_dim, STAGES=3, CONSUMER_REGS=240,
         # 9 warps run as 3 warpgroups of 168 registers a thread, which the partitions trade: 240 each
         # for the consumers, 24 for the loader.
         num_warps=4, maxnreg=168)
