@@ -28,6 +28,9 @@ from ..params import AttentionParams
 from .config import cdiv, num_sms, scratch, tma_addressable
 from .variant import Problem, lse_strides, logit_scales
 
+# The one name that differs between the Triton versions this runs on: Triton 3.7 renamed the TMA
+# load (3.6, the GPU machine's, has only the old name; 3.9 only the new one).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -90,16 +93,16 @@ def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexp
             mbarrier.wait(q_empty, (done & 1) ^ 1)
             mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
             for part in gl.static_range(2):
-                tma.async_copy_global_to_shared(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready,
+                _tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready,
                                                 q_smem.index(part).reshape([1, ROWS, 1, HEAD_D]))
             for j in range(n_tiles):
                 stage = it % STAGES
                 mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(stage),
+                _tma_load(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(stage),
                                                 k_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
                 mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(stage),
+                _tma_load(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(stage),
                                                 v_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
                 it += 1
             done += 1
