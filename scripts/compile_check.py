@@ -1,8 +1,9 @@
 """Compiles, without running and without a GPU, every kernel the launch table picks for Hopper
-(sm_90) over many input specializations, with the installed Triton and its own ptxas, and prints
-the ones that fail. Triton specializes arguments (an int equal to 1 becomes a constant), and some
-specializations crash its passes or ptxas where the benchmark shapes compile fine: this finds them
-for free before a GPU run. Match the GPU machine's Triton in a separate environment:
+(sm_90; the Gluon forward included) over many input specializations, with the installed Triton
+and its own ptxas, and prints the ones that fail. Triton specializes arguments (an int equal to 1
+becomes a constant), and some specializations crash its passes or ptxas where the benchmark
+shapes compile fine: this finds them for free before a GPU run. Match the GPU machine's Triton
+in a separate environment:
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0
     PYTHONPATH=src /tmp/t36/bin/python scripts/compile_check.py [--dtype bf16,fp32] [--hdims 64,96,128,256]
         [--options plain,causal,window,softcap,dropout,varlen]

@@ -151,6 +151,37 @@ def test_tensor_descriptors_only_where_they_compile():
     assert not use_tma(tma, n, torch.randn(1, 1, 3, 40).expand(2, 17, 3, 40))  # rows at stride 0
 
 
+def test_gluon_forward_only_where_measured_and_accepted():
+    """The table sends the forward to the Gluon kernel on Hopper only where it measured faster, and
+    the kernel accepts only the plain 16-bit forward it implements; the rest takes the Triton
+    kernel (the Gluon kernel itself runs on the GPU only: tests/test_gpu.py)."""
+    from cuflash.kernels import hopper_forward
+    from cuflash.kernels.config import _launches
+    from cuflash.kernels.variant import problem
+
+    def gluon(block_d, length, banded, arch=90, fp32=False):
+        return _launches(arch, block_d, fp32, False, length, banded)[0].gluon
+
+    assert all(gluon(128, length, banded) for length in (2, 3) for banded in (False, True))
+    assert gluon(64, 2, False) and gluon(64, 3, True)
+    assert not any((gluon(128, 1, False), gluon(64, 2, True), gluon(256, 3, False), gluon(128, 3, False, fp32=True),
+                    gluon(128, 3, False, arch=80), gluon(128, 3, False, arch=100)))
+    q, k = (torch.randn(2, 600, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+    causal = AttentionParams(128 ** -0.5, window_right=0)
+    assert hopper_forward.accepts(problem(q, k, k, causal), causal)
+    assert hopper_forward.accepts(problem(q[..., :64], k[..., :64], k[..., :64], causal), causal)
+    for params in (AttentionParams(0.1, window_left=64, window_right=0), AttentionParams(0.1, softcap=30.0),
+                   AttentionParams(0.1, dropout_p=0.1), AttentionParams(0.1, alibi_slopes=torch.ones(4))):
+        assert not hopper_forward.accepts(problem(q, k, k, params), params)
+    buf = torch.randn(q.numel() + 4, dtype=torch.bfloat16)
+    for other in (q.float(), q[..., :96], buf[4:].view(q.shape)):  # fp32, D=96, a base 8 bytes off
+        assert not hopper_forward.accepts(problem(other, k, k, causal), causal)
+    cu = torch.tensor([0, 600, 1200], dtype=torch.int32)
+    varlen = AttentionParams(0.1, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=600, max_seqlen_k=600)
+    flat = q.reshape(1200, 4, 128)
+    assert not hopper_forward.accepts(problem(flat, flat, flat, varlen), varlen)
+
+
 @interpret
 @pytest.mark.parametrize("varlen", [False, True])
 def test_tensor_descriptor_loads_match_pointer_loads(varlen):

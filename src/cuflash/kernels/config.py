@@ -133,9 +133,9 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             else:
                 fwd = small_fwd if length < 3 else Launch(128, 64, 4, 3, tma=True)
             if arch == 90 and (length == 3 or (length == 2 and not banded)):
-                # The Gluon forward (see D=128), side by side (ab_pairs.log): non-causal 0.86-0.95x
-                # cuDNN from 1k, even with these launches but at 16k (+5%); causal 0.82-0.94x from
-                # 2k vs 0.78-0.87x, but 0.66x vs 0.71x at 1k.
+                # The Gluon forward (see D=128), side by side (ab_pairs.log): non-causal 0.87-0.95x
+                # cuDNN from 1k, level with these launches up to 8k and +5% at 16k; causal 0.82-0.94x
+                # from 2k against 0.78-0.87x, but 0.66x against 0.71x at 1k.
                 fwd = dataclasses.replace(fwd, gluon=True)
             dkdv = Launch(32, 64, 4, 3) if length < 2 else Launch(64, 128, 8, 3)
             return fwd, dkdv, Launch(64, 64, 4, 3)

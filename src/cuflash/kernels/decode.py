@@ -150,7 +150,6 @@ def _decode_combine(OutPart, LsePart, Out, Lse, nheads, seqlen_q, head_dim, num_
     tl.store(Lse + (b * nheads + h) * seqlen_q + i, tl.where(total == 0.0, float("inf"), m + tl.log(total_safe)))
 
 
-
 def num_splits_for(programs: int, capacity: int, block_n: int, device: torch.device, requested: int = 0) -> int:
     """How many splits of each sequence's keys: `requested`, or (0) enough to give every SM
     PROGRAMS_PER_SM programs, never more than MAX_SPLITS or than the cache has key tiles."""

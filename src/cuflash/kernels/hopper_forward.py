@@ -28,8 +28,8 @@ from ..params import AttentionParams
 from .config import cdiv, num_sms, scratch, tma_addressable
 from .variant import Problem, lse_strides, logit_scales
 
-# The one name that differs between the Triton versions this runs on: Triton 3.7 renamed the TMA
-# load (3.6, the GPU machine's, has only the old name; 3.9 only the new one).
+# The one name that differs between the Triton versions this runs on: the TMA load was renamed
+# after 3.6 (3.6, the GPU machine's, has only the old name; 3.9, the CPU machine's, only the new).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M
 LN2 = gl.constexpr(0.6931471805599453)
