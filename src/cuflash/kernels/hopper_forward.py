@@ -94,16 +94,16 @@ def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexp
             mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
             for part in gl.static_range(2):
                 _tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready,
-                                                q_smem.index(part).reshape([1, ROWS, 1, HEAD_D]))
+                          q_smem.index(part).reshape([1, ROWS, 1, HEAD_D]))
             for j in range(n_tiles):
                 stage = it % STAGES
                 mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
                 _tma_load(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(stage),
-                                                k_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
+                          k_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
                 mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
                 _tma_load(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(stage),
-                                                v_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
+                          v_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
                 it += 1
             done += 1
 
