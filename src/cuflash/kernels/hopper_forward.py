@@ -166,6 +166,7 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
                                                        instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = Q.dtype.element_ty
+    # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
     n_m = gl.cdiv(seqlen_q, 2 * ROWS)
     it = 0  # K/V tiles consumed so far: the ring's position
     done = 0  # work items done so far
