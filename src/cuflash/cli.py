@@ -52,7 +52,10 @@ def info(args) -> int:
     print(f"triton {triton_version()}" if triton_version() else "triton not installed: the CPU path only")
     for device in (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]:
         name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-        print(f"{device}: {name}; backend: {backend_name(torch.device(device), torch.float32)}")
+        hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+        print(f"{device}: {name}; backend: {backend_name(torch.device(device), torch.float32)}"
+              + ("; long 16-bit forwards at head dim 64/128: the Gluon kernel for Hopper (README: Backends)"
+                 if hopper else ""))
     print("supported: fp16, bf16, fp32 (fp64 on the CPU path); head dims 1-256; any seqlen_q, seqlen_k; "
           "causal (bottom-right for flash_attn_func, top-left for SDPA); MQA/GQA; strided inputs; varlen; "
           "sliding window; ALiBi; softcap; dropout; SDPA attn_mask; KV cache (paged or contiguous); "
