@@ -151,7 +151,7 @@ def test_tensor_descriptors_only_where_they_compile():
     assert not use_tma(tma, n, torch.randn(1, 1, 3, 40).expand(2, 17, 3, 40))  # rows at stride 0
 
 
-def test_gluon_forward_only_where_measured_and_accepted():
+def test_gluon_forward_only_where_measured_and_accepted(monkeypatch):
     """The table sends the forward to the Gluon kernel on Hopper only where it measured faster, and
     the kernel accepts only the plain 16-bit forward it implements; the rest takes the Triton
     kernel (the Gluon kernel itself runs on the GPU only: tests/test_gpu.py)."""
@@ -180,6 +180,8 @@ def test_gluon_forward_only_where_measured_and_accepted():
     varlen = AttentionParams(0.1, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=600, max_seqlen_k=600)
     flat = q.reshape(1200, 4, 128)
     assert not hopper_forward.accepts(problem(flat, flat, flat, varlen), varlen)
+    monkeypatch.setattr(hopper_forward, "GLUON_TRITON", False)  # a Triton older than 3.6
+    assert not hopper_forward.accepts(problem(q, k, k, causal), causal)
 
 
 @interpret

@@ -12,10 +12,14 @@ import triton.language as tl
 from ..params import AttentionParams
 from .common import LN2, NO_MASK, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, \
     query_tile, row_source, score_tile, sequence, softmax_step, store_tile, tile_ptrs
-from . import hopper_forward
 from .config import Launch, cdiv, forward_config, tf32, use_tma
 from .launch import launch
 from .variant import lse_strides, problem, variant_args, variant_tensors
+
+try:  # Triton's Gluon dialect: in the Tritons this was built with (3.6 on the GPU, 3.9), not in 3.2
+    from . import hopper_forward
+except ImportError:  # an older Triton: the Triton kernel for every input
+    hopper_forward = None
 
 
 @triton.jit
@@ -140,7 +144,7 @@ def _launch(tensors: dict, params: AttentionParams, config: Launch | None):
     q, k, v, out = tensors["Q"], tensors["K"], tensors["V"], tensors["Out"]
     prob = problem(q, k, v, params)
     cfg = config or forward_config(q, prob.block_d, max(prob.seqlen_q, prob.seqlen_k), params.banded)
-    if cfg.gluon and hopper_forward.accepts(prob, params):
+    if cfg.gluon and hopper_forward is not None and hopper_forward.accepts(prob, params):
         return hopper_forward.launch_args(tensors, prob, params)
     tma = use_tma(cfg, (prob.seqlen_q, prob.seqlen_k), k, v)
     grid = (cdiv(prob.seqlen_q, cfg.block_m), prob.batch * prob.nheads)

@@ -28,9 +28,11 @@ from ..params import AttentionParams
 from .config import cdiv, num_sms, scratch, tma_addressable
 from .variant import Problem, lse_strides, logit_scales
 
-# The one name that differs between the Triton versions this runs on: the TMA load was renamed
-# after 3.6 (3.6, the GPU machine's, has only the old name; 3.9, the CPU machine's, only the new).
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# The Triton versions this kernel is for, and the one name that differs between them: the TMA load
+# was renamed after 3.6 (3.6, the GPU machine's, has only the old name; 3.9, the CPU machine's,
+# only the new).
+_tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+GLUON_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -271,11 +273,13 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse,
 
 def accepts(prob: Problem, params: AttentionParams) -> bool:
     """Whether this kernel computes the call: the plain forward (causal or not, GQA) of 16-bit
-    inputs with head dim 64 or 128 that the tensor memory accelerator can address."""
+    inputs with head dim 64 or 128 that the tensor memory accelerator can address, under a Triton
+    whose Gluon this kernel was written against (3.6 run, 3.9 compiled; Gluon changed its API
+    between the releases that have it, so older ones take the Triton kernel)."""
     plain = (params.window_left < 0 and params.window_right in (-1, 0) and params.softcap == 0
              and params.alibi_slopes is None and params.attn_mask is None and params.dropout_p == 0)
-    return (plain and not prob.varlen and prob.head_dim in (64, 128) and prob.q.dtype in (torch.float16, torch.bfloat16)
-            and tma_addressable(prob.q, prob.k, prob.v))
+    return (GLUON_TRITON and plain and not prob.varlen and prob.head_dim in (64, 128)
+            and prob.q.dtype in (torch.float16, torch.bfloat16) and tma_addressable(prob.q, prob.k, prob.v))
 
 
 def launch_args(tensors: dict, prob: Problem, params: AttentionParams):
