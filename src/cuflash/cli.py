@@ -52,7 +52,7 @@ def info(args) -> int:
     print(f"triton {triton_version()}" if triton_version() else "triton not installed: the CPU path only")
     for device in (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]:
         name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-        hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+        hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0) and _gluon_forward()
         print(f"{device}: {name}; backend: {backend_name(torch.device(device), torch.float32)}"
               + ("; long 16-bit forwards at head dim 64/128: the Gluon kernel for Hopper (README: Backends)"
                  if hopper else ""))
@@ -61,6 +61,15 @@ def info(args) -> int:
           "sliding window; ALiBi; softcap; dropout; SDPA attn_mask; KV cache (paged or contiguous); "
           "methods naive, fa1, fa2")
     return 0
+
+
+def _gluon_forward() -> bool:
+    """Whether the installed Triton runs the Gluon forward (kernels/hopper_forward.py)."""
+    from .ops import triton_version
+    if triton_version() is None:
+        return False
+    from .kernels.forward import hopper_forward
+    return hopper_forward is not None and hopper_forward.GLUON_TRITON
 
 
 def generate(args) -> int:
