@@ -25,6 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ..params import AttentionParams
+from .common import LN2
 from .config import cdiv, num_sms, scratch, tma_addressable
 from .variant import Problem, lse_strides, logit_scales
 
@@ -34,7 +35,6 @@ from .variant import Problem, lse_strides, logit_scales
 _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
 GLUON_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M
-LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
