@@ -1,5 +1,5 @@
 """Compiles, without running and without a GPU, every kernel the launch table picks for Hopper
-(sm_90; the Gluon forward included) over many input specializations, with the installed Triton
+(sm_90; the Gluon kernels included) over many input specializations, with the installed Triton
 and its own ptxas, and prints the ones that fail. Triton specializes arguments (an int equal to 1
 becomes a constant), and some specializations crash its passes or ptxas where the benchmark
 shapes compile fine: this finds them for free before a GPU run. Match the GPU machine's Triton

@@ -151,21 +151,28 @@ def test_tensor_descriptors_only_where_they_compile():
     assert not use_tma(tma, n, torch.randn(1, 1, 3, 40).expand(2, 17, 3, 40))  # rows at stride 0
 
 
-def test_gluon_forward_only_where_measured_and_accepted(monkeypatch):
-    """The table sends the forward to the Gluon kernel on Hopper only where it measured faster, and
-    the kernel accepts only the plain 16-bit forward it implements; the rest takes the Triton
-    kernel (the Gluon kernel itself runs on the GPU only: tests/test_gpu.py)."""
-    from cuflash.kernels import hopper_forward
+def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
+    """The table sends the forward and the backward's dK/dV and dQ to the Gluon kernels on Hopper
+    only where they measured faster, and the kernels accept only the plain 16-bit attention they
+    implement; the rest takes the Triton kernels (the Gluon kernels themselves run on the GPU only:
+    tests/test_gpu.py)."""
+    from cuflash.kernels import hopper_backward, hopper_forward
     from cuflash.kernels.config import _launches
     from cuflash.kernels.variant import problem
 
-    def gluon(block_d, length, banded, arch=90, fp32=False):
-        return _launches(arch, block_d, fp32, False, length, banded)[0].gluon
+    def gluon(block_d, length, banded, arch=90, fp32=False, kernel=0):
+        return _launches(arch, block_d, fp32, False, length, banded)[kernel].gluon
 
     assert all(gluon(128, length, banded) for length in (2, 3) for banded in (False, True))
     assert gluon(64, 2, False) and gluon(64, 3, True)
     assert not any((gluon(128, 1, False), gluon(64, 2, True), gluon(256, 3, False), gluon(128, 3, False, fp32=True),
                     gluon(128, 3, False, arch=80), gluon(128, 3, False, arch=100)))
+    assert all(gluon(d, length, banded, kernel=1) for d in (64, 128) for length in (2, 3) for banded in (False, True))
+    assert all(gluon(128, length, banded, kernel=2) for length in (2, 3) for banded in (False, True))
+    assert not gluon(64, 3, False, kernel=2)
+    assert not any(gluon(*case, kernel=kernel) for kernel in (1, 2) for case in (
+        (128, 1, False), (64, 1, True), (256, 3, False), (128, 3, False, 90, True), (128, 3, False, 80),
+        (64, 3, True, 100)))
     q, k = (torch.randn(2, 600, 4, 128, dtype=torch.bfloat16) for _ in range(2))
     causal = AttentionParams(128 ** -0.5, window_right=0)
     assert hopper_forward.accepts(problem(q, k, k, causal), causal)
@@ -180,8 +187,11 @@ def test_gluon_forward_only_where_measured_and_accepted(monkeypatch):
     varlen = AttentionParams(0.1, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=600, max_seqlen_k=600)
     flat = q.reshape(1200, 4, 128)
     assert not hopper_forward.accepts(problem(flat, flat, flat, varlen), varlen)
+    assert hopper_backward.accepts(problem(q, k, k, causal), causal, q.transpose(1, 2).contiguous().transpose(1, 2))
+    assert not hopper_backward.accepts(problem(q, k, k, causal), causal, buf[4:].view(q.shape))
     monkeypatch.setattr(hopper_forward, "GLUON_TRITON", False)  # a Triton older than 3.6
     assert not hopper_forward.accepts(problem(q, k, k, causal), causal)
+    assert not hopper_backward.accepts(problem(q, k, k, causal), causal, q)
 
 
 @interpret

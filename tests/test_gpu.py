@@ -251,6 +251,28 @@ def test_hopper_forward(dtype, head_dim, causal, seqlen_q, seqlen_k, layout):
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
+@pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (4100, 1)])
+@pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (64, False), (64, True)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_hopper_backward(dtype, head_dim, causal, seqlen_q, seqlen_k, layout):
+    """The Gluon dK/dV and (D=128) dQ kernels (kernels/hopper_backward.py) are the ones that run,
+    and the gradients match float64 like the Triton kernels': ragged key and query tiles, GQA (dK/dV summed
+    over the group), keys no query sees and rows that see no key (causal, seqlen_q != seqlen_k),
+    non-contiguous inputs."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward is for Hopper (sm_90)")
+    from cuflash.kernels import hopper_backward
+    from cuflash.kernels.variant import problem
+    torch.manual_seed(seqlen_q + seqlen_k + head_dim)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, dtype, "cuda", layout=layout)
+    params = AttentionParams(head_dim ** -0.5, window_right=0 if causal else -1)
+    dkdv, dq = backward_configs(q, head_dim, max(seqlen_q, seqlen_k), causal)
+    assert dkdv.gluon and dq.gluon == (head_dim == 128)
+    assert hopper_backward.accepts(problem(q, k, v, params), params, torch.empty_like(q))
+    check_against_oracle(_flash(causal), q, k, v, causal)
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(3000, 600), (600, 3000)])
 def test_hopper_forward_top_left_causal(seqlen_q, seqlen_k):
     """SDPA's causal mask (top-left aligned) through the Gluon forward."""

@@ -54,7 +54,7 @@ def info(args) -> int:
         name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
         hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0) and _gluon_forward()
         print(f"{device}: {name}; backend: {backend_name(torch.device(device), torch.float32)}"
-              + ("; long 16-bit forwards at head dim 64/128: the Gluon kernel for Hopper (README: Backends)"
+              + ("; long 16-bit attention at head dim 64/128: the Gluon kernels for Hopper (README: Backends)"
                  if hopper else ""))
     print("supported: fp16, bf16, fp32 (fp64 on the CPU path); head dims 1-256; any seqlen_q, seqlen_k; "
           "causal (bottom-right for flash_attn_func, top-left for SDPA); MQA/GQA; strided inputs; varlen; "
@@ -64,7 +64,8 @@ def info(args) -> int:
 
 
 def _gluon_forward() -> bool:
-    """Whether the installed Triton runs the Gluon forward (kernels/hopper_forward.py)."""
+    """Whether the installed Triton runs the Gluon kernels (kernels/hopper_forward.py,
+    hopper_backward.py: the same condition)."""
     from .ops import triton_version
     if triton_version() is None:
         return False

@@ -21,6 +21,11 @@ from .config import Launch, backward_configs, cdiv, tf32, use_tma
 from .launch import launch
 from .variant import lse_strides, problem, variant_args, variant_tensors
 
+try:  # the dK/dV and dQ kernels for Hopper, in Gluon (need a Triton that has it)
+    from . import hopper_backward
+except ImportError:
+    hopper_backward = None
+
 
 @triton.jit
 def _attn_bwd_delta(Out, DO, Delta,
@@ -309,7 +314,7 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams,
 
 def _launches(t: dict, params: AttentionParams, configs: tuple[Launch, Launch] | None) -> list[tuple]:
     """delta, then dK/dV, then dQ."""
-    q, k, v, dout, dq, dk, dv = t["Q"], t["K"], t["V"], t["DO"], t["DQ"], t["DK"], t["DV"]
+    q, k, v, dout = t["Q"], t["K"], t["V"], t["DO"]
     prob = problem(q, k, v, params)
     dkdv_cfg, dq_cfg = configs or backward_configs(q, prob.block_d, max(prob.seqlen_q, prob.seqlen_k),
                                                    params.banded)
@@ -333,15 +338,24 @@ def _launches(t: dict, params: AttentionParams, configs: tuple[Launch, Launch] |
         **lse_args, nheads=prob.nheads, seqlen_q=delta_rows, head_dim=prob.head_dim, BLOCK_M=delta_block_m,
         BLOCK_D=prob.block_d,
     )
-    dkdv = _attn_bwd_dkdv, (cdiv(prob.seqlen_k, dkdv_cfg.block_n), prob.batch * prob.nheads_k), dict(
-        DK=dk, DV=dv, **prob.strides("dk", dk, "n"), **prob.strides("dv", dv, "n"), **shared, nheads_k=prob.nheads_k,
-        BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n, INPUT_PRECISION=dkdv_cfg.input_precision,
-        SPLIT_GROUP_ACC=q.dtype == torch.float32, TMA=dkdv_tma, WS=dkdv_tma and dkdv_cfg.warp_specialize,
-        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
-    )
-    dq = _attn_bwd_dq, (cdiv(prob.seqlen_q, dq_cfg.block_m), prob.batch * prob.nheads), dict(
-        DQ=dq, **prob.strides("dq", dq), **shared, nheads=prob.nheads,
-        BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, INPUT_PRECISION=dq_cfg.input_precision,
-        TMA=dq_tma, WS=dq_tma and dq_cfg.warp_specialize, num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
-    )
+    # The Gluon kernels for Hopper where the table asks for them and they take the input.
+    gluon = hopper_backward is not None and hopper_backward.accepts(prob, params, dout)
+    if dkdv_cfg.gluon and gluon:
+        dkdv = hopper_backward.dkdv_launch(t, prob, params)
+    else:
+        dkdv = _attn_bwd_dkdv, (cdiv(prob.seqlen_k, dkdv_cfg.block_n), prob.batch * prob.nheads_k), dict(
+            DK=t["DK"], DV=t["DV"], **prob.strides("dk", t["DK"], "n"), **prob.strides("dv", t["DV"], "n"), **shared,
+            nheads_k=prob.nheads_k, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
+            INPUT_PRECISION=dkdv_cfg.input_precision, SPLIT_GROUP_ACC=q.dtype == torch.float32, TMA=dkdv_tma,
+            WS=dkdv_tma and dkdv_cfg.warp_specialize, num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
+        )
+    if dq_cfg.gluon and gluon:
+        dq = hopper_backward.dq_launch(t, prob, params)
+    else:
+        dq = _attn_bwd_dq, (cdiv(prob.seqlen_q, dq_cfg.block_m), prob.batch * prob.nheads), dict(
+            DQ=t["DQ"], **prob.strides("dq", t["DQ"]), **shared, nheads=prob.nheads,
+            BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, INPUT_PRECISION=dq_cfg.input_precision,
+            TMA=dq_tma, WS=dq_tma and dq_cfg.warp_specialize, num_warps=dq_cfg.num_warps,
+            num_stages=dq_cfg.num_stages,
+        )
     return [delta, dkdv, dq]

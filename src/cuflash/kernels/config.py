@@ -18,8 +18,8 @@ class Launch:
     input_precision: str = "ieee"  # of fp32 dots: ieee, tf32x3 (both exact) or tf32 (allow_tf32)
     tma: bool = False  # stream the loop's tiles through tensor descriptors (Hopper and later)
     warp_specialize: bool = False  # the unmasked loop split into producer and consumer warps
-    # The Gluon forward for Hopper (kernels/hopper_forward.py, its own fixed tiles) where it
-    # accepts the input; the Triton kernel with this launch's tiles elsewhere.
+    # The Gluon kernel for Hopper (kernels/hopper_forward.py, hopper_backward.py; their own fixed
+    # tiles) where it accepts the input; the Triton kernel with this launch's tiles elsewhere.
     gluon: bool = False
 
 
@@ -137,7 +137,9 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 # cuDNN from 1k, level with these launches up to 8k and +5% at 16k; causal 0.82-0.94x
                 # from 2k against 0.78-0.87x, but 0.66x against 0.71x at 1k.
                 fwd = dataclasses.replace(fwd, gluon=True)
-            dkdv = Launch(32, 64, 4, 3) if length < 2 else Launch(64, 128, 8, 3)
+            # The Gluon dK/dV beyond 512 keys: whole backward +1..+16% (2026-11-22-h100-gluon-bwd/
+            # ab_bwd.log); its dQ measured up to 12% slower than this one at D=64 up to 4k.
+            dkdv = Launch(32, 64, 4, 3) if length < 2 else Launch(64, 128, 8, 3, gluon=arch == 90)
             return fwd, dkdv, Launch(64, 64, 4, 3)
         if block_d <= 128:
             if length == 0:
@@ -151,8 +153,11 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 # non-causal, 0.79-1.04x causal, where these launches reach 0.64-0.83x
                 # (2026-11-22-h100-gluon/ab_pairs.log).
                 fwd = dataclasses.replace(fwd, gluon=True)
-            dkdv = Launch(64, 128, 8, 2, tma=length > 1, warp_specialize=length > 1)
-            return fwd, dkdv, Launch(128, 64, 8, 3)
+            # The Gluon dK/dV and dQ beyond 512 keys: whole backward +6..+19% from 1k to 16k
+            # (2026-11-22-h100-gluon-bwd/ab_bwd.log).
+            gluon = arch == 90 and length > 1
+            dkdv = Launch(64, 128, 8, 2, tma=length > 1, warp_specialize=length > 1, gluon=gluon)
+            return fwd, dkdv, Launch(128, 64, 8, 3, gluon=gluon)
         # D=256 at 4k (tune_d256.log): 1.8-1.9x the forward, 2.1-2.4x dK/dV and 1.2x dQ of the
         # untuned (64,64,4,2) / (32,64,4,2) / (64,32,4,2).
         return Launch(128, 64, 8, 2, tma=True), Launch(64, 64, 8, 2, tma=True), Launch(128, 32, 8, 3)

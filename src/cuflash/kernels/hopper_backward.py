@@ -1,0 +1,388 @@
+"""The backward's dK/dV and dQ kernels for Hopper in Gluon: warp-specialized, two consumer
+warpgroups (the structure of kernels/hopper_forward.py applied to the two passes of
+kernels/backward.py, which also computes delta = rowsum(dO * O) before them).
+
+dK/dV: a program owns one tile of 2 x 64 keys of one (batch, KV head) and streams the query
+tiles (64 rows) of every query head that shares the KV head:
+- the loader (one warp) copies the program's K and V once, then each query tile's Q and dO into
+  a ring of STAGES buffers with the tensor memory accelerator, each load signalling a "ready"
+  barrier;
+- two consumer warpgroups, each owning 64 of the keys, compute per query tile on the tensor cores
+  (wgmma) S^T = K Q^T and dP^T = V dO^T, then P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta),
+  and accumulate dV += P^T dO and dK += dS^T Q in registers (P^T and dS^T from registers), then
+  release the buffer on an "empty" barrier that both must arrive at.
+dQ: a program owns 2 x 64 query rows of one (batch, head), each consumer 64 of them with their Q
+and dO; the loader streams the K/V tiles; per tile S = Q K^T, dP = dO V^T, dS = P (dP - delta),
+dQ += dS K.
+One consumer's exponentials overlap the other's matrix products. No atomics: the backward stays
+bitwise reproducible.
+
+Only the plain backward is here (hopper_forward.accepts: 16-bit, head dims 64 and 128, causal
+or not, GQA); everything else takes the Triton kernels. GPU only: Triton's interpreter does not
+run Gluon.
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from ..params import AttentionParams
+from .common import LOG2E
+from .config import cdiv, scratch, tma_addressable
+from .hopper_forward import ROWS, _box_strides, _tma_load
+from .variant import Problem, lse_strides, logit_scales
+
+
+@gluon.jit
+def _item(seqlen_q, seqlen_k, nheads_k, offset, CAUSAL: gl.constexpr):
+    """(first key, batch, KV head, first and end query tile) of this program. Under a causal mask
+    the query tiles above the first key's diagonal are skipped."""
+    n_n = gl.cdiv(seqlen_k, 2 * ROWS)
+    start_n = gl.program_id(0) % n_n * 2 * ROWS
+    bhk = gl.program_id(0) // n_n
+    lo = 0
+    if CAUSAL:
+        lo = gl.maximum(start_n - offset, 0) // ROWS
+    return start_n, bhk // nheads_k, bhk % nheads_k, lo, gl.cdiv(seqlen_q, ROWS)
+
+
+@gluon.jit
+def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    (Q, K, V, DO, Lse, Delta, DK, DV, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, empty,
+     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+     stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+     stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+    dtype: gl.constexpr = Q.dtype.element_ty
+    box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, ROWS, 1, HEAD_D], dtype)
+    block: gl.constexpr = [1, ROWS, 1, HEAD_D]
+    q_desc = tma.make_tensor_descriptor(Q, [batch, seqlen_q, nheads, HEAD_D], [stride_qb, stride_qm, stride_qh, 1],
+                                        block, box)
+    do_desc = tma.make_tensor_descriptor(DO, [batch, seqlen_q, nheads, HEAD_D],
+                                         [stride_dob, stride_dom, stride_doh, 1], block, box)
+    k_desc = tma.make_tensor_descriptor(K, [batch, seqlen_k, nheads_k, HEAD_D],
+                                        [stride_kb, stride_kn, stride_kh, 1], block, box)
+    v_desc = tma.make_tensor_descriptor(V, [batch, seqlen_k, nheads_k, HEAD_D],
+                                        [stride_vb, stride_vn, stride_vh, 1], block, box)
+    start_n, off_b, off_hk, lo, hi = _item(seqlen_q, seqlen_k, nheads_k, offset, CAUSAL)
+    mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
+    for part in gl.static_range(2):
+        _tma_load(k_desc, [off_b, start_n + part * ROWS, off_hk, 0], kv_ready, k_smem.index(part).reshape(block))
+        _tma_load(v_desc, [off_b, start_n + part * ROWS, off_hk, 0], kv_ready, v_smem.index(part).reshape(block))
+    group = nheads // nheads_k
+    it = 0  # query tiles loaded so far: the ring's position
+    for g in range(group):
+        off_h = off_hk * group + g
+        for j in range(lo, hi):
+            stage = it % STAGES
+            mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [off_b, j * ROWS, off_h, 0], q_ready.index(stage), q_smem.index(stage).reshape(block))
+            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+            _tma_load(do_desc, [off_b, j * ROWS, off_h, 0], do_ready.index(stage),
+                      do_smem.index(stage).reshape(block))
+            it += 1
+
+
+@gluon.jit
+def _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, base, first, last, keys,
+           seqlen_q, offset, qk_scale, MASKED: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+           a_layout: gl.constexpr):
+    """Query tiles [first, last) of one head, tile j in the ring's position base + j. MASKED
+    applies the causal diagonal; rows past seqlen_q read lse = +inf, so their P is 0."""
+    zero = gl.zeros([ROWS, ROWS], gl.float32, s_layout)
+    for j in range(first, last):
+        stage = (base + j) % STAGES
+        phase = ((base + j) // STAGES) & 1
+        cols = j * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+        lse = gl.load(lse_ptr + cols, mask=cols < seqlen_q, other=float("inf")) * LOG2E
+        delta = gl.load(delta_ptr + cols, mask=cols < seqlen_q, other=0.0)
+        q = q_smem.index(stage)
+        do = do_smem.index(stage)
+        mbarrier.wait(q_ready.index(stage), phase)
+        s = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        x = s * qk_scale
+        if MASKED:  # query row i sees key n where n <= i + offset
+            x = gl.where(gl.expand_dims(cols + offset, 0) >= gl.expand_dims(keys, 1), x, float("-inf"))
+        p = gl.exp2(x - gl.expand_dims(lse, 0))
+        dv = warpgroup_mma(gl.convert_layout(p.to(q.dtype), a_layout), do, dv, is_async=True)
+        dp = warpgroup_mma_wait(1, deps=(dp,))
+        ds = p * (dp - gl.expand_dims(delta, 0))
+        dk = warpgroup_mma(gl.convert_layout(ds.to(q.dtype), a_layout), q, dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        mbarrier.arrive(empty.index(stage), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _consume(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+    (Q, K, V, DO, Lse, Delta, DK, DV, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, empty,
+     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+     stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+     stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    start_n, off_b, off_hk, lo, hi = _item(seqlen_q, seqlen_k, nheads_k, offset, CAUSAL)
+    key0 = start_n + WG * ROWS
+    keys = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    # Query tiles before `full` hold rows that do not see every key of this warpgroup.
+    full = lo
+    if CAUSAL:
+        full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(key0 + ROWS - 1 - offset, 0), ROWS), lo), hi)
+    dk = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+    k = k_smem.index(WG)
+    v = v_smem.index(WG)
+    mbarrier.wait(kv_ready, 0)
+    group = nheads // nheads_k
+    base = -lo  # the loader's schedule: tile j of head g at ring position g * (hi - lo) + j - lo
+    for g in range(group):
+        off_h = (off_hk * group + g).to(gl.int64)
+        lse_ptr = Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh
+        delta_ptr = Delta + off_b.to(gl.int64) * stride_lb + off_h * stride_lh
+        dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, base, lo, full,
+                        keys, seqlen_q, offset, qk_scale, True, STAGES, s_layout, a_layout)
+        dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, base, full, hi,
+                        keys, seqlen_q, offset, qk_scale, False, STAGES, s_layout, a_layout)
+        base += hi - lo
+
+    rows = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+    in_seq = gl.expand_dims(rows < seqlen_k, 1)
+    row_offs = gl.expand_dims(rows.to(gl.int64), 1)
+    dk_ptrs = (DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh + row_offs * stride_dkn
+               + gl.expand_dims(cols, 0))
+    dv_ptrs = (DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh + row_offs * stride_dvn
+               + gl.expand_dims(cols, 0))
+    gl.store(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=in_seq)
+    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=in_seq)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_hopper(Q, K, V, DO, Lse, Delta, DK, DV,
+                          stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                          stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
+                          stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                          stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
+                          softmax_scale, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr):
+    dtype: gl.constexpr = Q.dtype.element_ty
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, ROWS, HEAD_D], layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, ROWS, HEAD_D], layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers release a buffer
+    args = (Q, K, V, DO, Lse, Delta, DK, DV, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, empty,
+            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+            stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
+            stride_dvh, stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
+            softmax_scale)
+    gl.warp_specialize([(_consume, (args, CAUSAL, HEAD_D, STAGES, 0)),
+                        (_consume, (args, CAUSAL, HEAD_D, STAGES, 1)),
+                        (_load, (args, CAUSAL, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
+
+
+@gluon.jit
+def _dq_item(seqlen_q, seqlen_k, nheads, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(first query row, batch, head, K/V tiles to visit) of this program: 2 x 64 query rows. The
+    query tiles of a (batch, head) are consecutive programs (their K/V stay in L2); under a causal
+    mask the heaviest (last) tile of each head starts first."""
+    n_m = gl.cdiv(seqlen_q, 2 * ROWS)
+    tile = gl.program_id(0) % n_m
+    bh = gl.program_id(0) // n_m
+    hi = seqlen_k
+    if CAUSAL:
+        tile = n_m - 1 - tile
+        hi = gl.minimum(gl.maximum((tile + 1) * 2 * ROWS + offset, 0), seqlen_k)
+    return tile * 2 * ROWS, bh // nheads, bh % nheads, gl.cdiv(hi, BLOCK_N)
+
+
+@gluon.jit
+def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, kv_empty,
+     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+     stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+     stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_block: gl.constexpr = [1, ROWS, 1, HEAD_D]
+    kv_block: gl.constexpr = [1, BLOCK_N, 1, HEAD_D]
+    q_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for(q_block, dtype)
+    kv_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for(kv_block, dtype)
+    q_desc = tma.make_tensor_descriptor(Q, [batch, seqlen_q, nheads, HEAD_D], [stride_qb, stride_qm, stride_qh, 1],
+                                        q_block, q_box)
+    do_desc = tma.make_tensor_descriptor(DO, [batch, seqlen_q, nheads, HEAD_D],
+                                         [stride_dob, stride_dom, stride_doh, 1], q_block, q_box)
+    k_desc = tma.make_tensor_descriptor(K, [batch, seqlen_k, nheads_k, HEAD_D],
+                                        [stride_kb, stride_kn, stride_kh, 1], kv_block, kv_box)
+    v_desc = tma.make_tensor_descriptor(V, [batch, seqlen_k, nheads_k, HEAD_D],
+                                        [stride_vb, stride_vn, stride_vh, 1], kv_block, kv_box)
+    start_m, off_b, off_h, n_tiles = _dq_item(seqlen_q, seqlen_k, nheads, offset, CAUSAL, BLOCK_N)
+    off_hk = off_h // (nheads // nheads_k)
+    mbarrier.expect(qdo_ready, 4 * q_desc.block_type.nbytes)
+    for part in gl.static_range(2):
+        _tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], qdo_ready, q_smem.index(part).reshape(q_block))
+        _tma_load(do_desc, [off_b, start_m + part * ROWS, off_h, 0], qdo_ready,
+                  do_smem.index(part).reshape(q_block))
+    for j in range(n_tiles):
+        stage = j % STAGES
+        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(stage), k_smem.index(stage).reshape(kv_block))
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(stage), v_smem.index(stage).reshape(kv_block))
+
+
+@gluon.jit
+def _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, first, last, rows, offset,
+              qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+              a_layout: gl.constexpr):
+    """K/V tiles [first, last), tile j in ring position j. MASKED applies the causal diagonal. Keys
+    past seqlen_k need no mask: their K rows are zero-filled, so they add nothing to dQ."""
+    zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    for j in range(first, last):
+        stage = j % STAGES
+        phase = (j // STAGES) & 1
+        k = k_smem.index(stage)
+        mbarrier.wait(k_ready.index(stage), phase)
+        s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(stage), phase)
+        dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        x = s * qk_scale
+        if MASKED:  # query row i sees key n where n <= i + offset
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            x = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows + offset, 1), x, float("-inf"))
+        p = gl.exp2(x - gl.expand_dims(lse, 1))
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        dq = warpgroup_mma(gl.convert_layout(ds.to(k.dtype), a_layout), k, dq)
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+    return dq
+
+
+@gluon.jit
+def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                WG: gl.constexpr):
+    (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, kv_empty,
+     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+     stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+     stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    start_m, off_b, off_h, n_tiles = _dq_item(seqlen_q, seqlen_k, nheads, offset, CAUSAL, BLOCK_N)
+    row0 = start_m + WG * ROWS
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    row_ptrs = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+    # Rows past seqlen_q read lse = +inf: their P is 0.
+    lse = gl.load(Lse + row_ptrs, mask=rows < seqlen_q, other=float("inf")) * LOG2E
+    delta = gl.load(Delta + row_ptrs, mask=rows < seqlen_q, other=0.0)
+    # Tiles every row of this warpgroup sees whole (below its first row's diagonal) come first.
+    n_full = n_tiles
+    if CAUSAL:
+        n_full = gl.minimum(gl.maximum(row0 + offset + 1, 0) // BLOCK_N, n_tiles)
+    dq = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+    q = q_smem.index(WG)
+    do = do_smem.index(WG)
+    mbarrier.wait(qdo_ready, 0)
+    dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, 0, n_full, rows, offset,
+                   qk_scale, False, BLOCK_N, STAGES, s_layout, a_layout)
+    dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, n_full, n_tiles, rows,
+                   offset, qk_scale, True, BLOCK_N, STAGES, s_layout, a_layout)
+    o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+    dq_ptrs = (DQ + off_b.to(gl.int64) * stride_dqb + off_h.to(gl.int64) * stride_dqh
+               + gl.expand_dims(o_rows.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(cols, 0))
+    gl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(o_rows < seqlen_q, 1))
+
+
+@gluon.jit
+def _attn_bwd_dq_hopper(Q, K, V, DO, Lse, Delta, DQ,
+                        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                        stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
+                        stride_dqb, stride_dqm, stride_dqh, stride_lb, stride_lh,
+                        batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
+                        CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr):
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(qdo_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a buffer
+    args = (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, kv_empty,
+            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+            stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+            stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale)
+    gl.warp_specialize([(_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 0)),
+                        (_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 1)),
+                        (_dq_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
+
+
+def accepts(prob: Problem, params: AttentionParams, dout: torch.Tensor) -> bool:
+    """The Gluon forward's inputs (hopper_forward.accepts), with a dO the TMA can address."""
+    from . import hopper_forward
+    return hopper_forward.accepts(prob, params) and tma_addressable(dout)
+
+
+def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
+    q, k, v, dout = (tensors[name] for name in ("Q", "K", "V", "DO"))
+    triton.set_allocator(scratch)  # the kernels build their tensor descriptors in global scratch
+    qk_scale, _ = logit_scales(params)
+    return dict(Q=q, K=k, V=v, DO=dout, Lse=tensors["Lse"], Delta=tensors["Delta"],
+                **_box_strides(prob, "q", q), **_box_strides(prob, "k", k, "n"), **_box_strides(prob, "v", v, "n"),
+                **_box_strides(prob, "do", dout), **lse_strides(prob, params), batch=prob.batch, nheads=prob.nheads,
+                nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k,
+                offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
+                softmax_scale=params.softmax_scale, CAUSAL=params.window_right == 0, HEAD_D=prob.head_dim,
+                # 9 warps run as 3 warpgroups of 168 registers a thread, which the partitions
+                # trade: 240 each for the consumers, 24 for the loader.
+                CONSUMER_REGS=240, num_warps=4, maxnreg=168)
+
+
+def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams):
+    """(kernel, grid, keyword arguments) of the dK/dV kernel for kernels/launch.py: one program
+    per 128 keys of a (batch, KV head); 64-row query tiles in a ring of 2 buffers."""
+    dk, dv = tensors["DK"], tensors["DV"]
+    grid = (cdiv(prob.seqlen_k, 2 * ROWS.value) * prob.batch * prob.nheads_k,)
+    return _attn_bwd_dkdv_hopper, grid, dict(
+        **_shared_args(tensors, prob, params), DK=dk, DV=dv, **prob.strides("dk", dk, "n"),
+        **prob.strides("dv", dv, "n"), STAGES=2)
+
+
+def dq_launch(tensors: dict, prob: Problem, params: AttentionParams):
+    """(kernel, grid, keyword arguments) of the dQ kernel for kernels/launch.py: one program per
+    2 x 64 query rows of a (batch, head); 128-key K/V tiles in a ring of 2 buffers."""
+    dq = tensors["DQ"]
+    grid = (cdiv(prob.seqlen_q, 2 * ROWS.value) * prob.batch * prob.nheads,)
+    return _attn_bwd_dq_hopper, grid, dict(
+        **_shared_args(tensors, prob, params), DQ=dq, **prob.strides("dq", dq), BLOCK_N=128, STAGES=2)
