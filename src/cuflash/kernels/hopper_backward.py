@@ -25,13 +25,38 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ..params import AttentionParams
 from .common import LOG2E
 from .config import cdiv, scratch, tma_addressable
-from .hopper_forward import ROWS, _box_strides, _tma_load
+from .hopper_forward import ROWS, _box_strides, _tma_load, descriptor
 from .variant import Problem, lse_strides, logit_scales
+
+
+@gluon.jit
+def _buffers(dtype: gl.constexpr, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+    """The shared memory of both kernels: two tensors' tiles of 2 x 64 rows held for the whole
+    program (K and V for dK/dV, Q and dO for dQ), a ring of STAGES buffers of BLOCK rows for the
+    two tensors streamed past them, and the barriers: one "ready" for the held tiles, a "ready" per
+    streamed tensor and buffer, an "empty" per buffer that both consumers arrive at."""
+    held_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
+    ring_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_D], dtype)
+    held_a = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], held_layout)
+    held_b = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], held_layout)
+    ring_a = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_D], ring_layout)
+    ring_b = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_D], ring_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    held_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(held_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(a_ready.index(i), count=1)
+        mbarrier.init(b_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return held_a, held_b, ring_a, ring_b, held_ready, a_ready, b_ready, empty
 
 
 @gluon.jit
@@ -53,17 +78,11 @@ def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr
      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
      stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
      stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
-    dtype: gl.constexpr = Q.dtype.element_ty
-    box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, ROWS, 1, HEAD_D], dtype)
     block: gl.constexpr = [1, ROWS, 1, HEAD_D]
-    q_desc = tma.make_tensor_descriptor(Q, [batch, seqlen_q, nheads, HEAD_D], [stride_qb, stride_qm, stride_qh, 1],
-                                        block, box)
-    do_desc = tma.make_tensor_descriptor(DO, [batch, seqlen_q, nheads, HEAD_D],
-                                         [stride_dob, stride_dom, stride_doh, 1], block, box)
-    k_desc = tma.make_tensor_descriptor(K, [batch, seqlen_k, nheads_k, HEAD_D],
-                                        [stride_kb, stride_kn, stride_kh, 1], block, box)
-    v_desc = tma.make_tensor_descriptor(V, [batch, seqlen_k, nheads_k, HEAD_D],
-                                        [stride_vb, stride_vn, stride_vh, 1], block, box)
+    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
+    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
+    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, ROWS, HEAD_D)
+    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, ROWS, HEAD_D)
     start_n, off_b, off_hk, lo, hi = _item(seqlen_q, seqlen_k, nheads_k, offset, CAUSAL)
     mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
     for part in gl.static_range(2):
@@ -172,22 +191,8 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, Lse, Delta, DK, DV,
                           stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
                           softmax_scale, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr):
-    dtype: gl.constexpr = Q.dtype.element_ty
-    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, ROWS, HEAD_D], layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, ROWS, HEAD_D], layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], layout)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    mbarrier.init(kv_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers release a buffer
+    k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, do_ready, empty = _buffers(Q.dtype.element_ty, HEAD_D, ROWS,
+                                                                                  STAGES)
     args = (Q, K, V, DO, Lse, Delta, DK, DV, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, empty,
             stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
             stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
@@ -219,19 +224,12 @@ def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
      stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
      stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
-    dtype: gl.constexpr = Q.dtype.element_ty
     q_block: gl.constexpr = [1, ROWS, 1, HEAD_D]
     kv_block: gl.constexpr = [1, BLOCK_N, 1, HEAD_D]
-    q_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for(q_block, dtype)
-    kv_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for(kv_block, dtype)
-    q_desc = tma.make_tensor_descriptor(Q, [batch, seqlen_q, nheads, HEAD_D], [stride_qb, stride_qm, stride_qh, 1],
-                                        q_block, q_box)
-    do_desc = tma.make_tensor_descriptor(DO, [batch, seqlen_q, nheads, HEAD_D],
-                                         [stride_dob, stride_dom, stride_doh, 1], q_block, q_box)
-    k_desc = tma.make_tensor_descriptor(K, [batch, seqlen_k, nheads_k, HEAD_D],
-                                        [stride_kb, stride_kn, stride_kh, 1], kv_block, kv_box)
-    v_desc = tma.make_tensor_descriptor(V, [batch, seqlen_k, nheads_k, HEAD_D],
-                                        [stride_vb, stride_vn, stride_vh, 1], kv_block, kv_box)
+    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
+    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
+    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
+    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
     start_m, off_b, off_h, n_tiles = _dq_item(seqlen_q, seqlen_k, nheads, offset, CAUSAL, BLOCK_N)
     off_hk = off_h // (nheads // nheads_k)
     mbarrier.expect(qdo_ready, 4 * q_desc.block_type.nbytes)
@@ -322,23 +320,8 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, Lse, Delta, DQ,
                         batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
                         CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr):
-    dtype: gl.constexpr = Q.dtype.element_ty
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], q_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    qdo_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    mbarrier.init(qdo_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a buffer
+    q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, kv_empty = _buffers(Q.dtype.element_ty, HEAD_D,
+                                                                                     BLOCK_N, STAGES)
     args = (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, kv_empty,
             stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
             stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,

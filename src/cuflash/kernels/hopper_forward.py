@@ -67,22 +67,24 @@ def _item(w, n_m, nheads, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.co
 
 
 @gluon.jit
+def descriptor(T, batch, seqlen, nheads, stride_b, stride_n, stride_h, BOX_ROWS: gl.constexpr, HEAD_D: gl.constexpr):
+    """The TMA descriptor of a (batch, seqlen, nheads, HEAD_D) tensor, one for a whole program: a box
+    is BOX_ROWS rows of one (batch, head), cut (zero-filled) at its sequence's end."""
+    box: gl.constexpr = [1, BOX_ROWS, 1, HEAD_D]
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(box, T.dtype.element_ty)
+    return tma.make_tensor_descriptor(T, [batch, seqlen, nheads, HEAD_D], [stride_b, stride_n, stride_h, 1], box,
+                                      layout)
+
+
+@gluon.jit
 def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
      stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
      batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale) = args
-    dtype: gl.constexpr = Q.dtype.element_ty
-    # One 4-D descriptor per tensor for the whole program: a box is one (batch, head)'s rows, cut
-    # (zero-filled) at its sequence's end.
-    q_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, ROWS, 1, HEAD_D], dtype)
-    kv_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, 1, HEAD_D], dtype)
-    q_desc = tma.make_tensor_descriptor(Q, [batch, seqlen_q, nheads, HEAD_D], [stride_qb, stride_qm, stride_qh, 1],
-                                        [1, ROWS, 1, HEAD_D], q_box)
-    k_desc = tma.make_tensor_descriptor(K, [batch, seqlen_k, nheads_k, HEAD_D],
-                                        [stride_kb, stride_kn, stride_kh, 1], [1, BLOCK_N, 1, HEAD_D], kv_box)
-    v_desc = tma.make_tensor_descriptor(V, [batch, seqlen_k, nheads_k, HEAD_D],
-                                        [stride_vb, stride_vn, stride_vh, 1], [1, BLOCK_N, 1, HEAD_D], kv_box)
+    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
+    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
+    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
     n_m = gl.cdiv(seqlen_q, 2 * ROWS)
     it = 0  # K/V tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
