@@ -1,7 +1,7 @@
 """Sweeps launch configurations of the kernels on the GPU at hand and prints the fastest per
 case, to fill the table in src/cuflash/kernels/config.py. Run from the source tree:
 PYTHONPATH=src python3 scripts/tune.py [--seqlen 4096[,...]] [--dtype bf16]
-[--table | --loads plain,tma | --loads ws | --loads triton,gluon --kernels fwd]"""
+[--table | --loads plain,tma | --loads ws | --loads triton,gluon [--kernels fwd,dkdv,dq]]"""
 import argparse
 import dataclasses
 import itertools
@@ -105,9 +105,9 @@ def _sdpa_ms(q, k, v, do, causal):
 
 def time_loads(args, dtype):
     """The table's launches with each way of loading the loops' tiles (pointers, tensor
-    descriptors, descriptors plus warp specialization of the unmasked loop; the forward: the
-    Triton kernel or the Gluon one for Hopper where it applies), one kernel changed at
-    a time, beside torch's fastest SDPA backend (_anchor) on the same inputs."""
+    descriptors, descriptors plus warp specialization of the unmasked loop; or the Triton kernel
+    against the Gluon one for Hopper where it applies), one kernel changed at a time, beside
+    torch's fastest SDPA backend (_anchor) on the same inputs."""
     loads = {"plain": {}, "tma": {"tma": True}, "ws": {"tma": True, "warp_specialize": True},
              "triton": {"gluon": False}, "gluon": {"gluon": True}}
     for n, d, causal, b, h, q, k, v, do, flops, params in cases(args, dtype):
