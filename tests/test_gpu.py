@@ -257,9 +257,9 @@ def test_hopper_forward(dtype, head_dim, causal, seqlen_q, seqlen_k, layout):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_hopper_backward(dtype, head_dim, causal, seqlen_q, seqlen_k, layout):
     """The Gluon dK/dV and (D=128) dQ kernels (kernels/hopper_backward.py) are the ones that run,
-    and the gradients match float64 like the Triton kernels': ragged key and query tiles, GQA (dK/dV summed
-    over the group), keys no query sees and rows that see no key (causal, seqlen_q != seqlen_k),
-    non-contiguous inputs."""
+    and the gradients match float64 like the Triton kernels': ragged key and query tiles, GQA
+    (dK/dV summed over the group), keys no query sees and rows that see no key (causal, seqlen_q
+    != seqlen_k), non-contiguous inputs."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (sm_90)")
     from cuflash.kernels import hopper_backward

@@ -52,7 +52,7 @@ def info(args) -> int:
     print(f"triton {triton_version()}" if triton_version() else "triton not installed: the CPU path only")
     for device in (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]:
         name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-        hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0) and _gluon_forward()
+        hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0) and _gluon_kernels()
         print(f"{device}: {name}; backend: {backend_name(torch.device(device), torch.float32)}"
               + ("; long 16-bit attention at head dim 64/128: the Gluon kernels for Hopper (README: Backends)"
                  if hopper else ""))
@@ -63,7 +63,7 @@ def info(args) -> int:
     return 0
 
 
-def _gluon_forward() -> bool:
+def _gluon_kernels() -> bool:
     """Whether the installed Triton runs the Gluon kernels (kernels/hopper_forward.py,
     hopper_backward.py: the same condition)."""
     from .ops import triton_version

@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from ..params import AttentionParams
 from .common import LOG2E
 from .config import cdiv, scratch, tma_addressable
-from .hopper_forward import ROWS, _box_strides, _tma_load, descriptor
+from .hopper_forward import ROWS, _box_strides, _descriptor, _tma_load
 from .variant import Problem, lse_strides, logit_scales
 
 
@@ -79,10 +79,10 @@ def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr
      stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
      stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
     block: gl.constexpr = [1, ROWS, 1, HEAD_D]
-    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
-    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
-    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, ROWS, HEAD_D)
-    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, ROWS, HEAD_D)
+    q_desc = _descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
+    do_desc = _descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
+    k_desc = _descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, ROWS, HEAD_D)
+    v_desc = _descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, ROWS, HEAD_D)
     start_n, off_b, off_hk, lo, hi = _item(seqlen_q, seqlen_k, nheads_k, offset, CAUSAL)
     mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
     for part in gl.static_range(2):
@@ -226,10 +226,10 @@ def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
      stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
     q_block: gl.constexpr = [1, ROWS, 1, HEAD_D]
     kv_block: gl.constexpr = [1, BLOCK_N, 1, HEAD_D]
-    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
-    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
-    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
-    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
+    q_desc = _descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
+    do_desc = _descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
+    k_desc = _descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
+    v_desc = _descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
     start_m, off_b, off_h, n_tiles = _dq_item(seqlen_q, seqlen_k, nheads, offset, CAUSAL, BLOCK_N)
     off_hk = off_h // (nheads // nheads_k)
     mbarrier.expect(qdo_ready, 4 * q_desc.block_type.nbytes)

@@ -67,7 +67,7 @@ def _item(w, n_m, nheads, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.co
 
 
 @gluon.jit
-def descriptor(T, batch, seqlen, nheads, stride_b, stride_n, stride_h, BOX_ROWS: gl.constexpr, HEAD_D: gl.constexpr):
+def _descriptor(T, batch, seqlen, nheads, stride_b, stride_n, stride_h, BOX_ROWS: gl.constexpr, HEAD_D: gl.constexpr):
     """The TMA descriptor of a (batch, seqlen, nheads, HEAD_D) tensor, one for a whole program: a box
     is BOX_ROWS rows of one (batch, head), cut (zero-filled) at its sequence's end."""
     box: gl.constexpr = [1, BOX_ROWS, 1, HEAD_D]
@@ -82,9 +82,9 @@ def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexp
      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
      stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
      batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale) = args
-    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
-    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
-    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
+    q_desc = _descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
+    k_desc = _descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
+    v_desc = _descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
     n_m = gl.cdiv(seqlen_q, 2 * ROWS)
     it = 0  # K/V tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
