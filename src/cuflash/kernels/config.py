@@ -137,8 +137,8 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 # cuDNN from 1k, level with these launches up to 8k and +5% at 16k; causal 0.82-0.94x
                 # from 2k against 0.78-0.87x, but 0.66x against 0.71x at 1k.
                 fwd = dataclasses.replace(fwd, gluon=True)
-            # The Gluon dK/dV beyond 512 keys: whole backward +1..+16% (2026-11-22-h100-gluon-bwd/
-            # ab_bwd.log); its dQ measured up to 12% slower than this one at D=64 up to 4k.
+            # The Gluon dK/dV beyond 512 keys: whole backward +1..+17% (2026-11-22-h100-gluon-bwd/
+            # ab_dkdv.log); its dQ measured up to 12% slower than this one at D=64 up to 4k.
             dkdv = Launch(32, 64, 4, 3) if length < 2 else Launch(64, 128, 8, 3, gluon=arch == 90)
             return fwd, dkdv, Launch(64, 64, 4, 3)
         if block_d <= 128:
@@ -153,8 +153,9 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 # non-causal, 0.79-1.04x causal, where these launches reach 0.64-0.83x
                 # (2026-11-22-h100-gluon/ab_pairs.log).
                 fwd = dataclasses.replace(fwd, gluon=True)
-            # The Gluon dK/dV and dQ beyond 512 keys: whole backward +6..+19% from 1k to 16k
-            # (2026-11-22-h100-gluon-bwd/ab_bwd.log).
+            # The Gluon dK/dV and dQ beyond 512 keys (2026-11-22-h100-gluon-bwd): whole backward
+            # +7..+18% for the dK/dV (ab_dkdv.log), then +5..+8% for the dQ from 4k (causal 4k and
+            # 1k within -2..+1%; ab_bwd.log).
             gluon = arch == 90 and length > 1
             dkdv = Launch(64, 128, 8, 2, tma=length > 1, warp_specialize=length > 1, gluon=gluon)
             return fwd, dkdv, Launch(128, 64, 8, 3, gluon=gluon)
