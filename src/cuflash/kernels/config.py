@@ -138,7 +138,7 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 # from 2k against 0.78-0.87x, but 0.66x against 0.71x at 1k.
                 fwd = dataclasses.replace(fwd, gluon=True)
             # The Gluon dK/dV beyond 512 keys: whole backward +1..+17% (2026-11-22-h100-gluon-bwd/
-            # ab_dkdv.log); its dQ measured up to 12% slower than this one at D=64 up to 4k.
+            # ab_dkdv.log); its dQ measured up to 14% slower than this one at D=64 up to 4k.
             dkdv = Launch(32, 64, 4, 3) if length < 2 else Launch(64, 128, 8, 3, gluon=arch == 90)
             return fwd, dkdv, Launch(64, 64, 4, 3)
         if block_d <= 128:
