@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from ..params import AttentionParams
 from .common import LOG2E
 from .config import cdiv, scratch, tma_addressable
-from .hopper_forward import ROWS, _box_strides, _descriptor, _tma_load
+from .hopper_forward import ROWS, _box_strides, _descriptor, _tma_load, accepts as _forward_accepts
 from .variant import Problem, lse_strides, logit_scales
 
 
@@ -333,8 +333,7 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, Lse, Delta, DQ,
 
 def accepts(prob: Problem, params: AttentionParams, dout: torch.Tensor) -> bool:
     """The Gluon forward's inputs (hopper_forward.accepts), with a dO the TMA can address."""
-    from . import hopper_forward
-    return hopper_forward.accepts(prob, params) and tma_addressable(dout)
+    return _forward_accepts(prob, params) and tma_addressable(dout)
 
 
 def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
