@@ -173,6 +173,12 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
     assert not any(gluon(*case, kernel=kernel) for kernel in (1, 2) for case in (
         (128, 1, False), (64, 1, True), (256, 3, False), (128, 3, False, 90, True), (128, 3, False, 80),
         (64, 3, True, 100)))
+
+    def fused(block_d, length, banded, arch=90):  # dQ from the Gluon dK/dV kernel
+        return _launches(arch, block_d, False, False, length, banded)[1].fuse_dq
+    assert fused(64, 3, False) and fused(64, 3, True) and fused(64, 2, False)
+    assert not any(fused(*case) for case in ((64, 2, True), (64, 1, False), (128, 3, False), (128, 3, True),
+                                              (64, 3, False, 80), (64, 3, False, 100)))
     q, k = (torch.randn(2, 600, 4, 128, dtype=torch.bfloat16) for _ in range(2))
     causal = AttentionParams(128 ** -0.5, window_right=0)
     assert hopper_forward.accepts(problem(q, k, k, causal), causal)
@@ -254,6 +260,35 @@ def test_launch_plans_are_reused_per_signature_and_hold_no_tensors():
     shifted = torch.empty(q.numel() + 1)[1:].view(q.shape).copy_(q)  # base 4 bytes past 16-byte alignment
     check(shifted, k, v, True)
     assert len(launch._plans) == 8
+
+
+@interpret
+def test_launch_plan_workspaces_are_fresh_and_zero_filled():
+    """A tensor that a plan's build adds to the launch's tensors is a workspace: every later call of
+    the signature gets a new zero-filled one (the fused backward's dQ sum), not the first call's."""
+    import triton
+    import triton.language as tl
+
+    from cuflash.kernels import launch
+
+    @triton.jit
+    def increment(Work, Out, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        work = tl.load(Work + offs) + 1
+        tl.store(Work + offs, work)
+        tl.store(Out + offs, work)
+
+    def build(tensors):
+        tensors["Work"] = torch.zeros(8)
+        return [(increment, (1,), dict(Work=tensors["Work"], Out=tensors["Out"], N=8))]
+
+    firsts = []
+    for _ in range(3):
+        tensors = dict(Out=torch.empty(8))
+        launch.launch(("workspace test",), tensors, lambda: build(tensors))
+        assert torch.equal(tensors["Out"], torch.ones(8)) and torch.equal(tensors["Work"], torch.ones(8))
+        firsts.append(tensors["Work"])
+    assert len({w.data_ptr() for w in firsts}) == 3
 
 
 @pytest.mark.parametrize("causal", [False, True])

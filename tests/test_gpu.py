@@ -1,4 +1,6 @@
 """The compiled Triton kernels on a CUDA GPU (marker `gpu`; skipped without one)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -95,9 +97,9 @@ def test_deterministic_backward_on_gpu():
     q, k, v = make_qkv(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     out, lse = cuflash.forward(q, k, v, causal=True)
-    first = cuflash.backward(dout, q, k, v, out, lse, causal=True)
+    first = cuflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
     for _ in range(3):
-        again = cuflash.backward(dout, q, k, v, out, lse, causal=True)
+        again = cuflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
@@ -255,11 +257,13 @@ def test_hopper_forward(dtype, head_dim, causal, seqlen_q, seqlen_k, layout):
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (4100, 1)])
 @pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (64, False), (64, True)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_hopper_backward(dtype, head_dim, causal, seqlen_q, seqlen_k, layout):
-    """The Gluon dK/dV and (D=128) dQ kernels (kernels/hopper_backward.py) are the ones that run,
-    and the gradients match float64 like the Triton kernels': ragged key and query tiles, GQA
-    (dK/dV summed over the group), keys no query sees and rows that see no key (causal, seqlen_q
-    != seqlen_k), non-contiguous inputs."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_hopper_backward(fused, dtype, head_dim, causal, seqlen_q, seqlen_k, layout, monkeypatch):
+    """The Gluon kernels (kernels/hopper_backward.py) are the ones that run, and the gradients match
+    float64 like the Triton kernels': ragged key and query tiles, GQA (dK/dV summed over the
+    group), keys no query sees and rows that see no key (causal, seqlen_q != seqlen_k),
+    non-contiguous inputs. fused: dQ added by the dK/dV kernel's TMA reductions (forced here
+    where the table does not take it); otherwise the two passes (deterministic=True)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (sm_90)")
     from cuflash.kernels import hopper_backward
@@ -270,7 +274,14 @@ def test_hopper_backward(dtype, head_dim, causal, seqlen_q, seqlen_k, layout):
     dkdv, dq = backward_configs(q, head_dim, max(seqlen_q, seqlen_k), causal)
     assert dkdv.gluon and dq.gluon == (head_dim == 128)
     assert hopper_backward.accepts(problem(q, k, v, params), params, torch.empty_like(q))
-    check_against_oracle(_flash(causal), q, k, v, causal)
+    if fused:
+        from cuflash.kernels import backward, launch
+        monkeypatch.setattr(backward, "backward_configs", lambda *_: (dataclasses.replace(dkdv, fuse_dq=True), dq))
+        monkeypatch.setattr(launch, "_plans", {})  # the plans made with the patched table stay here
+    check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal, deterministic=not fused),
+                         q, k, v, causal)
+    if fused:
+        assert any("DQAcc" in workspaces for workspaces, _ in launch._plans.values())
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(3000, 600), (600, 3000)])

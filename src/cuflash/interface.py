@@ -64,7 +64,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             Tiles outside the window are skipped, so the cost grows with the window.
         softcap: if > 0, the scaled logits x become softcap * tanh(x / softcap).
         alibi_slopes: (nheads,) or (batch, nheads) fp32: adds -slope * |i + seqlen_k - seqlen_q - j|.
-        deterministic: accepted; the backward is always deterministic (no atomics).
+        deterministic: a bitwise reproducible backward. Without it, Hopper's fastest backward
+            adds dQ across key tiles in whatever order they finish (as flash-attn's default).
         return_attn_probs: also return softmax_lse and the attention probabilities (for tests:
             it materializes (batch, nheads, seqlen_q, seqlen_k); dropped ones are negated).
     Returns:
@@ -74,7 +75,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     check_attention_inputs(q, k, v)
     _check_device(q)
-    p = _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
+    p = _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                deterministic=bool(deterministic))
     out, lse = ops.forward(q, k, v, p)
     if return_attn_probs:
         return out, lse, _probs(q, k, p).to(q.dtype)
@@ -132,7 +134,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, k.shape[0], "k", q.device, batch)
     p = _params(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                max_seqlen_k=max_seqlen_k)
+                max_seqlen_k=max_seqlen_k, deterministic=bool(deterministic))
     out, lse = ops.forward(q, k, v, p)
     if not return_attn_probs:
         return out
@@ -215,16 +217,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         mask = mask.reshape(-1, *mask.shape[-3:])
     p = AttentionParams(resolve_scale(scale, q.shape[-1], "scale"), window_right=0 if is_causal else -1,
                         bottom_right=False, attn_mask=mask, dropout_p=dropout_p,
-                        rng_seed=draw_seed(q.device) if dropout_p > 0 else None)
+                        rng_seed=draw_seed(q.device) if dropout_p > 0 else None,
+                        deterministic=torch.are_deterministic_algorithms_enabled())
     out, _ = ops.forward(q, k, v, p)
     out = out.transpose(1, 2)
     return out if query.ndim == 4 else out.reshape(query.shape)
 
 
-def _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes) -> AttentionParams:
+def _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                     deterministic=False) -> AttentionParams:
     check_attention_inputs(q, k, v)
     _check_device(q)
-    return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0)
+    return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0,
+                   deterministic=bool(deterministic))
 
 
 def forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
@@ -237,10 +242,11 @@ def forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), 
 
 
 def backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-             softcap=0.0, alibi_slopes=None):
+             softcap=0.0, alibi_slopes=None, deterministic=False):
     """The explicit backward pass: gradients (dq, dk, dv) shaped like q, k, v, from the forward's
-    out and softmax_lse (batch, nheads, seqlen_q), with the forward's options."""
-    p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    out and softmax_lse (batch, nheads, seqlen_q), with the forward's options; deterministic as in
+    flash_attn_func."""
+    p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
     check_same("dout", dout, q, "q")
     check_same("out", out, q, "q")
     check_same("softmax_lse", softmax_lse, q, "q", shape=(q.shape[0], q.shape[2], q.shape[1]))

@@ -28,6 +28,8 @@ class AttentionParams:
     hides keys (bool, True = attend) or is added to the logits (float). Dropout zeroes each
     probability with probability dropout_p, drawn by a counter-based hash keyed by rng_seed
     (two int64 words in [0, 2^31), on the device of q), and scales the rest by 1 / (1 - dropout_p).
+    deterministic asks for a backward that is bitwise reproducible run to run (otherwise the
+    fastest one, which may add dQ in a varying order).
     """
 
     softmax_scale: float
@@ -43,6 +45,7 @@ class AttentionParams:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    deterministic: bool = False
 
     @property
     def varlen(self) -> bool:

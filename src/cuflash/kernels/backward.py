@@ -5,6 +5,10 @@ Three launches, none of them atomic, so the result is bitwise reproducible:
   _attn_bwd_dkdv   one program per K/V tile of one KV head: streams the query tiles of every
                    query head that shares the KV head (MQA/GQA sums there), accumulating dK, dV;
   _attn_bwd_dq     one program per query tile: streams the K/V tiles, accumulating dQ.
+On Hopper the Gluon dK/dV kernel (kernels/hopper_backward.py) can also add each tile's dQ to an
+fp32 workspace, so that S and dP are computed once (5 matrix products instead of 7), and
+_attn_bwd_dq_cast converts the sum; the order of those additions varies from run to run, so
+AttentionParams.deterministic keeps the three launches above.
 With P = exp(S - lse):  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),
 dQ = scale * dS K,  dK = scale * dS^T Q.
 Dropout regenerates the forward's keep mask Z: dV = (Z * P)^T dO / (1 - p) and dP is multiplied
@@ -46,6 +50,21 @@ def _attn_bwd_delta(Out, DO, Delta,
     o = load_tile(o_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, True).to(tl.float32)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, True).to(tl.float32)
     tl.store(Delta + off_b * stride_lb + off_h * stride_lh + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _attn_bwd_dq_cast(DQAcc, DQ, stride_ab, stride_am, stride_ah, stride_dqb, stride_dqm, stride_dqh,
+                      nheads, seqlen_q, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """DQ = DQAcc in DQ's dtype, one program per BLOCK_M rows of a (batch, head)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_b = (tl.program_id(1) // nheads).to(tl.int64)
+    off_h = (tl.program_id(1) % nheads).to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc_ptrs = tile_ptrs(DQAcc, off_b, stride_ab, off_h, stride_ah, start_m, stride_am, rows, offs_d)
+    dq_ptrs = tile_ptrs(DQ, off_b, stride_dqb, off_h, stride_dqh, start_m, stride_dqm, rows, offs_d)
+    dq = load_tile(acc_ptrs, start_m + rows, seqlen_q, offs_d, head_dim, True, True)
+    store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), start_m + rows, seqlen_q, offs_d, head_dim, True)
 
 
 @triton.jit
@@ -340,6 +359,9 @@ def _launches(t: dict, params: AttentionParams, configs: tuple[Launch, Launch] |
     )
     # The Gluon kernels for Hopper where the table asks for them and they take the input.
     gluon = hopper_backward is not None and hopper_backward.accepts(prob, params, dout)
+    fused = dkdv_cfg.fuse_dq and gluon and not params.deterministic
+    if fused:  # dQ from the dK/dV kernel, into a workspace (launch() makes a new one per call)
+        t["DQAcc"] = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if dkdv_cfg.gluon and gluon:
         dkdv = hopper_backward.dkdv_launch(t, prob, params)
     else:
@@ -349,7 +371,11 @@ def _launches(t: dict, params: AttentionParams, configs: tuple[Launch, Launch] |
             INPUT_PRECISION=dkdv_cfg.input_precision, SPLIT_GROUP_ACC=q.dtype == torch.float32, TMA=dkdv_tma,
             WS=dkdv_tma and dkdv_cfg.warp_specialize, num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
         )
-    if dq_cfg.gluon and gluon:
+    if fused:
+        dq = _attn_bwd_dq_cast, (cdiv(prob.seqlen_q, 64), prob.batch * prob.nheads), dict(
+            DQAcc=t["DQAcc"], DQ=t["DQ"], **prob.strides("a", t["DQAcc"]), **prob.strides("dq", t["DQ"]),
+            nheads=prob.nheads, seqlen_q=prob.seqlen_q, head_dim=prob.head_dim, BLOCK_M=64, BLOCK_D=prob.block_d)
+    elif dq_cfg.gluon and gluon:
         dq = hopper_backward.dq_launch(t, prob, params)
     else:
         dq = _attn_bwd_dq, (cdiv(prob.seqlen_q, dq_cfg.block_m), prob.batch * prob.nheads), dict(

@@ -21,6 +21,9 @@ class Launch:
     # The Gluon kernel for Hopper (kernels/hopper_forward.py, hopper_backward.py; their own fixed
     # tiles) where it accepts the input; the Triton kernel with this launch's tiles elsewhere.
     gluon: bool = False
+    # (dK/dV launches with gluon) The Gluon dK/dV kernel also adds dQ to an fp32 workspace by TMA
+    # reductions, replacing the dQ launch, unless the call asks for a deterministic backward.
+    fuse_dq: bool = False
 
 
 def scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -138,8 +141,11 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 # from 2k against 0.78-0.87x, but 0.66x against 0.71x at 1k.
                 fwd = dataclasses.replace(fwd, gluon=True)
             # The Gluon dK/dV beyond 512 keys: whole backward +1..+17% (2026-11-22-h100-gluon-bwd/
-            # ab_dkdv.log); its dQ measured up to 14% slower than this one at D=64 up to 4k.
-            dkdv = Launch(32, 64, 4, 3) if length < 2 else Launch(64, 128, 8, 3, gluon=arch == 90)
+            # ab_dkdv.log); its dQ measured up to 14% slower than this one at D=64 up to 4k. With dQ
+            # fused into it, against these two passes (2026-11-22-h100-fused-bwd/ab_fused_split.log,
+            # two rounds): +10..+19% from 4k, +4..5% at 1k non-causal, -2..3% at 1k causal.
+            fuse = arch == 90 and (length == 3 or not banded)
+            dkdv = Launch(32, 64, 4, 3) if length < 2 else Launch(64, 128, 8, 3, gluon=arch == 90, fuse_dq=fuse)
             return fwd, dkdv, Launch(64, 64, 4, 3)
         if block_d <= 128:
             if length == 0:
@@ -157,6 +163,8 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             # +7..+18% for the dK/dV (ab_dkdv.log), then +5..+8% for the dQ from 4k (causal 4k and
             # 1k within -2..+1%; ab_bwd.log).
             gluon = arch == 90 and length > 1
+            # dQ fused into the Gluon dK/dV measured 4-6% slower non-causal and 13-18% causal than
+            # the two passes here (2026-11-22-h100-fused-bwd/ab_fused_split.log): not taken.
             dkdv = Launch(64, 128, 8, 2, tma=length > 1, warp_specialize=length > 1, gluon=gluon)
             return fwd, dkdv, Launch(128, 64, 8, 3, gluon=gluon)
         # D=256 at 4k (tune_d256.log): 1.8-1.9x the forward, 2.1-2.4x dK/dV and 1.2x dQ of the

@@ -25,12 +25,14 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
 
 from ..params import AttentionParams
 from .common import LOG2E
 from .config import cdiv, scratch, tma_addressable
-from .hopper_forward import ROWS, _box_strides, _descriptor, _tma_load, accepts as _forward_accepts
+from .hopper_forward import ROWS, _barrier, _box_strides, _descriptor, _tma_add, _tma_load, \
+    accepts as _forward_accepts
 from .variant import Problem, lse_strides, logit_scales
 
 
@@ -60,6 +62,65 @@ def _buffers(dtype: gl.constexpr, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, STA
 
 
 @gluon.jit
+def _dq_buffers(dtype: gl.constexpr):
+    """The fused dK/dV kernel's shared memory for dQ: two tiles' dS^T (each 2 x 64 keys by 64 query
+    rows, one half per consumer), a 64 x 64 fp32 dQ part per consumer for the TMA to add to global
+    memory, and per dS^T buffer a "ready" and a "free" barrier that both consumers arrive at
+    (their half written; their dQ part read it, or they have none)."""
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], gl.float32)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, ROWS], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, ROWS], dq_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(ds_free.index(i), count=2)
+    return ds_smem, dq_smem, ds_ready, ds_free
+
+
+@gluon.jit
+def _share_ds(ds, it, fused, WG: gl.constexpr):
+    """Puts this consumer's dS^T of the tile in ring position `it` into shared memory for the dQ
+    product; dS^T buffers alternate tiles, each written once its previous tile's readers are done."""
+    ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, off_b, off_h, softmax_scale = fused
+    buf = it % 2
+    mbarrier.wait(ds_free.index(buf), ((it // 2) & 1) ^ 1)
+    ds_smem.index(2 * buf + WG).store(ds)
+    fence_async_shared()
+    _barrier()  # every thread's part written before the one arrival
+    mbarrier.arrive(ds_ready.index(buf), count=1)
+
+
+@gluon.jit
+def _add_dq(it, j, fused, HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr):
+    """dQ of query tile j (ring position `it`) = dS K over both consumers' keys, in parts of 64
+    columns, the parts dealt to the consumers in turn (D=128: one each per tile; D=64: the whole
+    tile every other tile). A part is scaled and added to the fp32 dQ in global memory by a TMA
+    reduction that runs while the consumer goes on."""
+    ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, off_b, off_h, softmax_scale = fused
+    PARTS: gl.constexpr = HEAD_D // ROWS
+    buf = it % 2
+    for part in gl.static_range(PARTS):
+        if (it * PARTS + part) % 2 == WG:
+            mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
+            dq = gl.zeros([ROWS, ROWS], gl.float32, s_layout)
+            for half in gl.static_range(2):
+                dq = warpgroup_mma(ds_smem.index(2 * buf + half).permute((1, 0)),
+                                   k_smem.index(half).slice(part * ROWS, ROWS, dim=1), dq, use_acc=half == 1,
+                                   is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            tma.store_wait(0)
+            _barrier()  # the thread that issued the last reduction has seen it leave shared memory
+            dq_smem.index(WG).store(dq * softmax_scale)
+            fence_async_shared()
+            _barrier()
+            _tma_add(dq_desc, [off_b, j * ROWS, off_h, part * ROWS], dq_smem.index(WG).reshape([1, ROWS, 1, ROWS]))
+    mbarrier.arrive(ds_free.index(buf), count=1)
+
+
+@gluon.jit
 def _item(seqlen_q, seqlen_k, nheads_k, offset, CAUSAL: gl.constexpr):
     """(first key, batch, KV head, first and end query tile) of this program. Under a causal mask
     the query tiles above the first key's diagonal are skipped."""
@@ -74,10 +135,11 @@ def _item(seqlen_q, seqlen_k, nheads_k, offset, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-    (Q, K, V, DO, Lse, Delta, DK, DV, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, empty,
-     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-     stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-     stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+    (Q, K, V, DO, Lse, Delta, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, empty,
+     ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+     stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+     stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, stride_lb, stride_lh, batch, nheads,
+     nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
     block: gl.constexpr = [1, ROWS, 1, HEAD_D]
     q_desc = _descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
     do_desc = _descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
@@ -104,11 +166,13 @@ def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr
 
 
 @gluon.jit
-def _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, base, first, last, keys,
-           seqlen_q, offset, qk_scale, MASKED: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
-           a_layout: gl.constexpr):
+def _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, fused, base, first, last,
+           keys, seqlen_q, offset, qk_scale, MASKED: gl.constexpr, FUSED: gl.constexpr, STAGES: gl.constexpr,
+           HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
     """Query tiles [first, last) of one head, tile j in the ring's position base + j. MASKED
-    applies the causal diagonal; rows past seqlen_q read lse = +inf, so their P is 0."""
+    applies the causal diagonal; rows past seqlen_q read lse = +inf, so their P is 0. FUSED also
+    adds dQ = dS K to global memory (dS for the keys past seqlen_k is not 0, but their K rows
+    are: zero-filled)."""
     zero = gl.zeros([ROWS, ROWS], gl.float32, s_layout)
     for j in range(first, last):
         stage = (base + j) % STAGES
@@ -129,19 +193,25 @@ def _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, del
         p = gl.exp2(x - gl.expand_dims(lse, 0))
         dv = warpgroup_mma(gl.convert_layout(p.to(q.dtype), a_layout), do, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=(dp,))
-        ds = p * (dp - gl.expand_dims(delta, 0))
-        dk = warpgroup_mma(gl.convert_layout(ds.to(q.dtype), a_layout), q, dk, is_async=True)
+        ds = (p * (dp - gl.expand_dims(delta, 0))).to(q.dtype)
+        if FUSED:
+            _share_ds(ds, base + j, fused, WG)
+        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(empty.index(stage), count=1)
+        if FUSED:
+            _add_dq(base + j, j, fused, HEAD_D, WG, s_layout)
     return dk, dv
 
 
 @gluon.jit
-def _consume(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
-    (Q, K, V, DO, Lse, Delta, DK, DV, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, empty,
-     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-     stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-     stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+             WG: gl.constexpr):
+    (Q, K, V, DO, Lse, Delta, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, empty,
+     ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+     stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+     stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, stride_lb, stride_lh, batch, nheads,
+     nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -158,6 +228,8 @@ def _consume(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.conste
     dv = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
     k = k_smem.index(WG)
     v = v_smem.index(WG)
+    if FUSED:
+        dq_desc = _descriptor(DQAcc, batch, seqlen_q, nheads, stride_ab, stride_am, stride_ah, ROWS, HEAD_D, ROWS)
     mbarrier.wait(kv_ready, 0)
     group = nheads // nheads_k
     base = -lo  # the loader's schedule: tile j of head g at ring position g * (hi - lo) + j - lo
@@ -165,11 +237,18 @@ def _consume(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.conste
         off_h = (off_hk * group + g).to(gl.int64)
         lse_ptr = Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh
         delta_ptr = Delta + off_b.to(gl.int64) * stride_lb + off_h * stride_lh
-        dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, base, lo, full,
-                        keys, seqlen_q, offset, qk_scale, True, STAGES, s_layout, a_layout)
-        dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, base, full, hi,
-                        keys, seqlen_q, offset, qk_scale, False, STAGES, s_layout, a_layout)
+        fused = None
+        if FUSED:
+            fused = (ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, off_b, off_hk * group + g, softmax_scale)
+        dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, fused, base, lo,
+                        full, keys, seqlen_q, offset, qk_scale, True, FUSED, STAGES, HEAD_D, WG, s_layout,
+                        a_layout)
+        dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, fused, base,
+                        full, hi, keys, seqlen_q, offset, qk_scale, False, FUSED, STAGES, HEAD_D, WG, s_layout,
+                        a_layout)
         base += hi - lo
+    if FUSED:
+        tma.store_wait(0)  # the last dQ tile out of shared memory before the program ends
 
     rows = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
@@ -184,22 +263,25 @@ def _consume(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.conste
 
 
 @gluon.jit
-def _attn_bwd_dkdv_hopper(Q, K, V, DO, Lse, Delta, DK, DV,
+def _attn_bwd_dkdv_hopper(Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                           stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                           stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                           stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                          stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
-                          softmax_scale, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr):
+                          stride_ab, stride_am, stride_ah, stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q,
+                          seqlen_k, offset, qk_scale, softmax_scale, CAUSAL: gl.constexpr, FUSED: gl.constexpr,
+                          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, do_ready, empty = _buffers(Q.dtype.element_ty, HEAD_D, ROWS,
                                                                                   STAGES)
-    args = (Q, K, V, DO, Lse, Delta, DK, DV, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, empty,
-            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-            stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
-            stride_dvh, stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
-            softmax_scale)
-    gl.warp_specialize([(_consume, (args, CAUSAL, HEAD_D, STAGES, 0)),
-                        (_consume, (args, CAUSAL, HEAD_D, STAGES, 1)),
+    ds_smem, dq_smem, ds_ready, ds_free = None, None, None, None
+    if FUSED:
+        ds_smem, dq_smem, ds_ready, ds_free = _dq_buffers(Q.dtype.element_ty)
+    args = (Q, K, V, DO, Lse, Delta, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready,
+            empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
+            stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
+            stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, stride_lb, stride_lh,
+            batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale)
+    gl.warp_specialize([(_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 0)),
+                        (_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 1)),
                         (_load, (args, CAUSAL, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -353,12 +435,14 @@ def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
 
 def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams):
     """(kernel, grid, keyword arguments) of the dK/dV kernel for kernels/launch.py: one program
-    per 128 keys of a (batch, KV head); 64-row query tiles in a ring of 2 buffers."""
-    dk, dv = tensors["DK"], tensors["DV"]
+    per 128 keys of a (batch, KV head); 64-row query tiles in a ring of 2 buffers. With an fp32
+    tensors["DQAcc"] shaped like Q, zero-filled, the kernel also adds dQ to it."""
+    dk, dv, acc = tensors["DK"], tensors["DV"], tensors.get("DQAcc")
     grid = (cdiv(prob.seqlen_k, 2 * ROWS.value) * prob.batch * prob.nheads_k,)
+    acc_strides = _box_strides(prob, "a", acc) if acc is not None else dict(stride_ab=0, stride_am=0, stride_ah=0)
     return _attn_bwd_dkdv_hopper, grid, dict(
-        **_shared_args(tensors, prob, params), DK=dk, DV=dv, **prob.strides("dk", dk, "n"),
-        **prob.strides("dv", dv, "n"), STAGES=2)
+        **_shared_args(tensors, prob, params), DK=dk, DV=dv, DQAcc=acc, **prob.strides("dk", dk, "n"),
+        **prob.strides("dv", dv, "n"), **acc_strides, FUSED=acc is not None, STAGES=2)
 
 
 def dq_launch(tensors: dict, prob: Problem, params: AttentionParams):

@@ -20,8 +20,10 @@ kernel (kernels/forward.py). GPU only: Triton's interpreter does not run Gluon.
 """
 import torch
 import triton
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ..params import AttentionParams
@@ -29,10 +31,21 @@ from .common import LN2
 from .config import cdiv, num_sms, scratch, tma_addressable
 from .variant import Problem, lse_strides, logit_scales
 
-# The Triton versions this kernel is for, and the one name that differs between them: the TMA load
-# was renamed after 3.6 (3.6, the GPU machine's, has only the old name; 3.9, the CPU machine's,
-# only the new).
+# The Triton versions the Gluon kernels are for (3.6, the GPU machine's; 3.9, the CPU machine's) and
+# what differs between them: the TMA load and the thread barrier were renamed after 3.6; the TMA
+# reduction into global memory (the backward's dQ) has a Gluon function only after 3.6, whose IR
+# builder has the operation.
 _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@builtin
+def _tma_add_36(desc, coord, src, _semantic=None):
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+
+_tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 GLUON_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M
 
@@ -67,10 +80,12 @@ def _item(w, n_m, nheads, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.co
 
 
 @gluon.jit
-def _descriptor(T, batch, seqlen, nheads, stride_b, stride_n, stride_h, BOX_ROWS: gl.constexpr, HEAD_D: gl.constexpr):
+def _descriptor(T, batch, seqlen, nheads, stride_b, stride_n, stride_h, BOX_ROWS: gl.constexpr, HEAD_D: gl.constexpr,
+                BOX_COLS: gl.constexpr = None):
     """The TMA descriptor of a (batch, seqlen, nheads, HEAD_D) tensor, one for a whole program: a box
-    is BOX_ROWS rows of one (batch, head), cut (zero-filled) at its sequence's end."""
-    box: gl.constexpr = [1, BOX_ROWS, 1, HEAD_D]
+    is BOX_ROWS rows (of BOX_COLS columns, all by default) of one (batch, head), cut (zero-filled)
+    at its sequence's end."""
+    box: gl.constexpr = [1, BOX_ROWS, 1, HEAD_D if BOX_COLS is None else BOX_COLS]
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(box, T.dtype.element_ty)
     return tma.make_tensor_descriptor(T, [batch, seqlen, nheads, HEAD_D], [stride_b, stride_n, stride_h, 1], box,
                                       layout)

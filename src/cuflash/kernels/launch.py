@@ -70,16 +70,23 @@ def launch(key: tuple, tensors: dict[str, torch.Tensor], build: Callable[[], lis
     """Runs the launches build() describes, [(kernel, grid, keyword arguments with num_warps,
     num_stages or maxnreg)], on `tensors`: every tensor argument of those kernels, by argument name (the same
     name for the same tensor in each kernel). build() runs for a new signature only; key must hold
-    the launcher (its first element) and everything else the arguments depend on."""
-    names = tuple(tensors)
-    values = tuple(tensors.values())
-    full_key = (key, names, signature(values))
+    the launcher (its first element) and everything else the arguments depend on. build() may add
+    zero-filled workspaces to `tensors`; later calls of the signature get fresh ones."""
+    full_key = (key, tuple(tensors), signature(tensors.values()))
     plan = _plans.get(full_key)
     if plan is None:
-        plan = [_Launch(kernel, grid, kwargs, names) for kernel, grid, kwargs in build()]
+        given = set(tensors)
+        launches = build()
+        workspaces = {name: (t.shape, t.dtype, t.device) for name, t in tensors.items() if name not in given}
+        names = tuple(tensors)
+        plan = workspaces, [_Launch(kernel, grid, kwargs, names) for kernel, grid, kwargs in launches]
         if len(_plans) >= MAX_PLANS:
             del _plans[next(iter(_plans))]
         _plans[full_key] = plan
         return
-    for one in plan:
+    workspaces, launches = plan
+    for name, (shape, dtype, device) in workspaces.items():
+        tensors[name] = torch.zeros(shape, dtype=dtype, device=device)
+    values = tuple(tensors.values())
+    for one in launches:
         one(values)
