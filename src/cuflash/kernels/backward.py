@@ -359,7 +359,7 @@ def _launches(t: dict, params: AttentionParams, configs: tuple[Launch, Launch] |
     )
     # The Gluon kernels for Hopper where the table asks for them and they take the input.
     gluon = hopper_backward is not None and hopper_backward.accepts(prob, params, dout)
-    fused = dkdv_cfg.fuse_dq and gluon and not params.deterministic
+    fused = dkdv_cfg.gluon and dkdv_cfg.fuse_dq and gluon and not params.deterministic
     if fused:  # dQ from the dK/dV kernel, into a workspace (launch() makes a new one per call)
         t["DQAcc"] = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if dkdv_cfg.gluon and gluon:

@@ -24,6 +24,8 @@ from .variant import logit_scales
 
 MAX_SPLITS = 64  # the combine kernel holds one row of every split in registers
 PROGRAMS_PER_SM = 2  # the split heuristic's target
+# The kernel's optional tensor arguments, in the launch's tensors only when given.
+_OPTIONAL = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes")
 
 
 @triton.jit
@@ -182,9 +184,8 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         tensors.update(OutPart=torch.empty((splits, *q.shape), dtype=torch.float32, device=q.device),
                        LsePart=torch.empty((splits, batch, seqlen_q, nheads), dtype=torch.float32, device=q.device))
     seqlens_given = isinstance(cache_seqlens, torch.Tensor)
-    given = dict(CacheSeqlens=cache_seqlens if seqlens_given else None, Leftpad=leftpad, CacheRows=cache_rows,
-                 BlockTable=block_table, Slopes=params.alibi_slopes)
-    tensors.update({name: t for name, t in given.items() if t is not None})
+    given = (cache_seqlens if seqlens_given else None, leftpad, cache_rows, block_table, params.alibi_slopes)
+    tensors.update({name: t for name, t in zip(_OPTIONAL, given) if t is not None})
     cache_seqlen = 0 if seqlens_given else cache_seqlens
     launch((decode_forward, params.key(), cfg, block_m, splits, seqlen_new, cache_seqlen), tensors,
            lambda: _launches(tensors, params, cfg, block_m, m_tiles, splits, seqlen_new, cache_seqlen,
@@ -206,9 +207,8 @@ def _launches(t: dict, params: AttentionParams, cfg: Launch, block_m: int, m_til
         lse_strides = (0, lse_part.stride(0), lse_part.stride(2), lse_part.stride(1))  # (split, b, i, h)
     block_table, slopes = t.get("BlockTable"), params.alibi_slopes
     qk_scale, softcap = logit_scales(params)
-    names = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes")
     decode = _decode_fwd, (splits, m_tiles, batch * nheads_k), dict(
-        Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part, **{name: t.get(name) for name in names},
+        Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part, **{name: t.get(name) for name in _OPTIONAL},
         stride_qb=q.stride(0), stride_qm=q.stride(1), stride_qh=q.stride(2),
         stride_kn=k_cache.stride(1), stride_kh=k_cache.stride(2), stride_vn=v_cache.stride(1),
         stride_vh=v_cache.stride(2),

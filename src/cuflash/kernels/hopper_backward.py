@@ -11,11 +11,14 @@ tiles (64 rows) of every query head that shares the KV head:
   (wgmma) S^T = K Q^T and dP^T = V dO^T, then P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta),
   and accumulate dV += P^T dO and dK += dS^T Q in registers (P^T and dS^T from registers), then
   release the buffer on an "empty" barrier that both must arrive at.
-dQ: a program owns 2 x 64 query rows of one (batch, head), each consumer 64 of them with their Q
-and dO; the loader streams the K/V tiles; per tile S = Q K^T, dP = dO V^T, dS = P (dP - delta),
-dQ += dS K.
-One consumer's exponentials overlap the other's matrix products. No atomics: the backward stays
-bitwise reproducible.
+Fused (FUSED), the dK/dV kernel also computes dQ, so that S and dP are computed once: the
+consumers share their dS^T tiles through shared memory and, per query tile, compute dQ = dS K over
+the program's 128 keys in 64-column parts, each part added to an fp32 workspace by a TMA reduction
+(the order of those additions varies from run to run; kernels/backward.py then casts the sum).
+dQ, otherwise: a program owns 2 x 64 query rows of one (batch, head), each consumer 64 of them with
+their Q and dO; the loader streams the K/V tiles; per tile S = Q K^T, dP = dO V^T,
+dS = P (dP - delta), dQ += dS K. No atomics: bitwise reproducible.
+One consumer's exponentials overlap the other's matrix products.
 
 Only the plain backward is here (hopper_forward.accepts: 16-bit, head dims 64 and 128, causal
 or not, GQA); everything else takes the Triton kernels. GPU only: Triton's interpreter does not
