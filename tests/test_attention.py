@@ -262,6 +262,34 @@ def test_launch_plans_are_reused_per_signature_and_hold_no_tensors():
     assert len(launch._plans) == 8
 
 
+def test_deterministic_reaches_the_params(monkeypatch):
+    """flash_attn_func's and the explicit backward's deterministic, and torch.use_deterministic_algorithms
+    for SDPA, reach AttentionParams (the fused Hopper backward is taken only without it)."""
+    from cuflash import interface
+    seen = []
+
+    def record(name):
+        def op(*args):
+            seen.append((name, args[-1].deterministic))
+            return (args[1], None) if name == "fwd" else args[1:4]
+        return op
+    monkeypatch.setattr(interface.ops, "forward", record("fwd"))
+    monkeypatch.setattr(interface.ops, "backward", record("bwd"))
+    q = torch.randn(1, 5, 2, 16)
+    lse = torch.zeros(1, 2, 5)
+    cuflash.flash_attn_func(q, q, q)
+    cuflash.flash_attn_func(q, q, q, deterministic=True)
+    cuflash.backward(q, q, q, q, q, lse, deterministic=True)
+    cuflash.scaled_dot_product_attention(q, q, q)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        cuflash.scaled_dot_product_attention(q, q, q)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert seen == [("fwd", False), ("fwd", True), ("bwd", True), ("fwd", False), ("fwd", True)]
+
+
 @interpret
 def test_launch_plan_workspaces_are_fresh_and_zero_filled():
     """A tensor that a plan's build adds to the launch's tensors is a workspace: every later call of

@@ -97,3 +97,26 @@ def test_packed_sequences_without_padding_cpu():
                   max_length_q=12, max_length_k=12).logits
     alone = torch.cat([ref(input_ids=s).logits for s in seqs], dim=1)
     assert torch.allclose(logits, alone, atol=1e-5)
+
+
+def test_deterministic_reaches_the_kernels(monkeypatch):
+    """deterministic=True from the call, FLASH_ATTENTION_DETERMINISTIC=1 or
+    torch.use_deterministic_algorithms reaches flash_attn_func (the fused Hopper backward adds dQ
+    in a varying order otherwise); the default is the fast backward."""
+    seen = []
+    monkeypatch.setattr(cuflash_hf, "flash_attn_func", lambda q, k, v, **options: seen.append(options) or q)
+    q = torch.randn(1, 4, 5, 16)
+    module = torch.nn.Module()
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    cuflash_hf.attention_forward(module, q, q, q, None)
+    cuflash_hf.attention_forward(module, q, q, q, None, deterministic=True)
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "1")
+    cuflash_hf.attention_forward(module, q, q, q, None)
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        cuflash_hf.attention_forward(module, q, q, q, None)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert [options["deterministic"] for options in seen] == [False, True, True, True]

@@ -6,11 +6,15 @@
 
 Models then build flash-attn style masks (None without padding, else the 2D (batch, seqlen) padding
 mask), and attention runs through flash_attn_func, or, with padding, through
-flash_attn_varlen_func on the unpadded tokens: no compute is spent on padding. Needs
+flash_attn_varlen_func on the unpadded tokens: no compute is spent on padding. The backward is
+bitwise reproducible when the call passes deterministic=True, FLASH_ATTENTION_DETERMINISTIC=1 is
+set (as with transformers' flash-attn path) or torch.use_deterministic_algorithms is on. Needs
 transformers >= 4.56 (AttentionInterface and AttentionMaskInterface); `pip install
 cuflash-attn[transformers]`.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -70,8 +74,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     None). Causal attention aligns to the bottom-right corner, so decoding with a KV cache works."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # flash layout views
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    deterministic = kwargs.get("deterministic")
+    if deterministic is None:
+        deterministic = (os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
+                         or torch.are_deterministic_algorithms_enabled())
     options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal,
-                   window_size=(sliding_window - 1, -1) if sliding_window else (-1, -1), softcap=softcap or 0.0)
+                   window_size=(sliding_window - 1, -1) if sliding_window else (-1, -1), softcap=softcap or 0.0,
+                   deterministic=bool(deterministic))
     cu_seqlens_q = kwargs.get("cu_seq_lens_q")
     if cu_seqlens_q is not None and attention_mask is None:
         # Padding-free training: sequences packed in one row, described by transformers' prefix sums.
