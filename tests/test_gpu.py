@@ -253,6 +253,17 @@ def test_hopper_forward(dtype, head_dim, causal, seqlen_q, seqlen_k, layout):
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (129, 500), (500, 17)])
+def test_hopper_forward_short(seqlen_q, seqlen_k):
+    """The Gluon forward also takes D=128 non-causal from 257 keys (the table's length class 2)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is for Hopper (sm_90)")
+    torch.manual_seed(seqlen_q + seqlen_k)
+    q, k, v = make_qkv(4, seqlen_q, seqlen_k, 8, 2, 128, torch.bfloat16, "cuda")
+    assert forward_config(q, 128, max(seqlen_q, seqlen_k), False).gluon
+    check_against_oracle(_flash(False), q, k, v, False)
+
+
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (4100, 1)])
 @pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (64, False), (64, True)])

@@ -86,9 +86,9 @@ def num_sms(device: torch.device) -> int:
 
 
 def _length(seqlen: int) -> int:
-    """The sequence-length classes the table distinguishes: 0 up to 128, 1 up to 512, 2 up to 2048,
-    3 beyond."""
-    return 0 if seqlen <= 128 else 1 if seqlen <= 512 else 2 if seqlen <= 2048 else 3
+    """The sequence-length classes the table distinguishes: 0 up to 128, 1 up to 256, 2 up to 512,
+    3 up to 2048, 4 beyond."""
+    return 0 if seqlen <= 128 else 1 if seqlen <= 256 else 2 if seqlen <= 512 else 3 if seqlen <= 2048 else 4
 
 
 # (arch, block_d, fp32?, length class, banded?) -> forward, backward dK/dV, backward dQ launches.
@@ -134,8 +134,8 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             elif length == 0 and block_d == 64:  # (Triton 3.6's ptxas crashes on D <= 32, length 1)
                 fwd = Launch(64, 32, 4, 2)
             else:
-                fwd = small_fwd if length < 3 else Launch(128, 64, 4, 3, tma=True)
-            if arch == 90 and (length == 3 or (length == 2 and not banded)):
+                fwd = small_fwd if length < 4 else Launch(128, 64, 4, 3, tma=True)
+            if arch == 90 and (length == 4 or (length == 3 and not banded)):
                 # The Gluon forward (see D=128), side by side (ab_pairs.log): non-causal 0.87-0.95x
                 # cuDNN from 1k, level with these launches up to 8k and +5% at 16k; causal 0.82-0.94x
                 # from 2k against 0.78-0.87x, but 0.66x against 0.71x at 1k.
@@ -144,28 +144,30 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             # ab_dkdv.log); its dQ measured up to 14% slower than this one at D=64 up to 4k. With dQ
             # fused into it, against these two passes (2026-11-22-h100-fused-bwd/ab_fused_split.log,
             # two rounds): +10..+19% from 4k, +4..5% at 1k non-causal, -2..3% at 1k causal.
-            fuse = arch == 90 and (length == 3 or not banded)
-            dkdv = Launch(32, 64, 4, 3) if length < 2 else Launch(64, 128, 8, 3, gluon=arch == 90, fuse_dq=fuse)
+            fuse = arch == 90 and (length == 4 or not banded)
+            dkdv = Launch(32, 64, 4, 3) if length < 3 else Launch(64, 128, 8, 3, gluon=arch == 90, fuse_dq=fuse)
             return fwd, dkdv, Launch(64, 64, 4, 3)
         if block_d <= 128:
             if length == 0:
                 fwd = Launch(64, 32, 4, 2) if banded else Launch(128, 32, 4, 4)
-            elif banded and length == 2:
+            elif banded and length == 3:
                 fwd = Launch(64, 64, 4, 3, tma=True)
             else:
-                fwd = small_fwd if length == 1 else Launch(128, 64, 8, 3)
-            if arch == 90 and length >= 2:
+                fwd = small_fwd if length in (1, 2) else Launch(128, 64, 8, 3)
+            if arch == 90 and (length >= 3 or (length == 2 and not banded)):
                 # The Gluon forward beyond 512 keys (wgmma is Hopper's alone): 0.85-1.03x cuDNN
                 # non-causal, 0.79-1.04x causal, where these launches reach 0.64-0.83x
-                # (2026-11-22-h100-gluon/ab_pairs.log).
+                # (2026-11-22-h100-gluon/ab_pairs.log). Non-causal from 257 keys too: +14..26% at
+                # 384 and 512; at 256 one of two rounds 26% slower, causal there -6..-14%
+                # (2026-11-22-h100-short-gluon/ab_short_rotated.log, tune_short.log).
                 fwd = dataclasses.replace(fwd, gluon=True)
             # The Gluon dK/dV and dQ beyond 512 keys (2026-11-22-h100-gluon-bwd): whole backward
             # +7..+18% for the dK/dV (ab_dkdv.log), then +5..+8% for the dQ from 4k (causal 4k and
             # 1k within -2..+1%; ab_bwd.log).
-            gluon = arch == 90 and length > 1
+            gluon = arch == 90 and length > 2
             # dQ fused into the Gluon dK/dV measured 4-6% slower non-causal and 13-18% causal than
             # the two passes here (2026-11-22-h100-fused-bwd/ab_fused_split.log): not taken.
-            dkdv = Launch(64, 128, 8, 2, tma=length > 1, warp_specialize=length > 1, gluon=gluon)
+            dkdv = Launch(64, 128, 8, 2, tma=length > 2, warp_specialize=length > 2, gluon=gluon)
             return fwd, dkdv, Launch(128, 64, 8, 3, gluon=gluon)
         # D=256 at 4k (tune_d256.log): 1.8-1.9x the forward, 2.1-2.4x dK/dV and 1.2x dQ of the
         # untuned (64,64,4,2) / (32,64,4,2) / (64,32,4,2).
