@@ -171,10 +171,11 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
                     gluon(128, 4, False, arch=100)))
     assert all(gluon(d, length, banded, kernel=1) for d in (64, 128) for length in (3, 4) for banded in (False, True))
     assert all(gluon(128, length, banded, kernel=2) for length in (3, 4) for banded in (False, True))
+    assert gluon(128, 2, False, kernel=1) and gluon(128, 2, False, kernel=2)
     assert not gluon(64, 4, False, kernel=2)
     assert not any(gluon(*case, kernel=kernel) for kernel in (1, 2) for case in (
-        (128, 2, False), (64, 2, True), (256, 4, False), (128, 4, False, 90, True), (128, 4, False, 80),
-        (64, 4, True, 100)))
+        (128, 2, True), (128, 1, False), (64, 2, False), (64, 2, True), (256, 4, False), (128, 4, False, 90, True),
+        (128, 4, False, 80), (64, 4, True, 100)))
 
     def fused(block_d, length, banded, arch=90):  # dQ from the Gluon dK/dV kernel
         return _launches(arch, block_d, False, False, length, banded)[1].fuse_dq

@@ -254,13 +254,15 @@ def test_hopper_forward(dtype, head_dim, causal, seqlen_q, seqlen_k, layout):
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (129, 500), (500, 17)])
-def test_hopper_forward_short(seqlen_q, seqlen_k):
-    """The Gluon forward also takes D=128 non-causal from 257 keys (the table's length class 2)."""
+def test_hopper_short(seqlen_q, seqlen_k):
+    """The Gluon forward and backward kernels also take D=128 non-causal from 257 keys (the
+    table's length class 2)."""
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon forward is for Hopper (sm_90)")
+        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     torch.manual_seed(seqlen_q + seqlen_k)
     q, k, v = make_qkv(4, seqlen_q, seqlen_k, 8, 2, 128, torch.bfloat16, "cuda")
     assert forward_config(q, 128, max(seqlen_q, seqlen_k), False).gluon
+    assert all(c.gluon for c in backward_configs(q, 128, max(seqlen_q, seqlen_k), False))
     check_against_oracle(_flash(False), q, k, v, False)
 
 

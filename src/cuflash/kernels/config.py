@@ -163,8 +163,10 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 fwd = dataclasses.replace(fwd, gluon=True)
             # The Gluon dK/dV and dQ beyond 512 keys (2026-11-22-h100-gluon-bwd): whole backward
             # +7..+18% for the dK/dV (ab_dkdv.log), then +5..+8% for the dQ from 4k (causal 4k and
-            # 1k within -2..+1%; ab_bwd.log).
-            gluon = arch == 90 and length > 2
+            # 1k within -2..+1%; ab_bwd.log). Non-causal from 257 keys too: at 384 / 512 keys the
+            # dK/dV +3% / +6%, the dQ +1% / +2..4% (causal -2..-7%; 2026-11-22-h100-short-gluon/
+            # tune_bwd_class2.log, two rounds).
+            gluon = arch == 90 and (length > 2 or (length == 2 and not banded))
             # dQ fused into the Gluon dK/dV measured 4-6% slower non-causal and 13-18% causal than
             # the two passes here (2026-11-22-h100-fused-bwd/ab_fused_split.log): not taken.
             dkdv = Launch(64, 128, 8, 2, tma=length > 2, warp_specialize=length > 2, gluon=gluon)
