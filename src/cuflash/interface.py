@@ -14,7 +14,7 @@ from .reference import attention_probs
 
 
 def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-            **fields) -> AttentionParams:
+            deterministic, **fields) -> AttentionParams:
     """The flash-attn options, checked, as AttentionParams (bottom-right aligned, like flash-attn)."""
     dropout_p = check_dropout(dropout_p)
     left, right = check_window(window_size)
@@ -23,7 +23,8 @@ def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, sof
         window_left=left, window_right=0 if causal else right,
         softcap=check_softcap(softcap),
         alibi_slopes=check_alibi(alibi_slopes, batch, q.shape[-2], q.device),
-        dropout_p=dropout_p, rng_seed=draw_seed(q.device) if dropout_p > 0 else None, **fields)
+        dropout_p=dropout_p, rng_seed=draw_seed(q.device) if dropout_p > 0 else None,
+        deterministic=bool(deterministic), **fields)
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -75,8 +76,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     check_attention_inputs(q, k, v)
     _check_device(q)
-    p = _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                deterministic=bool(deterministic))
+    p = _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic)
     out, lse = ops.forward(q, k, v, p)
     if return_attn_probs:
         return out, lse, _probs(q, k, p).to(q.dtype)
@@ -132,9 +132,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_device(q)
     batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q.shape[0], "q", q.device)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, k.shape[0], "k", q.device, batch)
-    p = _params(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+    p = _params(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                max_seqlen_k=max_seqlen_k, deterministic=bool(deterministic))
+                max_seqlen_k=max_seqlen_k)
     out, lse = ops.forward(q, k, v, p)
     if not return_attn_probs:
         return out
@@ -228,8 +228,7 @@ def _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi
                      deterministic=False) -> AttentionParams:
     check_attention_inputs(q, k, v)
     _check_device(q)
-    return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0,
-                   deterministic=bool(deterministic))
+    return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0, deterministic)
 
 
 def forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):

@@ -80,7 +80,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                          or torch.are_deterministic_algorithms_enabled())
     options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal,
                    window_size=(sliding_window - 1, -1) if sliding_window else (-1, -1), softcap=softcap or 0.0,
-                   deterministic=bool(deterministic))
+                   deterministic=deterministic)
     cu_seqlens_q = kwargs.get("cu_seq_lens_q")
     if cu_seqlens_q is not None and attention_mask is None:
         # Padding-free training: sequences packed in one row, described by transformers' prefix sums.

@@ -351,10 +351,10 @@ def _launches(t: dict, params: AttentionParams, configs: tuple[Launch, Launch] |
 
     # delta over the rows as stored: a varlen batch is one sequence of total_q rows here.
     delta_rows, delta_batch = (q.shape[0], 1) if params.varlen else (prob.seqlen_q, prob.batch)
-    delta_block_m = 64
-    delta = _attn_bwd_delta, (cdiv(delta_rows, delta_block_m), delta_batch * prob.nheads), dict(
+    rows_block = 64  # query rows per program of the delta and cast kernels
+    delta = _attn_bwd_delta, (cdiv(delta_rows, rows_block), delta_batch * prob.nheads), dict(
         Out=t["Out"], DO=dout, Delta=t["Delta"], **prob.strides("o", t["Out"]), **prob.strides("do", dout),
-        **lse_args, nheads=prob.nheads, seqlen_q=delta_rows, head_dim=prob.head_dim, BLOCK_M=delta_block_m,
+        **lse_args, nheads=prob.nheads, seqlen_q=delta_rows, head_dim=prob.head_dim, BLOCK_M=rows_block,
         BLOCK_D=prob.block_d,
     )
     # The Gluon kernels for Hopper where the table asks for them and they take the input.
@@ -372,9 +372,10 @@ def _launches(t: dict, params: AttentionParams, configs: tuple[Launch, Launch] |
             WS=dkdv_tma and dkdv_cfg.warp_specialize, num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
         )
     if fused:
-        dq = _attn_bwd_dq_cast, (cdiv(prob.seqlen_q, 64), prob.batch * prob.nheads), dict(
+        dq = _attn_bwd_dq_cast, (cdiv(prob.seqlen_q, rows_block), prob.batch * prob.nheads), dict(
             DQAcc=t["DQAcc"], DQ=t["DQ"], **prob.strides("a", t["DQAcc"]), **prob.strides("dq", t["DQ"]),
-            nheads=prob.nheads, seqlen_q=prob.seqlen_q, head_dim=prob.head_dim, BLOCK_M=64, BLOCK_D=prob.block_d)
+            nheads=prob.nheads, seqlen_q=prob.seqlen_q, head_dim=prob.head_dim, BLOCK_M=rows_block,
+            BLOCK_D=prob.block_d)
     elif dq_cfg.gluon and gluon:
         dq = hopper_backward.dq_launch(t, prob, params)
     else:
