@@ -106,11 +106,12 @@ def _sdpa_ms(q, k, v, do, causal):
 def time_loads(args, dtype):
     """The table's launches with each way of loading the loops' tiles (pointers, tensor
     descriptors, descriptors plus warp specialization of the unmasked loop; or the Triton kernel
-    against the Gluon one for Hopper where it applies, "fused" the Gluon dK/dV computing dQ too:
-    time it as dkdv), one kernel changed at a time, beside
+    against the Gluon one for Hopper where it applies, "gluon2"/"gluon3" the Gluon forward with 2 or
+    3 consumer warpgroups, "fused" the Gluon dK/dV computing dQ too: time it as dkdv), one kernel changed at a time, beside
     torch's fastest SDPA backend (_anchor) on the same inputs."""
     loads = {"plain": {}, "tma": {"tma": True}, "ws": {"tma": True, "warp_specialize": True},
-             "triton": {"gluon": False}, "gluon": {"gluon": True}, "fused": {"gluon": True, "fuse_dq": True}}
+             "triton": {"gluon": False}, "gluon": {"gluon": True}, "fused": {"gluon": True, "fuse_dq": True},
+             "gluon2": {"gluon": True, "consumers": 2}, "gluon3": {"gluon": True, "consumers": 3}}
     for n, d, causal, b, h, q, k, v, do, flops, params in cases(args, dtype):
         anchor_fwd, anchor_bwd = _sdpa_ms(q, k, v, do, causal)
         print(f"== D={d} N={n} causal={causal}: {_anchor(dtype).name} fwd {flops / anchor_fwd / 1e9:6.1f}"
@@ -141,7 +142,7 @@ def main():
     p.add_argument("--hdims", default="64,128")
     p.add_argument("--table", action="store_true", help="only time the table's own launches (to compare trees)")
     p.add_argument("--loads", help="time the table's launches with these tile loads: plain, tma, ws; or the "
-                                   "kernels: triton, gluon, fused")
+                                   "kernels: triton, gluon, gluon2, gluon3, fused")
     p.add_argument("--kernels", default="fwd,dkdv,dq", help="which kernels to time (sweep and --loads)")
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]

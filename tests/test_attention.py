@@ -169,6 +169,9 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
     assert not any((gluon(128, 1, False), gluon(128, 2, True), gluon(64, 2, False), gluon(64, 3, True),
                     gluon(256, 4, False), gluon(128, 4, False, fp32=True), gluon(128, 4, False, arch=80),
                     gluon(128, 4, False, arch=100)))
+    # Three consumer warpgroups in the D=64 forward beyond 2k keys, two elsewhere.
+    assert all(_launches(90, 64, False, False, 4, banded)[0].consumers == 3 for banded in (False, True))
+    assert all(_launches(90, d, False, False, length, False)[0].consumers == 2 for d, length in ((64, 3), (128, 4)))
     assert all(gluon(d, length, banded, kernel=1) for d in (64, 128) for length in (3, 4) for banded in (False, True))
     assert all(gluon(128, length, banded, kernel=2) for length in (3, 4) for banded in (False, True))
     assert gluon(128, 2, False, kernel=1) and gluon(128, 2, False, kernel=2)

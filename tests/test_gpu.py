@@ -234,23 +234,30 @@ def test_length_one_with_descriptor_launches(causal, head_dim, seqlen_q, seqlen_
 
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (4100, 1)])
-@pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (64, False)])
+@pytest.mark.parametrize("head_dim,causal,consumers", [(128, False, 2), (128, True, 2), (64, False, 2), (64, True, 2),
+                                                     (64, False, 3), (64, True, 3)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_hopper_forward(dtype, head_dim, causal, seqlen_q, seqlen_k, layout):
-    """The Gluon forward (kernels/hopper_forward.py; Hopper beyond 512 keys: D=128, D=64
-    non-causal) is the kernel that runs, and matches float64 like the Triton kernels: ragged tiles,
-    GQA, rows with no visible key (causal, seqlen_q > seqlen_k), non-contiguous inputs; the
-    gradients check its lse."""
+def test_hopper_forward(dtype, head_dim, causal, consumers, seqlen_q, seqlen_k, layout, monkeypatch):
+    """The Gluon forward (kernels/hopper_forward.py) with 2 or 3 consumer warpgroups (forced here
+    where the table takes the other count or the Triton kernel) matches float64 like the Triton
+    kernels: ragged tiles, GQA, rows with no visible key (causal, seqlen_q > seqlen_k),
+    non-contiguous inputs; the gradients check its lse."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (sm_90)")
-    from cuflash.kernels import hopper_forward
+    from cuflash.kernels import forward, hopper_forward, launch
     from cuflash.kernels.variant import problem
     torch.manual_seed(seqlen_q + seqlen_k)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, dtype, "cuda", layout=layout)
     params = AttentionParams(head_dim ** -0.5, window_right=0 if causal else -1)
-    assert forward_config(q, head_dim, max(seqlen_q, seqlen_k), causal).gluon
     assert hopper_forward.accepts(problem(q, k, v, params), params)
+    cfg = dataclasses.replace(forward_config(q, head_dim, max(seqlen_q, seqlen_k), causal), gluon=True,
+                              consumers=consumers)
+    monkeypatch.setattr(forward, "forward_config", lambda *_: cfg)
+    monkeypatch.setattr(launch, "_plans", {})  # the plans made with the patched table stay here
+    launched, launch_args = [], hopper_forward.launch_args
+    monkeypatch.setattr(hopper_forward, "launch_args", lambda *args: launched.append(args[-1]) or launch_args(*args))
     check_against_oracle(_flash(causal), q, k, v, causal)
+    assert launched and set(launched) == {consumers}
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (129, 500), (500, 17)])

@@ -21,6 +21,9 @@ class Launch:
     # The Gluon kernel for Hopper (kernels/hopper_forward.py, hopper_backward.py; their own fixed
     # tiles) where it accepts the input; the Triton kernel with this launch's tiles elsewhere.
     gluon: bool = False
+    # (forward launches with gluon) consumer warpgroups, 64 query rows each: 2, or 3 at D=64 (at D=128
+    # three would spill their registers).
+    consumers: int = 2
     # (dK/dV launches with gluon) The Gluon dK/dV kernel also adds dQ to an fp32 workspace by TMA
     # reductions, replacing the dQ launch, unless the call asks for a deterministic backward.
     fuse_dq: bool = False
@@ -138,8 +141,10 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             if arch == 90 and (length == 4 or (length == 3 and not banded)):
                 # The Gluon forward (see D=128), side by side (ab_pairs.log): non-causal 0.87-0.95x
                 # cuDNN from 1k, level with these launches up to 8k and +5% at 16k; causal 0.82-0.94x
-                # from 2k against 0.78-0.87x, but 0.66x against 0.71x at 1k.
-                fwd = dataclasses.replace(fwd, gluon=True)
+                # from 2k against 0.78-0.87x, but 0.66x against 0.71x at 1k. Beyond 2k keys with three
+                # consumer warpgroups: +3..10% non-causal over two, causal +3..7% from 8k, level at 4k;
+                # at 1k -10% non-causal, causal -30% (2026-11-22-h100-fwd-consumers/ab_fwd_mine.log).
+                fwd = dataclasses.replace(fwd, gluon=True, consumers=3 if length == 4 else 2)
             # The Gluon dK/dV beyond 512 keys: whole backward +1..+17% (2026-11-22-h100-gluon-bwd/
             # ab_dkdv.log); its dQ measured up to 14% slower than this one at D=64 up to 4k. With dQ
             # fused into it, against these two passes (2026-11-22-h100-fused-bwd/ab_fused_split.log,

@@ -1,15 +1,15 @@
-"""Forward pass for Hopper in Gluon: warp-specialized, two consumer warpgroups (FlashAttention-3's
-structure, written with Triton's Gluon dialect).
+"""Forward pass for Hopper in Gluon: warp-specialized, two or three consumer warpgroups
+(FlashAttention-3's structure, written with Triton's Gluon dialect).
 
-A work item is 2 x 64 query rows of one (batch, head); a program runs one item or, persistent,
-every num_programs-th. Three partitions share the program's shared memory:
-- the loader (one warp) copies each item's Q tile and its K/V tiles into a ring of STAGES buffers
-  with the tensor memory accelerator, each load signalling a "ready" barrier; it runs ahead into
-  the next item while the consumers finish the last;
-- two consumer warpgroups, each owning 64 of the rows, run S = Q K^T, the online softmax and
+A work item is CONSUMERS x 64 query rows of one (batch, head) (2 or 3 consumers); a program runs
+pairs of items round-robin (persistent). The partitions share the program's shared memory:
+- the loader (one warp) copies each item's Q tile (into one of Q_BUFFERS buffers) and its K/V
+  tiles into a ring of STAGES buffers with the tensor memory accelerator, each load signalling a
+  "ready" barrier; it runs ahead into the next item while the consumers finish the last;
+- the consumer warpgroups, each owning 64 of the rows, run S = Q K^T, the online softmax and
   O += P V on the tensor cores (wgmma; P from registers), then release the K/V buffer (and, after
-  an item's last S, the Q buffer) on "empty" barriers that both must arrive at.
-The two consumers run independent instruction streams, so one's softmax overlaps the other's
+  an item's last S, the Q buffer) on "empty" barriers that all must arrive at.
+The consumers run independent instruction streams, so one's softmax overlaps the others'
 matrix products; within a consumer, the product P V of one tile runs while the softmax of the
 next is computed. Tile-level Triton (one instruction stream per program, each dot awaited
 before its result is used) expresses neither.
@@ -64,7 +64,8 @@ def _work(k):
 
 
 @gluon.jit
-def _item(w, n_m, nheads, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+def _item(w, n_m, nheads, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+          CONSUMERS: gl.constexpr):
     """(first query row, batch, head, K/V tiles to visit) of work item w. The query tiles of one
     (batch, head) are consecutive items (their K/V stay in L2). Under a causal mask heavy and light
     tiles alternate (the last, the first, the second last, ...), so that a pair of items costs
@@ -73,10 +74,10 @@ def _item(w, n_m, nheads, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.co
     tile = w % n_m
     if CAUSAL:
         tile = gl.where(tile % 2 == 0, n_m - 1 - tile // 2, tile // 2)
-        hi = gl.minimum(gl.maximum((tile + 1) * 2 * ROWS + offset, 0), seqlen_k)
+        hi = gl.minimum(gl.maximum((tile + 1) * CONSUMERS * ROWS + offset, 0), seqlen_k)
     else:
         hi = seqlen_k
-    return tile * 2 * ROWS, bh // nheads, bh % nheads, gl.cdiv(hi, BLOCK_N)
+    return tile * CONSUMERS * ROWS, bh // nheads, bh % nheads, gl.cdiv(hi, BLOCK_N)
 
 
 @gluon.jit
@@ -92,7 +93,8 @@ def _descriptor(T, batch, seqlen, nheads, stride_b, stride_n, stride_h, BOX_ROWS
 
 
 @gluon.jit
-def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+          CONSUMERS: gl.constexpr):
     (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
      stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
@@ -100,20 +102,22 @@ def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexp
     q_desc = _descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
     k_desc = _descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
     v_desc = _descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
-    n_m = gl.cdiv(seqlen_q, 2 * ROWS)
+    n_m = gl.cdiv(seqlen_q, CONSUMERS * ROWS)
     it = 0  # K/V tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     items = n_m * batch * nheads
     for k in range(_count(items)):
         w = _work(k)
         if w < items:
-            start_m, off_b, off_h, n_tiles = _item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N)
+            start_m, off_b, off_h, n_tiles = _item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS)
             off_hk = off_h // (nheads // nheads_k)
-            mbarrier.wait(q_empty, (done & 1) ^ 1)
-            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-            for part in gl.static_range(2):
-                _tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready,
-                          q_smem.index(part).reshape([1, ROWS, 1, HEAD_D]))
+            qb = done % Q_BUFFERS
+            mbarrier.wait(q_empty.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qb), CONSUMERS * q_desc.block_type.nbytes)
+            for part in gl.static_range(CONSUMERS):
+                _tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready.index(qb),
+                          q_smem.index(qb * CONSUMERS + part).reshape([1, ROWS, 1, HEAD_D]))
             for j in range(n_tiles):
                 stage = it % STAGES
                 mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
@@ -174,7 +178,7 @@ def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, base
 
 @gluon.jit
 def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-             WG: gl.constexpr):
+             CONSUMERS: gl.constexpr, WG: gl.constexpr):
     (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
      stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
@@ -186,29 +190,36 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = Q.dtype.element_ty
     # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
-    n_m = gl.cdiv(seqlen_q, 2 * ROWS)
+    n_m = gl.cdiv(seqlen_q, CONSUMERS * ROWS)
     it = 0  # K/V tiles consumed so far: the ring's position
     done = 0  # work items done so far
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     items = n_m * batch * nheads
     for k in range(_count(items)):
         w = _work(k)
         if w < items:
-            start_m, off_b, off_h, n_tiles = _item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N)
+            start_m, off_b, off_h, n_tiles = _item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS)
             row0 = start_m + WG * ROWS
             rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            # Tiles every row of this warpgroup sees whole: below its first row's diagonal, within the keys.
+            # The item's tiles that this warpgroup's rows see (none past the last query, under a causal
+            # mask those up to its last row's diagonal), of them those every row sees whole (below its
+            # first row's diagonal, within the keys). The tiles that only other warpgroups' rows see it
+            # just releases.
+            n_mine = gl.where(row0 < seqlen_q, n_tiles, 0)
             n_full = seqlen_k // BLOCK_N
             if CAUSAL:
+                n_mine = gl.minimum(n_mine, gl.cdiv(gl.minimum(gl.maximum(row0 + ROWS + offset, 0), seqlen_k), BLOCK_N))
                 n_full = gl.minimum(n_full, gl.maximum(row0 + offset + 1, 0) // BLOCK_N)
-            n_full = gl.maximum(gl.minimum(n_full, n_tiles), 1)
+            n_full = gl.maximum(gl.minimum(n_full, n_mine), 1)
 
             m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
             p = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
-            q = q_smem.index(WG)
-            mbarrier.wait(q_ready, done & 1)
-            if n_tiles > 0:
+            qb = done % Q_BUFFERS
+            q = q_smem.index(qb * CONSUMERS + WG)
+            mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
+            if n_mine > 0:
                 # Tile 0 alone (its softmax masked: it may hold the diagonal or the key bound), then
                 # the pipelined loops.
                 mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
@@ -221,11 +232,16 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
                                           n_full, rows, seqlen_k, offset, qk_scale, False, CAUSAL, BLOCK_N, STAGES,
                                           s_layout, p_layout, o_layout)
                 acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, n_full,
-                                          n_tiles, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N, STAGES,
+                                          n_mine, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N, STAGES,
                                           s_layout, p_layout, o_layout)
-            mbarrier.arrive(q_empty, count=1)  # every S of this item is done: the loader may fetch the next Q
-            if n_tiles > 0:  # the last tile's product with V
-                last = it + n_tiles - 1
+            mbarrier.arrive(q_empty.index(qb), count=1)  # every S of this item is done: the loader may fetch the next Q
+            for j in range(it + n_mine, it + n_tiles):
+                # Released once loaded: the loader refills a buffer only after every consumer's release.
+                mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
+                mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+                mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
+            if n_mine > 0:  # the last tile's product with V
+                last = it + n_mine - 1
                 mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
                 acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc)
                 mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
@@ -245,47 +261,46 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
 
 
 @gluon.jit
-def _consume_first(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-    _consume(args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 0)
-
-
-@gluon.jit
-def _consume_second(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-    _consume(args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 1)
-
-
-@gluon.jit
 def _attn_fwd_hopper(Q, K, V, Out, Lse,
                      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
                      stride_vh, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                      batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
                      CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr):
+                     CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], bar_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # both consumers release a buffer
+    for i in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)  # every consumer releases a buffer
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
+        mbarrier.init(kv_empty.index(i), count=CONSUMERS)
     args = (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
             stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
             stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
             batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale)
-    gl.warp_specialize([(_consume_first, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES)),
-                        (_consume_second, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES)),
-                        (_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
+    if CONSUMERS == 3:
+        gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 0)),
+                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 1)),
+                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 2)),
+                            (_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 0)),
+                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 1)),
+                            (_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS))],
+                           [4, 1], [CONSUMER_REGS, 24])
 
 
 def accepts(prob: Problem, params: AttentionParams) -> bool:
@@ -299,25 +314,30 @@ def accepts(prob: Problem, params: AttentionParams) -> bool:
             and prob.q.dtype in (torch.float16, torch.bfloat16) and tma_addressable(prob.q, prob.k, prob.v))
 
 
-def launch_args(tensors: dict, prob: Problem, params: AttentionParams):
-    """(kernel, grid, keyword arguments) for kernels/launch.py. Tiles: 2 x 64 query rows, 128 keys,
-    3 K/V buffers (D=128 at 16k tokens on an H100: 0.90-1.03x cuDNN where 2 buffers gave
-    0.81-0.90x). One persistent program per SM, whose loader fetches the next work item during the
-    last one's epilogue, taking pairs of items round-robin (causal D=128 1k +24% over one program
-    per item; docs/perf-notes.md)."""
+def launch_args(tensors: dict, prob: Problem, params: AttentionParams, consumers: int):
+    """(kernel, grid, keyword arguments) for kernels/launch.py. Tiles: `consumers` (2 or 3) x 64
+    query rows, 128 keys, 3 K/V buffers (D=128 at 16k tokens on an H100: 0.90-1.03x cuDNN where 2
+    buffers gave 0.81-0.90x). One persistent program per SM, whose loader fetches the next work
+    item during the last one's epilogue, taking pairs of items round-robin (causal D=128 1k +24%
+    over one program per item; docs/perf-notes.md)."""
     q, k, v, out = tensors["Q"], tensors["K"], tensors["V"], tensors["Out"]
     triton.set_allocator(scratch)  # the kernel builds its tensor descriptors in global scratch
     qk_scale, _ = logit_scales(params)
-    items = cdiv(prob.seqlen_q, 2 * ROWS) * prob.batch * prob.nheads
+    items = cdiv(prob.seqlen_q, consumers * ROWS) * prob.batch * prob.nheads
+    # The warps (4 per consumer, 1 loader) run as whole warpgroups that share the register file,
+    # 64K a program, which the partitions trade: 2 consumers: 3 warpgroups of 168 registers a thread,
+    # 240 each for the consumers, 24 for the loader; 3 consumers: 4 of 128, 160 and 24.
+    regs, consumer_regs = (168, 240) if consumers == 2 else (128, 160)
+    # Two Q buffers (the loader fetches an item's Q during the last one) where the shared memory holds
+    # them: D=64; D=128 takes 224 of 227 KB with one (3 K/V buffers of 64 KB, Q 32 KB).
+    q_buffers = 2 if prob.head_dim == 64 else 1
     return _attn_fwd_hopper, (min(cdiv(items, 2), num_sms(q.device)),), dict(
         Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], **_box_strides(prob, "q", q), **_box_strides(prob, "k", k, "n"),
         **_box_strides(prob, "v", v, "n"), **prob.strides("o", out), **lse_strides(prob, params),
         batch=prob.batch, nheads=prob.nheads, nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q,
         seqlen_k=prob.seqlen_k, offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
-        CAUSAL=params.window_right == 0, BLOCK_N=128, HEAD_D=prob.head_dim, STAGES=3, CONSUMER_REGS=240,
-        # 9 warps run as 3 warpgroups of 168 registers a thread, which the partitions trade: 240 each
-        # for the consumers, 24 for the loader.
-        num_warps=4, maxnreg=168)
+        CAUSAL=params.window_right == 0, BLOCK_N=128, HEAD_D=prob.head_dim, STAGES=3, CONSUMERS=consumers,
+        Q_BUFFERS=q_buffers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=regs)
 
 
 def _box_strides(prob: Problem, name: str, t: torch.Tensor, row: str = "m") -> dict:
