@@ -233,6 +233,15 @@ def test_sdpa_errors():
         cuflash.scaled_dot_product_attention(query, key, value[..., :8])
     with raises(ErrorCode.INVALID_DIMENSION, "query"):
         cuflash.scaled_dot_product_attention(query[0, 0], key, value)
+    # The rest of a tensor's checks run on the (batch, seqlen, nheads, headdim) views, under torch's names.
+    with raises(ErrorCode.NULL_POINTER, "key"):
+        cuflash.scaled_dot_product_attention(query, None, value)
+    with raises(ErrorCode.UNSUPPORTED_DTYPE, "value", "torch.int32"):
+        cuflash.scaled_dot_product_attention(query, key, value.int())
+    with raises(ErrorCode.NOT_CONTIGUOUS, "query", "stride 1"):
+        cuflash.scaled_dot_product_attention(query.transpose(-1, -2).contiguous().transpose(-1, -2), key, value)
+    with raises(ErrorCode.EMPTY_TENSOR, "query"):
+        cuflash.scaled_dot_product_attention(query[:, :, :0], key, value)
     with raises(ErrorCode.INVALID_ARGUMENT, "scale"):
         cuflash.scaled_dot_product_attention(query, key, value, scale=-1.0)
 

@@ -56,23 +56,26 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def check_tensor(name: str, t, ndim: int, layout: str) -> None:
+    # Runs on every call: the common case reads cheap attributes only (t.device.type costs as much
+    # as the rest together).
     if t is None:
         fail(ErrorCode.NULL_POINTER, f"{name} is None; expected a tensor of shape {layout}")
     if not isinstance(t, torch.Tensor):
         fail(ErrorCode.INVALID_ARGUMENT,
              f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
-    if t.dim() != ndim:
+    if t.ndim != ndim:
         fail(ErrorCode.INVALID_DIMENSION,
-             f"{name} must have {ndim} dimensions {layout}, got {t.dim()} with shape {tuple(t.shape)}")
-    if t.shape[-1] == 0:
+             f"{name} must have {ndim} dimensions {layout}, got {t.ndim} with shape {tuple(t.shape)}")
+    head_dim = t.shape[-1]
+    if head_dim == 0:
         fail(ErrorCode.UNSUPPORTED_HEAD_DIM, f"{name} has head dim 0 (shape {tuple(t.shape)}); supported: 1 to {MAX_HEAD_DIM}")
     if t.numel() == 0:
         fail(ErrorCode.EMPTY_TENSOR, f"{name} has no elements (shape {tuple(t.shape)}); every dimension must be >= 1")
-    allowed = CPU_DTYPES if t.device.type == "cpu" else KERNEL_DTYPES
-    if t.dtype not in allowed:
+    if t.dtype not in KERNEL_DTYPES and not (t.is_cpu and t.dtype in CPU_DTYPES):
+        allowed = CPU_DTYPES if t.is_cpu else KERNEL_DTYPES
         fail(ErrorCode.UNSUPPORTED_DTYPE,
              f"{name} has dtype {t.dtype}; accepted on {t.device.type}: {', '.join(str(d) for d in allowed)}")
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
+    if head_dim > 1 and t.stride(-1) != 1:
         fail(ErrorCode.NOT_CONTIGUOUS,
              f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}; "
              f"call .contiguous() on it")

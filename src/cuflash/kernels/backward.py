@@ -324,9 +324,9 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams,
     like q, lse like the forward's softmax_lse."""
     lse = lse.contiguous()
     tensors = dict(Q=q, K=k, V=v, Out=out, DO=dout, Lse=lse, Delta=torch.empty_like(lse),
-                   DQ=torch.empty(q.shape, dtype=q.dtype, device=q.device),
-                   DK=torch.empty(k.shape, dtype=k.dtype, device=k.device),
-                   DV=torch.empty(v.shape, dtype=v.dtype, device=v.device), **variant_tensors(params))
+                   DQ=torch.empty_like(q, memory_format=torch.contiguous_format),
+                   DK=torch.empty_like(k, memory_format=torch.contiguous_format),
+                   DV=torch.empty_like(v, memory_format=torch.contiguous_format), **variant_tensors(params))
     launch((attention_backward, params.key(), configs, tf32(q)), tensors, lambda: _launches(tensors, params, configs))
     return tensors["DQ"], tensors["DK"], tensors["DV"]
 

@@ -177,7 +177,7 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     m_tiles = cdiv(seqlen_q * nheads // nheads_k, block_m)
     capacity = rows_per_seq * (block_table.shape[1] if block_table is not None else 1)
     splits = num_splits_for(batch * nheads_k * m_tiles, capacity, cfg.block_n, q.device, num_splits)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     tensors = dict(Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse, OutPart=out, LsePart=lse)
     if splits > 1:
