@@ -1,8 +1,9 @@
 """Side by side in one process: the Gluon forward with some of its launch constants overridden
 (K/V ring depth STAGES, Q_BUFFERS, key tile BLOCK_N), beside the table's launch, the Triton forward and
 cuDNN; bf16, 16k tokens, hidden 2048, device time (triton.testing.do_bench, median).
-PYTHONPATH=src python3 benchmarks/results/2026-11-22-h100-fwd-buffers/ab_fwd_overrides.py"""
+PYTHONPATH=src python3 benchmarks/results/2026-11-22-h100-fwd-buffers/ab_fwd_overrides.py [q|ring]"""
 import dataclasses
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -14,11 +15,14 @@ from cuflash.kernels.config import forward_config
 from cuflash.params import AttentionParams
 
 launch_args = hopper_forward.launch_args
-CASES = [  # (D, seqlens, causal values, variants: name -> overrides of the kernel's constants)
-    (128, (1024, 2048, 4096), (False, True),
-     {"s3q1": {}, "s2q2": {"STAGES": 2, "Q_BUFFERS": 2}, "s2q1": {"STAGES": 2}}),
-    (64, (1024, 2048), (True,), {"n128": {}, "n64": {"BLOCK_N": 64}, "n64s4": {"BLOCK_N": 64, "STAGES": 4}}),
-]
+CASES = {  # (D, seqlens, causal values, variants: name -> overrides of the kernel's constants)
+    "q": [(128, (1024, 2048, 4096), (False, True),
+           {"s3q1": {}, "s2q2": {"STAGES": 2, "Q_BUFFERS": 2}, "s2q1": {"STAGES": 2}}),
+          (64, (1024, 2048), (True,), {"n128": {}, "n64": {"BLOCK_N": 64}, "n64s4": {"BLOCK_N": 64, "STAGES": 4}})],
+    # (with three consumers at D=64 beyond 2k keys, the table's)
+    "ring": [(64, (4096, 16384), (False, True),
+              {"s3": {}, "s2": {"STAGES": 2}, "s4": {"STAGES": 4}, "n64s4": {"BLOCK_N": 64, "STAGES": 4}})],
+}[sys.argv[1] if len(sys.argv) > 1 else "q"]
 for rnd in (1, 2):
     for d, seqlens, causals, variants in CASES:
         for n in seqlens:
