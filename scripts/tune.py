@@ -107,8 +107,8 @@ def time_loads(args, dtype):
     """The table's launches with each way of loading the loops' tiles (pointers, tensor
     descriptors, descriptors plus warp specialization of the unmasked loop; or the Triton kernel
     against the Gluon one for Hopper where it applies, "gluon2"/"gluon3" the Gluon forward with 2 or
-    3 consumer warpgroups, "fused" the Gluon dK/dV computing dQ too: time it as dkdv), one kernel changed at a time, beside
-    torch's fastest SDPA backend (_anchor) on the same inputs."""
+    3 consumer warpgroups, "fused" the Gluon dK/dV computing dQ too: time it as dkdv), one kernel
+    changed at a time, beside torch's fastest SDPA backend (_anchor) on the same inputs."""
     loads = {"plain": {}, "tma": {"tma": True}, "ws": {"tma": True, "warp_specialize": True},
              "triton": {"gluon": False}, "gluon": {"gluon": True}, "fused": {"gluon": True, "fuse_dq": True},
              "gluon2": {"gluon": True, "consumers": 2}, "gluon3": {"gluon": True, "consumers": 3}}

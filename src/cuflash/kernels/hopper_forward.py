@@ -320,6 +320,8 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, consumers
     buffers gave 0.81-0.90x). One persistent program per SM, whose loader fetches the next work
     item during the last one's epilogue, taking pairs of items round-robin (causal D=128 1k +24%
     over one program per item; docs/perf-notes.md)."""
+    if consumers not in (2, 3):
+        raise ValueError(f"the Gluon forward runs 2 or 3 consumer warpgroups, not {consumers}")
     q, k, v, out = tensors["Q"], tensors["K"], tensors["V"], tensors["Out"]
     triton.set_allocator(scratch)  # the kernel builds its tensor descriptors in global scratch
     qk_scale, _ = logit_scales(params)
