@@ -240,8 +240,13 @@ def test_sdpa_errors():
         cuflash.scaled_dot_product_attention(query, key, value.int())
     with raises(ErrorCode.NOT_CONTIGUOUS, "query", "stride 1"):
         cuflash.scaled_dot_product_attention(query.transpose(-1, -2).contiguous().transpose(-1, -2), key, value)
-    with raises(ErrorCode.EMPTY_TENSOR, "query"):
+    with raises(ErrorCode.EMPTY_TENSOR, "query", "(2, 4, 0, 16)"):
         cuflash.scaled_dot_product_attention(query[:, :, :0], key, value)
+    with raises(ErrorCode.EMPTY_TENSOR, "query", "(2, 2, 4, 0, 16)"):  # before the views (a reshape of 0 elements)
+        empty = torch.randn(2, 2, 4, 0, 16)
+        cuflash.scaled_dot_product_attention(empty, empty, empty)
+    with raises(ErrorCode.UNSUPPORTED_HEAD_DIM, "query", "(2, 4, 8, 0)"):
+        cuflash.scaled_dot_product_attention(query[..., :0], key[..., :0], value[..., :0])
     with raises(ErrorCode.INVALID_ARGUMENT, "scale"):
         cuflash.scaled_dot_product_attention(query, key, value, scale=-1.0)
 

@@ -192,8 +192,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     dropout_p = check_dropout(dropout_p)
     names = ("query", "key", "value")
     for name, t in zip(names, (query, key, value)):
-        if not isinstance(t, torch.Tensor) or t.ndim < 3:  # the rest is checked on the views below
-            check_tensor(name, t, 3, "(..., nheads, seqlen, headdim)")
+        # What the views below need (a tensor of rank >= 3 with elements) is checked as given, the rest
+        # on the views (each tensor once: these checks run on every call).
+        if not isinstance(t, torch.Tensor) or t.ndim < 3 or t.numel() == 0:
+            check_tensor(name, t, max(3, getattr(t, "ndim", 3)), "(..., nheads, seqlen, headdim)")
     if not (query.ndim == key.ndim == value.ndim) or query.shape[:-3] != key.shape[:-3]:
         fail(ErrorCode.SHAPE_MISMATCH, f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
              f"{tuple(value.shape)} must have the same leading (batch) dimensions")
