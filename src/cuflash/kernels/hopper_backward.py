@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ..params import AttentionParams
 from .common import LOG2E
 from .config import cdiv, scratch, tma_addressable
-from .hopper_forward import ROWS, _barrier, _box_strides, _descriptor, _tma_add, _tma_load, \
+from .hopper_forward import ROWS, _barrier, _box_strides, _copy_out, _descriptor, _tma_add, _tma_load, \
     accepts as _forward_accepts
 from .variant import Problem, lse_strides, logit_scales
 
@@ -233,6 +233,8 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
     v = v_smem.index(WG)
     if FUSED:
         dq_desc = _descriptor(DQAcc, batch, seqlen_q, nheads, stride_ab, stride_am, stride_ah, ROWS, HEAD_D, ROWS)
+    dk_desc = _descriptor(DK, batch, seqlen_k, nheads_k, stride_dkb, stride_dkn, stride_dkh, ROWS, HEAD_D)
+    dv_desc = _descriptor(DV, batch, seqlen_k, nheads_k, stride_dvb, stride_dvn, stride_dvh, ROWS, HEAD_D)
     mbarrier.wait(kv_ready, 0)
     group = nheads // nheads_k
     base = -lo  # the loader's schedule: tile j of head g at ring position g * (hi - lo) + j - lo
@@ -251,18 +253,13 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
                         a_layout)
         base += hi - lo
     if FUSED:
-        tma.store_wait(0)  # the last dQ tile out of shared memory before the program ends
-
-    rows = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
-    in_seq = gl.expand_dims(rows < seqlen_k, 1)
-    row_offs = gl.expand_dims(rows.to(gl.int64), 1)
-    dk_ptrs = (DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh + row_offs * stride_dkn
-               + gl.expand_dims(cols, 0))
-    dv_ptrs = (DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh + row_offs * stride_dvn
-               + gl.expand_dims(cols, 0))
-    gl.store(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=in_seq)
-    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=in_seq)
+        n = group * (hi - lo)  # tiles done; the other consumer's dQ parts of the last read this one's K tile
+        if n > 0:
+            mbarrier.wait(ds_free.index((n - 1) % 2), ((n - 1) // 2) & 1)
+    # dK and dV leave through this consumer's K and V tiles (the last dQ reductions go first).
+    _copy_out(dv_desc, [off_b, key0, off_hk, 0], v, dv.to(DV.dtype.element_ty))
+    _copy_out(dk_desc, [off_b, key0, off_hk, 0], k, (dk * softmax_scale).to(DK.dtype.element_ty))
+    tma.store_wait(0)  # every copy has read shared memory before the program ends
 
 
 @gluon.jit
@@ -372,6 +369,7 @@ def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.co
                                                          instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     start_m, off_b, off_h, n_tiles = _dq_item(seqlen_q, seqlen_k, nheads, offset, CAUSAL, BLOCK_N)
+    dq_desc = _descriptor(DQ, batch, seqlen_q, nheads, stride_dqb, stride_dqm, stride_dqh, ROWS, HEAD_D)
     row0 = start_m + WG * ROWS
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     row_ptrs = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
@@ -390,11 +388,9 @@ def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.co
                    qk_scale, False, BLOCK_N, STAGES, s_layout, a_layout)
     dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, n_full, n_tiles, rows,
                    offset, qk_scale, True, BLOCK_N, STAGES, s_layout, a_layout)
-    o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
-    dq_ptrs = (DQ + off_b.to(gl.int64) * stride_dqb + off_h.to(gl.int64) * stride_dqh
-               + gl.expand_dims(o_rows.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(cols, 0))
-    gl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(o_rows < seqlen_q, 1))
+    # dQ leaves through this consumer's Q tile.
+    _copy_out(dq_desc, [off_b, row0, off_h, 0], q, (dq * softmax_scale).to(DQ.dtype.element_ty))
+    tma.store_wait(0)  # the copy has read shared memory before the program ends
 
 
 @gluon.jit
@@ -444,8 +440,8 @@ def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams):
     grid = (cdiv(prob.seqlen_k, 2 * ROWS.value) * prob.batch * prob.nheads_k,)
     acc_strides = _box_strides(prob, "a", acc) if acc is not None else dict(stride_ab=0, stride_am=0, stride_ah=0)
     return _attn_bwd_dkdv_hopper, grid, dict(
-        **_shared_args(tensors, prob, params), DK=dk, DV=dv, DQAcc=acc, **prob.strides("dk", dk, "n"),
-        **prob.strides("dv", dv, "n"), **acc_strides, FUSED=acc is not None, STAGES=2)
+        **_shared_args(tensors, prob, params), DK=dk, DV=dv, DQAcc=acc, **_box_strides(prob, "dk", dk, "n"),
+        **_box_strides(prob, "dv", dv, "n"), **acc_strides, FUSED=acc is not None, STAGES=2)
 
 
 def dq_launch(tensors: dict, prob: Problem, params: AttentionParams):
@@ -454,4 +450,4 @@ def dq_launch(tensors: dict, prob: Problem, params: AttentionParams):
     dq = tensors["DQ"]
     grid = (cdiv(prob.seqlen_q, 2 * ROWS.value) * prob.batch * prob.nheads,)
     return _attn_bwd_dq_hopper, grid, dict(
-        **_shared_args(tensors, prob, params), DQ=dq, **prob.strides("dq", dq), BLOCK_N=128, STAGES=2)
+        **_shared_args(tensors, prob, params), DQ=dq, **_box_strides(prob, "dq", dq), BLOCK_N=128, STAGES=2)

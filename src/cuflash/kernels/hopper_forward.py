@@ -7,8 +7,10 @@ pairs of items round-robin (persistent). The partitions share the program's shar
   tiles into a ring of STAGES buffers with the tensor memory accelerator, each load signalling a
   "ready" barrier; it runs ahead into the next item while the consumers finish the last;
 - the consumer warpgroups, each owning 64 of the rows, run S = Q K^T, the online softmax and
-  O += P V on the tensor cores (wgmma; P from registers), then release the K/V buffer (and, after
-  an item's last S, the Q buffer) on "empty" barriers that all must arrive at.
+  O += P V on the tensor cores (wgmma; P from registers), then release the K/V buffer on an
+  "empty" barrier that all must arrive at; each writes its rows of O into its part of the Q
+  buffer, which the tensor memory accelerator copies to global memory, and then releases the Q
+  buffer the same way.
 The consumers run independent instruction streams, so one's softmax overlaps the others'
 matrix products; within a consumer, the product P V of one tile runs while the softmax of the
 next is computed. Tile-level Triton (one instruction stream per program, each dot awaited
@@ -24,7 +26,8 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
 
 from ..params import AttentionParams
 from .common import LN2
@@ -32,10 +35,11 @@ from .config import cdiv, num_sms, scratch, tma_addressable
 from .variant import Problem, lse_strides, logit_scales
 
 # The Triton versions the Gluon kernels are for (3.6, the GPU machine's; 3.9, the CPU machine's) and
-# what differs between them: the TMA load and the thread barrier were renamed after 3.6; the TMA
+# what differs between them: the TMA load and store and the thread barrier were renamed after 3.6; the TMA
 # reduction into global memory (the backward's dQ) has a Gluon function only after 3.6, whose IR
 # builder has the operation.
 _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+_tma_store = getattr(tma, "async_store", None) or getattr(tma, "async_copy_shared_to_global", None)
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
@@ -90,6 +94,18 @@ def _descriptor(T, batch, seqlen, nheads, stride_b, stride_n, stride_h, BOX_ROWS
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(box, T.dtype.element_ty)
     return tma.make_tensor_descriptor(T, [batch, seqlen, nheads, HEAD_D], [stride_b, stride_n, stride_h, 1], box,
                                       layout)
+
+
+@gluon.jit
+def _copy_out(desc, coord, buffer, tile):
+    """Starts the copy of a consumer's register tile to global memory through `buffer`, shared memory
+    of the tile's shape that only this consumer reads and no longer needs, with the tensor memory
+    accelerator (whole lines; rows past the tensor's end cut off). tma.store_wait(0) and a barrier
+    then tell when the copy has read the buffer, which the program must await before it ends."""
+    buffer.store(tile)
+    fence_async_shared()
+    _barrier()  # every thread's rows written before the copy is issued
+    _tma_store(desc, coord, buffer.reshape([1, buffer.shape[0], 1, buffer.shape[1]]))
 
 
 @gluon.jit
@@ -189,6 +205,7 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
                                                        instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = Q.dtype.element_ty
+    o_desc = _descriptor(Out, batch, seqlen_q, nheads, stride_ob, stride_om, stride_oh, ROWS, HEAD_D)
     # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
     n_m = gl.cdiv(seqlen_q, CONSUMERS * ROWS)
     it = 0  # K/V tiles consumed so far: the ring's position
@@ -234,7 +251,6 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
                 acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, n_full,
                                           n_mine, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N, STAGES,
                                           s_layout, p_layout, o_layout)
-            mbarrier.arrive(q_empty.index(qb), count=1)  # every S of this item is done: the loader may fetch the next Q
             for j in range(it + n_mine, it + n_tiles):
                 # Released once loaded: the loader refills a buffer only after every consumer's release.
                 mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
@@ -253,11 +269,12 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
             lse = gl.where(l_i == 0.0, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
             gl.store(Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
             out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-            o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-            o_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-            o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
-                      + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0))
-            gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(o_rows < seqlen_q, 1))
+            # O leaves through this consumer's part of the Q buffer (its products are done), which goes
+            # back to the loader once the copy has read it.
+            _copy_out(o_desc, [off_b, row0, off_h, 0], q, out.to(dtype))
+            tma.store_wait(0)
+            _barrier()  # the thread that issued the copy has seen it read the buffer
+            mbarrier.arrive(q_empty.index(qb), count=1)
 
 
 @gluon.jit
@@ -335,7 +352,7 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, consumers
     q_buffers = 2 if prob.head_dim == 64 else 1
     return _attn_fwd_hopper, (min(cdiv(items, 2), num_sms(q.device)),), dict(
         Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], **_box_strides(prob, "q", q), **_box_strides(prob, "k", k, "n"),
-        **_box_strides(prob, "v", v, "n"), **prob.strides("o", out), **lse_strides(prob, params),
+        **_box_strides(prob, "v", v, "n"), **_box_strides(prob, "o", out), **lse_strides(prob, params),
         batch=prob.batch, nheads=prob.nheads, nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q,
         seqlen_k=prob.seqlen_k, offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
         CAUSAL=params.window_right == 0, BLOCK_N=128, HEAD_D=prob.head_dim, STAGES=3, CONSUMERS=consumers,
