@@ -2,8 +2,8 @@
 run (src/cuflash/kernels/_hb_base.py, the committed kernel, not committed) against the working tree
 (new: dK, dV and dQ leave through shared memory and the tensor memory accelerator). bf16, 16k tokens,
 hidden 2048, the table's launches, whole backward (delta, dK/dV, dQ), device time (do_bench median)
-over 4 input sets rotated through the L2, cuDNN's backward as the anchor; gradients compared bitwise
-with the first variant's (the fused dQ's reductions run in varying order: compared to 1e-2 there).
+over 4 input sets rotated through the L2, cuDNN's backward as the anchor; gradients compared with the
+first variant's to 1e-2 absolute (the fused dQ's reductions run in varying order).
 PYTHONPATH=src python3 benchmarks/results/2026-11-22-h100-epilogue/ab_bwd_variants.py [D,...] [seqlens]"""
 import itertools
 import sys

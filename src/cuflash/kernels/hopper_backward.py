@@ -2,18 +2,20 @@
 warpgroups (the structure of kernels/hopper_forward.py applied to the two passes of
 kernels/backward.py, which also computes delta = rowsum(dO * O) before them).
 
-dK/dV: a program owns one tile of 2 x 64 keys of one (batch, KV head) and streams the query
-tiles (64 rows) of every query head that shares the KV head:
-- the loader (one warp) copies the program's K and V once, then each query tile's Q and dO into
-  a ring of STAGES buffers with the tensor memory accelerator, each load signalling a "ready"
-  barrier;
+dK/dV: a work item is one tile of 2 x 64 keys of one (batch, KV head), which streams the query
+tiles (64 rows) of every query head that shares the KV head; one persistent program per SM takes
+pairs of items round-robin (as the forward's programs do):
+- the loader (one warp) copies an item's K and V once (into one of KV_BUFFERS buffers: with two
+  it fetches the next item's during the last one), then each query tile's Q and dO into a ring
+  of STAGES buffers with the tensor memory accelerator, each load signalling a "ready" barrier;
 - two consumer warpgroups, each owning 64 of the keys, compute per query tile on the tensor cores
   (wgmma) S^T = K Q^T and dP^T = V dO^T, then P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta),
   and accumulate dV += P^T dO and dK += dS^T Q in registers (P^T and dS^T from registers), then
-  release the buffer on an "empty" barrier that both must arrive at.
+  release the buffer on an "empty" barrier that both must arrive at; at the item's end dK and dV
+  leave through the item's K and V buffer, which then goes back to the loader.
 Fused (FUSED), the dK/dV kernel also computes dQ, so that S and dP are computed once: the
 consumers share their dS^T tiles through shared memory and, per query tile, compute dQ = dS K over
-the program's 128 keys in 64-column parts, each part added to an fp32 workspace by a TMA reduction
+the item's 128 keys in 64-column parts, each part added to an fp32 workspace by a TMA reduction
 (the order of those additions varies from run to run; kernels/backward.py then casts the sum).
 dQ, otherwise: a program owns 2 x 64 query rows of one (batch, head), each consumer 64 of them with
 their Q and dO; the loader streams the K/V tiles; per tile S = Q K^T, dP = dO V^T,
@@ -33,30 +35,32 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ..params import AttentionParams
 from .common import LOG2E
-from .config import cdiv, scratch, tma_addressable
-from .hopper_forward import ROWS, _barrier, _box_strides, _copy_out, _descriptor, _tma_add, _tma_load, \
-    accepts as _forward_accepts
+from .config import cdiv, num_sms, scratch, tma_addressable
+from .hopper_forward import ROWS, _barrier, _box_strides, _copy_out, _count, _descriptor, _tma_add, _tma_load, \
+    _work, accepts as _forward_accepts
 from .variant import Problem, lse_strides, logit_scales
 
 
 @gluon.jit
-def _buffers(dtype: gl.constexpr, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
-    """The shared memory of both kernels: two tensors' tiles of 2 x 64 rows held for the whole
-    program (K and V for dK/dV, Q and dO for dQ), a ring of STAGES buffers of BLOCK rows for the
-    two tensors streamed past them, and the barriers: one "ready" for the held tiles, a "ready" per
-    streamed tensor and buffer, an "empty" per buffer that both consumers arrive at."""
+def _buffers(dtype: gl.constexpr, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+             HELD: gl.constexpr):
+    """The shared memory of both kernels: HELD buffers of two tensors' tiles of 2 x 64 rows, each
+    held for a work item (K and V for dK/dV, Q and dO for dQ), a ring of STAGES buffers of BLOCK
+    rows for the two tensors streamed past them, and the barriers: a "ready" per held buffer, a
+    "ready" per streamed tensor and buffer, an "empty" per buffer that both consumers arrive at."""
     held_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
     ring_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_D], dtype)
-    held_a = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], held_layout)
-    held_b = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_D], held_layout)
+    held_a = gl.allocate_shared_memory(dtype, [2 * HELD, ROWS, HEAD_D], held_layout)
+    held_b = gl.allocate_shared_memory(dtype, [2 * HELD, ROWS, HEAD_D], held_layout)
     ring_a = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_D], ring_layout)
     ring_b = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_D], ring_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    held_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    held_ready = gl.allocate_shared_memory(gl.int64, [HELD, 1], bar_layout)
     a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    mbarrier.init(held_ready, count=1)
+    for i in gl.static_range(HELD):
+        mbarrier.init(held_ready.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(a_ready.index(i), count=1)
         mbarrier.init(b_ready.index(i), count=1)
@@ -87,7 +91,7 @@ def _dq_buffers(dtype: gl.constexpr):
 def _share_ds(ds, it, fused, WG: gl.constexpr):
     """Puts this consumer's dS^T of the tile in ring position `it` into shared memory for the dQ
     product; dS^T buffers alternate tiles, each written once its previous tile's readers are done."""
-    ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, off_b, off_h, softmax_scale = fused
+    ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_h, softmax_scale = fused
     buf = it % 2
     mbarrier.wait(ds_free.index(buf), ((it // 2) & 1) ^ 1)
     ds_smem.index(2 * buf + WG).store(ds)
@@ -102,7 +106,7 @@ def _add_dq(it, j, fused, HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.c
     columns, the parts dealt to the consumers in turn (D=128: one each per tile; D=64: the whole
     tile every other tile). A part is scaled and added to the fp32 dQ in global memory by a TMA
     reduction that runs while the consumer goes on."""
-    ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, off_b, off_h, softmax_scale = fused
+    ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_h, softmax_scale = fused
     PARTS: gl.constexpr = HEAD_D // ROWS
     buf = it % 2
     for part in gl.static_range(PARTS):
@@ -111,7 +115,7 @@ def _add_dq(it, j, fused, HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.c
             dq = gl.zeros([ROWS, ROWS], gl.float32, s_layout)
             for half in gl.static_range(2):
                 dq = warpgroup_mma(ds_smem.index(2 * buf + half).permute((1, 0)),
-                                   k_smem.index(half).slice(part * ROWS, ROWS, dim=1), dq, use_acc=half == 1,
+                                   k_smem.index(2 * kb + half).slice(part * ROWS, ROWS, dim=1), dq, use_acc=half == 1,
                                    is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq,))
             tma.store_wait(0)
@@ -124,13 +128,17 @@ def _add_dq(it, j, fused, HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.c
 
 
 @gluon.jit
-def _item(seqlen_q, seqlen_k, nheads_k, offset, CAUSAL: gl.constexpr):
-    """(first key, batch, KV head, first and end query tile) of this program. Under a causal mask
-    the query tiles above the first key's diagonal are skipped."""
-    n_n = gl.cdiv(seqlen_k, 2 * ROWS)
-    start_n = gl.program_id(0) % n_n * 2 * ROWS
-    bhk = gl.program_id(0) // n_n
+def _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL: gl.constexpr):
+    """(first key, batch, KV head, first and end query tile) of work item w: 2 x 64 keys. The key
+    tiles of one (batch, KV head) are consecutive items. Under a causal mask the query tiles above
+    the first key's diagonal are skipped, and heavy and light key tiles alternate (the first, the
+    last, the second, ...), so that a pair of items costs about the same everywhere."""
+    tile = w % n_n
+    bhk = w // n_n
     lo = 0
+    if CAUSAL:
+        tile = gl.where(tile % 2 == 0, tile // 2, n_n - 1 - tile // 2)
+    start_n = tile * 2 * ROWS
     if CAUSAL:
         lo = gl.maximum(start_n - offset, 0) // ROWS
     return start_n, bhk // nheads_k, bhk % nheads_k, lo, gl.cdiv(seqlen_q, ROWS)
@@ -138,8 +146,8 @@ def _item(seqlen_q, seqlen_k, nheads_k, offset, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-    (Q, K, V, DO, Lse, Delta, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, empty,
-     ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+    (Q, K, V, DO, Lse, Delta, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free, q_ready, do_ready,
+     empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
      stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
      stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, stride_lb, stride_lh, batch, nheads,
      nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
@@ -148,24 +156,37 @@ def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr
     do_desc = _descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
     k_desc = _descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, ROWS, HEAD_D)
     v_desc = _descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, ROWS, HEAD_D)
-    start_n, off_b, off_hk, lo, hi = _item(seqlen_q, seqlen_k, nheads_k, offset, CAUSAL)
-    mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
-    for part in gl.static_range(2):
-        _tma_load(k_desc, [off_b, start_n + part * ROWS, off_hk, 0], kv_ready, k_smem.index(part).reshape(block))
-        _tma_load(v_desc, [off_b, start_n + part * ROWS, off_hk, 0], kv_ready, v_smem.index(part).reshape(block))
+    n_n = gl.cdiv(seqlen_k, 2 * ROWS)
+    items = n_n * batch * nheads_k
+    KV_BUFFERS: gl.constexpr = kv_ready.shape[0]
     group = nheads // nheads_k
     it = 0  # query tiles loaded so far: the ring's position
-    for g in range(group):
-        off_h = off_hk * group + g
-        for j in range(lo, hi):
-            stage = it % STAGES
-            mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [off_b, j * ROWS, off_h, 0], q_ready.index(stage), q_smem.index(stage).reshape(block))
-            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-            _tma_load(do_desc, [off_b, j * ROWS, off_h, 0], do_ready.index(stage),
-                      do_smem.index(stage).reshape(block))
-            it += 1
+    done = 0  # work items loaded so far
+    for c in range(_count(items)):
+        w = _work(c)
+        if w < items:
+            start_n, off_b, off_hk, lo, hi = _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL)
+            kb = done % KV_BUFFERS
+            mbarrier.wait(kv_free.index(kb), ((done // KV_BUFFERS) & 1) ^ 1)
+            mbarrier.expect(kv_ready.index(kb), 4 * k_desc.block_type.nbytes)
+            for part in gl.static_range(2):
+                _tma_load(k_desc, [off_b, start_n + part * ROWS, off_hk, 0], kv_ready.index(kb),
+                          k_smem.index(2 * kb + part).reshape(block))
+                _tma_load(v_desc, [off_b, start_n + part * ROWS, off_hk, 0], kv_ready.index(kb),
+                          v_smem.index(2 * kb + part).reshape(block))
+            for g in range(group):
+                off_h = off_hk * group + g
+                for j in range(lo, hi):
+                    stage = it % STAGES
+                    mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
+                    mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+                    _tma_load(q_desc, [off_b, j * ROWS, off_h, 0], q_ready.index(stage),
+                              q_smem.index(stage).reshape(block))
+                    mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+                    _tma_load(do_desc, [off_b, j * ROWS, off_h, 0], do_ready.index(stage),
+                              do_smem.index(stage).reshape(block))
+                    it += 1
+            done += 1
 
 
 @gluon.jit
@@ -210,8 +231,8 @@ def _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, del
 @gluon.jit
 def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
              WG: gl.constexpr):
-    (Q, K, V, DO, Lse, Delta, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, empty,
-     ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+    (Q, K, V, DO, Lse, Delta, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free, q_ready, do_ready,
+     empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
      stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
      stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, stride_lb, stride_lh, batch, nheads,
      nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
@@ -220,46 +241,61 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    start_n, off_b, off_hk, lo, hi = _item(seqlen_q, seqlen_k, nheads_k, offset, CAUSAL)
-    key0 = start_n + WG * ROWS
-    keys = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    # Query tiles before `full` hold rows that do not see every key of this warpgroup.
-    full = lo
-    if CAUSAL:
-        full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(key0 + ROWS - 1 - offset, 0), ROWS), lo), hi)
-    dk = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
-    dv = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
-    k = k_smem.index(WG)
-    v = v_smem.index(WG)
     if FUSED:
         dq_desc = _descriptor(DQAcc, batch, seqlen_q, nheads, stride_ab, stride_am, stride_ah, ROWS, HEAD_D, ROWS)
     dk_desc = _descriptor(DK, batch, seqlen_k, nheads_k, stride_dkb, stride_dkn, stride_dkh, ROWS, HEAD_D)
     dv_desc = _descriptor(DV, batch, seqlen_k, nheads_k, stride_dvb, stride_dvn, stride_dvh, ROWS, HEAD_D)
-    mbarrier.wait(kv_ready, 0)
+    # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
+    n_n = gl.cdiv(seqlen_k, 2 * ROWS)
+    items = n_n * batch * nheads_k
+    KV_BUFFERS: gl.constexpr = kv_ready.shape[0]
     group = nheads // nheads_k
-    base = -lo  # the loader's schedule: tile j of head g at ring position g * (hi - lo) + j - lo
-    for g in range(group):
-        off_h = (off_hk * group + g).to(gl.int64)
-        lse_ptr = Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh
-        delta_ptr = Delta + off_b.to(gl.int64) * stride_lb + off_h * stride_lh
-        fused = None
-        if FUSED:
-            fused = (ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, off_b, off_hk * group + g, softmax_scale)
-        dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, fused, base, lo,
-                        full, keys, seqlen_q, offset, qk_scale, True, FUSED, STAGES, HEAD_D, WG, s_layout,
-                        a_layout)
-        dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, fused, base,
-                        full, hi, keys, seqlen_q, offset, qk_scale, False, FUSED, STAGES, HEAD_D, WG, s_layout,
-                        a_layout)
-        base += hi - lo
-    if FUSED:
-        n = group * (hi - lo)  # tiles done; the other consumer's dQ parts of the last read this one's K tile
-        if n > 0:
-            mbarrier.wait(ds_free.index((n - 1) % 2), ((n - 1) // 2) & 1)
-    # dK and dV leave through this consumer's K and V tiles (the last dQ reductions go first).
-    _copy_out(dv_desc, [off_b, key0, off_hk, 0], v, dv.to(DV.dtype.element_ty))
-    _copy_out(dk_desc, [off_b, key0, off_hk, 0], k, (dk * softmax_scale).to(DK.dtype.element_ty))
-    tma.store_wait(0)  # every copy has read shared memory before the program ends
+    it = 0  # query tiles consumed so far: the ring's position
+    done = 0  # work items done so far
+    for c in range(_count(items)):
+        w = _work(c)
+        if w < items:
+            start_n, off_b, off_hk, lo, hi = _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL)
+            key0 = start_n + WG * ROWS
+            keys = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            # Query tiles before `full` hold rows that do not see every key of this warpgroup.
+            full = lo
+            if CAUSAL:
+                full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(key0 + ROWS - 1 - offset, 0), ROWS), lo), hi)
+            dk = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+            dv = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+            kb = done % KV_BUFFERS
+            k = k_smem.index(2 * kb + WG)
+            v = v_smem.index(2 * kb + WG)
+            mbarrier.wait(kv_ready.index(kb), (done // KV_BUFFERS) & 1)
+            base = it - lo  # tile j of head g at ring position it + g * (hi - lo) + j - lo
+            for g in range(group):
+                off_h = (off_hk * group + g).to(gl.int64)
+                lse_ptr = Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh
+                delta_ptr = Delta + off_b.to(gl.int64) * stride_lb + off_h * stride_lh
+                fused = None
+                if FUSED:
+                    fused = (ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_hk * group + g,
+                             softmax_scale)
+                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, fused,
+                                base, lo, full, keys, seqlen_q, offset, qk_scale, True, FUSED, STAGES, HEAD_D, WG,
+                                s_layout, a_layout)
+                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, fused,
+                                base, full, hi, keys, seqlen_q, offset, qk_scale, False, FUSED, STAGES, HEAD_D, WG,
+                                s_layout, a_layout)
+                base += hi - lo
+            it += group * (hi - lo)
+            if FUSED:
+                if it > 0:  # the other consumer's dQ parts of the last tile read this one's K tile
+                    mbarrier.wait(ds_free.index((it - 1) % 2), ((it - 1) // 2) & 1)
+            # dK and dV leave through this consumer's K and V tiles, which go back to the loader
+            # once the copies have read them.
+            _copy_out(dv_desc, [off_b, key0, off_hk, 0], v, dv.to(DV.dtype.element_ty))
+            _copy_out(dk_desc, [off_b, key0, off_hk, 0], k, (dk * softmax_scale).to(DK.dtype.element_ty))
+            tma.store_wait(0)
+            _barrier()  # the thread that issued the copies has seen them read the tiles
+            mbarrier.arrive(kv_free.index(kb), count=1)
+            done += 1
 
 
 @gluon.jit
@@ -269,14 +305,18 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                           stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                           stride_ab, stride_am, stride_ah, stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q,
                           seqlen_k, offset, qk_scale, softmax_scale, CAUSAL: gl.constexpr, FUSED: gl.constexpr,
-                          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                          HEAD_D: gl.constexpr, STAGES: gl.constexpr, KV_BUFFERS: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr):
     k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, do_ready, empty = _buffers(Q.dtype.element_ty, HEAD_D, ROWS,
-                                                                                  STAGES)
+                                                                                  STAGES, KV_BUFFERS)
+    kv_free = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(KV_BUFFERS):
+        mbarrier.init(kv_free.index(i), count=2)  # both consumers' dK and dV have left the buffer
     ds_smem, dq_smem, ds_ready, ds_free = None, None, None, None
     if FUSED:
         ds_smem, dq_smem, ds_ready, ds_free = _dq_buffers(Q.dtype.element_ty)
-    args = (Q, K, V, DO, Lse, Delta, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready,
-            empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
+    args = (Q, K, V, DO, Lse, Delta, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free, q_ready,
+            do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
             stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
             stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, stride_lb, stride_lh,
             batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale)
@@ -314,6 +354,7 @@ def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
     v_desc = _descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
     start_m, off_b, off_h, n_tiles = _dq_item(seqlen_q, seqlen_k, nheads, offset, CAUSAL, BLOCK_N)
     off_hk = off_h // (nheads // nheads_k)
+    qdo_ready = qdo_ready.index(0)
     mbarrier.expect(qdo_ready, 4 * q_desc.block_type.nbytes)
     for part in gl.static_range(2):
         _tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], qdo_ready, q_smem.index(part).reshape(q_block))
@@ -383,7 +424,7 @@ def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.co
     dq = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
     q = q_smem.index(WG)
     do = do_smem.index(WG)
-    mbarrier.wait(qdo_ready, 0)
+    mbarrier.wait(qdo_ready.index(0), 0)
     dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, 0, n_full, rows, offset,
                    qk_scale, False, BLOCK_N, STAGES, s_layout, a_layout)
     dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, n_full, n_tiles, rows,
@@ -402,7 +443,7 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, Lse, Delta, DQ,
                         CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr):
     q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, kv_empty = _buffers(Q.dtype.element_ty, HEAD_D,
-                                                                                     BLOCK_N, STAGES)
+                                                                                     BLOCK_N, STAGES, 1)
     args = (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, kv_empty,
             stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
             stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
@@ -433,15 +474,19 @@ def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
 
 
 def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams):
-    """(kernel, grid, keyword arguments) of the dK/dV kernel for kernels/launch.py: one program
-    per 128 keys of a (batch, KV head); 64-row query tiles in a ring of 2 buffers. With an fp32
-    tensors["DQAcc"] shaped like Q, zero-filled, the kernel also adds dQ to it."""
+    """(kernel, grid, keyword arguments) of the dK/dV kernel for kernels/launch.py: a work item
+    per 128 keys of a (batch, KV head), one persistent program per SM taking pairs of items
+    round-robin; 64-row query tiles in a ring of 2 buffers. With an fp32 tensors["DQAcc"] shaped
+    like Q, zero-filled, the kernel also adds dQ to it."""
     dk, dv, acc = tensors["DK"], tensors["DV"], tensors.get("DQAcc")
-    grid = (cdiv(prob.seqlen_k, 2 * ROWS.value) * prob.batch * prob.nheads_k,)
+    items = cdiv(prob.seqlen_k, 2 * ROWS.value) * prob.batch * prob.nheads_k
+    # Two K/V buffers (the loader fetches the next item's K and V during the last one) where shared
+    # memory holds them: all but the fused kernel at D=128 (one: 192 of 227 KB).
+    kv_buffers = 1 if acc is not None and prob.head_dim == 128 else 2
     acc_strides = _box_strides(prob, "a", acc) if acc is not None else dict(stride_ab=0, stride_am=0, stride_ah=0)
-    return _attn_bwd_dkdv_hopper, grid, dict(
+    return _attn_bwd_dkdv_hopper, (min(cdiv(items, 2), num_sms(dk.device)),), dict(
         **_shared_args(tensors, prob, params), DK=dk, DV=dv, DQAcc=acc, **_box_strides(prob, "dk", dk, "n"),
-        **_box_strides(prob, "dv", dv, "n"), **acc_strides, FUSED=acc is not None, STAGES=2)
+        **_box_strides(prob, "dv", dv, "n"), **acc_strides, FUSED=acc is not None, STAGES=2, KV_BUFFERS=kv_buffers)
 
 
 def dq_launch(tensors: dict, prob: Problem, params: AttentionParams):
