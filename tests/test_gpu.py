@@ -304,6 +304,27 @@ def test_hopper_backward(fused, dtype, head_dim, causal, seqlen_q, seqlen_k, lay
         assert any("DQAcc" in workspaces for workspaces, _ in launch._plans.values())
 
 
+@pytest.mark.parametrize("head_dim,causal,fused", [(64, False, True), (64, True, False), (128, False, False),
+                                                (128, True, True)])
+def test_hopper_backward_persistent(head_dim, causal, fused, monkeypatch):
+    """The persistent dK/dV kernel with 3 programs: each runs many pairs of work items, so its K/V
+    buffers, the query ring and the fused kernel's dS buffers wrap around many times (the other
+    tests' shapes give most programs one pair)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward is for Hopper (sm_90)")
+    from cuflash.kernels import backward, hopper_backward, launch
+    monkeypatch.setattr(hopper_backward, "num_sms", lambda device: 3)
+    monkeypatch.setattr(launch, "_plans", {})
+    dkdv, dq = backward_configs(torch.empty(1, device="cuda", dtype=torch.bfloat16), head_dim, 1100, causal)
+    monkeypatch.setattr(backward, "backward_configs",
+                        lambda *_: (dataclasses.replace(dkdv, gluon=True, fuse_dq=fused), dq))
+    torch.manual_seed(head_dim)
+    q, k, v = make_qkv(2, 1000, 1100, 4, 2, head_dim, torch.bfloat16, "cuda")
+    check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal, deterministic=not fused),
+                         q, k, v, causal)
+    assert any("DQAcc" in workspaces for workspaces, _ in launch._plans.values()) == fused
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(3000, 600), (600, 3000)])
 def test_hopper_forward_top_left_causal(seqlen_q, seqlen_k):
     """SDPA's causal mask (top-left aligned) through the Gluon forward."""

@@ -135,10 +135,10 @@ def _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL: gl.constexpr):
     last, the second, ...), so that a pair of items costs about the same everywhere."""
     tile = w % n_n
     bhk = w // n_n
-    lo = 0
     if CAUSAL:
         tile = gl.where(tile % 2 == 0, tile // 2, n_n - 1 - tile // 2)
     start_n = tile * 2 * ROWS
+    lo = 0
     if CAUSAL:
         lo = gl.maximum(start_n - offset, 0) // ROWS
     return start_n, bhk // nheads_k, bhk % nheads_k, lo, gl.cdiv(seqlen_q, ROWS)

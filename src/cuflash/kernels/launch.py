@@ -25,7 +25,7 @@ from .config import scratch
 # One plan per signature; a workload with endlessly new shapes (varlen batches with a new longest
 # sequence each step) drops the oldest plans past this many.
 MAX_PLANS = 4096
-_plans: dict[tuple, list[_Launch]] = {}
+_plans: dict[tuple, tuple[dict, list[_Launch]]] = {}  # (workspaces the build added, launches)
 
 
 class _Launch:
