@@ -1,6 +1,6 @@
 """Side by side in one process, two rounds: the Gluon backward kernels as a module copy made for the
 run (src/cuflash/kernels/_hb_base.py, the committed kernel, not committed) against the working tree
-(new: dK, dV and dQ leave through shared memory and the tensor memory accelerator). bf16, 16k tokens,
+(new; what it held for each run is in that run's README). bf16, 16k tokens,
 hidden 2048, the table's launches, whole backward (delta, dK/dV, dQ), device time (do_bench median)
 over 4 input sets rotated through the L2, cuDNN's backward as the anchor; gradients compared with the
 first variant's to 1e-2 absolute (the fused dQ's reductions run in varying order).
