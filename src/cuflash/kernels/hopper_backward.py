@@ -36,8 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ..params import AttentionParams
 from .common import LOG2E
 from .config import cdiv, num_sms, scratch, tma_addressable
-from .hopper_forward import ROWS, _barrier, _box_strides, _copy_out, _count, _descriptor, _tma_add, _tma_load, \
-    _work, accepts as _forward_accepts
+from .hopper_forward import ROWS, _barrier, _box_strides, _copy_out, _count, _descriptor, _tma_load, _work, \
+    accepts as _forward_accepts
 from .variant import Problem, lse_strides, logit_scales
 
 
@@ -120,10 +120,7 @@ def _add_dq(it, j, fused, HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.c
             dq = warpgroup_mma_wait(0, deps=(dq,))
             tma.store_wait(0)
             _barrier()  # the thread that issued the last reduction has seen it leave shared memory
-            dq_smem.index(WG).store(dq * softmax_scale)
-            fence_async_shared()
-            _barrier()
-            _tma_add(dq_desc, [off_b, j * ROWS, off_h, part * ROWS], dq_smem.index(WG).reshape([1, ROWS, 1, ROWS]))
+            _copy_out(dq_desc, [off_b, j * ROWS, off_h, part * ROWS], dq_smem.index(WG), dq * softmax_scale, True)
     mbarrier.arrive(ds_free.index(buf), count=1)
 
 

@@ -97,15 +97,20 @@ def _descriptor(T, batch, seqlen, nheads, stride_b, stride_n, stride_h, BOX_ROWS
 
 
 @gluon.jit
-def _copy_out(desc, coord, buffer, tile):
+def _copy_out(desc, coord, buffer, tile, ADD: gl.constexpr = False):
     """Starts the copy of a consumer's register tile to global memory through `buffer`, shared memory
     of the tile's shape that only this consumer reads and no longer needs, with the tensor memory
-    accelerator (whole lines; rows past the tensor's end cut off). tma.store_wait(0) and a barrier
-    then tell when the copy has read the buffer, which the program must await before it ends."""
+    accelerator (whole lines; rows past the tensor's end cut off); ADD adds the tile to what is
+    there instead. tma.store_wait(0) and a barrier then tell when the copy has read the buffer, which
+    the program must await before it ends."""
     buffer.store(tile)
     fence_async_shared()
     _barrier()  # every thread's rows written before the copy is issued
-    _tma_store(desc, coord, buffer.reshape([1, buffer.shape[0], 1, buffer.shape[1]]))
+    box = buffer.reshape([1, buffer.shape[0], 1, buffer.shape[1]])
+    if ADD:
+        _tma_add(desc, coord, box)
+    else:
+        _tma_store(desc, coord, box)
 
 
 @gluon.jit
