@@ -163,28 +163,29 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
     def gluon(block_d, length, banded, arch=90, fp32=False, kernel=0):
         return _launches(arch, block_d, fp32, False, length, banded)[kernel].gluon
 
-    # Length classes (config._length): 1 up to 256 keys, 2 up to 512, 3 up to 2k, 4 beyond.
-    assert all(gluon(128, length, banded) for length in (3, 4) for banded in (False, True))
-    assert gluon(128, 2, False) and gluon(64, 3, False) and gluon(64, 4, True)
+    # Length classes (config._length): 1 up to 256 keys, 2 up to 512, 3 up to 1k, 4 up to 2k, 5 beyond.
+    assert all(gluon(128, length, banded) for length in (3, 4, 5) for banded in (False, True))
+    assert gluon(128, 2, False) and gluon(64, 3, False) and gluon(64, 4, True) and gluon(64, 5, True)
     assert not any((gluon(128, 1, False), gluon(128, 2, True), gluon(64, 2, False), gluon(64, 3, True),
-                    gluon(256, 4, False), gluon(128, 4, False, fp32=True), gluon(128, 4, False, arch=80),
-                    gluon(128, 4, False, arch=100)))
+                    gluon(256, 5, False), gluon(128, 5, False, fp32=True), gluon(128, 5, False, arch=80),
+                    gluon(128, 5, False, arch=100)))
     # Three consumer warpgroups in the D=64 forward beyond 2k keys, two elsewhere.
-    assert all(_launches(90, 64, False, False, 4, banded)[0].consumers == 3 for banded in (False, True))
-    assert all(_launches(90, d, False, False, length, False)[0].consumers == 2 for d, length in ((64, 3), (128, 4)))
-    assert all(gluon(d, length, banded, kernel=1) for d in (64, 128) for length in (3, 4) for banded in (False, True))
-    assert all(gluon(128, length, banded, kernel=2) for length in (3, 4) for banded in (False, True))
+    assert all(_launches(90, 64, False, False, 5, banded)[0].consumers == 3 for banded in (False, True))
+    assert all(_launches(90, d, False, False, length, banded)[0].consumers == 2
+               for d, length, banded in ((64, 3, False), (64, 4, False), (64, 4, True), (128, 5, False)))
+    assert all(gluon(d, length, banded, kernel=1) for d in (64, 128) for length in (3, 4, 5) for banded in (False, True))
+    assert all(gluon(128, length, banded, kernel=2) for length in (3, 4, 5) for banded in (False, True))
     assert gluon(128, 2, False, kernel=1) and gluon(128, 2, False, kernel=2)
-    assert not gluon(64, 4, False, kernel=2)
+    assert not gluon(64, 5, False, kernel=2)
     assert not any(gluon(*case, kernel=kernel) for kernel in (1, 2) for case in (
-        (128, 2, True), (128, 1, False), (64, 2, False), (64, 2, True), (256, 4, False), (128, 4, False, 90, True),
-        (128, 4, False, 80), (64, 4, True, 100)))
+        (128, 2, True), (128, 1, False), (64, 2, False), (64, 2, True), (256, 5, False), (128, 5, False, 90, True),
+        (128, 5, False, 80), (64, 5, True, 100)))
 
     def fused(block_d, length, banded, arch=90):  # dQ from the Gluon dK/dV kernel
         return _launches(arch, block_d, False, False, length, banded)[1].fuse_dq
-    assert fused(64, 4, False) and fused(64, 4, True) and fused(64, 3, False)
-    assert not any(fused(*case) for case in ((64, 3, True), (64, 2, False), (128, 4, False), (128, 4, True),
-                                              (64, 4, False, 80), (64, 4, False, 100)))
+    assert fused(64, 5, False) and fused(64, 5, True) and fused(64, 4, False) and fused(64, 3, False)
+    assert not any(fused(*case) for case in ((64, 3, True), (64, 4, True), (64, 2, False), (128, 5, False),
+                                              (128, 5, True), (64, 5, False, 80), (64, 5, False, 100)))
     q, k = (torch.randn(2, 600, 4, 128, dtype=torch.bfloat16) for _ in range(2))
     causal = AttentionParams(128 ** -0.5, window_right=0)
     assert hopper_forward.accepts(problem(q, k, k, causal), causal)

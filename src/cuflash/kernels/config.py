@@ -90,8 +90,9 @@ def num_sms(device: torch.device) -> int:
 
 def _length(seqlen: int) -> int:
     """The sequence-length classes the table distinguishes: 0 up to 128, 1 up to 256, 2 up to 512,
-    3 up to 2048, 4 beyond."""
-    return 0 if seqlen <= 128 else 1 if seqlen <= 256 else 2 if seqlen <= 512 else 3 if seqlen <= 2048 else 4
+    3 up to 1024, 4 up to 2048, 5 beyond."""
+    return (0 if seqlen <= 128 else 1 if seqlen <= 256 else 2 if seqlen <= 512 else 3 if seqlen <= 1024
+            else 4 if seqlen <= 2048 else 5)
 
 
 # (arch, block_d, fp32?, length class, banded?) -> forward, backward dK/dV, backward dQ launches.
@@ -137,25 +138,27 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             elif length == 0 and block_d == 64:  # (Triton 3.6's ptxas crashes on D <= 32, length 1)
                 fwd = Launch(64, 32, 4, 2)
             else:
-                fwd = small_fwd if length < 4 else Launch(128, 64, 4, 3, tma=True)
-            if arch == 90 and (length == 4 or (length == 3 and not banded)):
+                fwd = small_fwd if length < 5 else Launch(128, 64, 4, 3, tma=True)
+            if arch == 90 and (length >= 4 or (length == 3 and not banded)):
                 # The Gluon forward (see D=128), side by side (ab_pairs.log): non-causal 0.87-0.95x
                 # cuDNN from 1k, level with these launches up to 8k and +5% at 16k; causal 0.82-0.94x
                 # from 2k against 0.78-0.87x, but 0.66x against 0.71x at 1k. Beyond 2k keys with three
                 # consumer warpgroups: +3..10% non-causal over two, causal +3..7% from 8k, level at 4k;
                 # at 1k -10% non-causal, causal -30% (2026-11-22-h100-fwd-consumers/ab_fwd_mine.log).
-                fwd = dataclasses.replace(fwd, gluon=True, consumers=3 if length == 4 else 2)
+                # Causal 1025-2048 keys: +8..9% over these launches at 2k, -16% at 1k
+                # (2026-11-22-h100-fwd-o-kv/ab_fwd_round2.log).
+                fwd = dataclasses.replace(fwd, gluon=True, consumers=3 if length == 5 else 2)
             # The Gluon dK/dV beyond 512 keys: whole backward +1..+17% (2026-11-22-h100-gluon-bwd/
             # ab_dkdv.log); its dQ measured up to 14% slower than this one at D=64 up to 4k. With dQ
             # fused into it, against these two passes (2026-11-22-h100-fused-bwd/ab_fused_split.log,
             # two rounds): +10..+19% from 4k, +4..5% at 1k non-causal, -2..3% at 1k causal.
-            fuse = arch == 90 and (length == 4 or not banded)
+            fuse = arch == 90 and (length == 5 or not banded)
             dkdv = Launch(32, 64, 4, 3) if length < 3 else Launch(64, 128, 8, 3, gluon=arch == 90, fuse_dq=fuse)
             return fwd, dkdv, Launch(64, 64, 4, 3)
         if block_d <= 128:
             if length == 0:
                 fwd = Launch(64, 32, 4, 2) if banded else Launch(128, 32, 4, 4)
-            elif banded and length == 3:
+            elif banded and length in (3, 4):
                 fwd = Launch(64, 64, 4, 3, tma=True)
             else:
                 fwd = small_fwd if length in (1, 2) else Launch(128, 64, 8, 3)
