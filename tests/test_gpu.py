@@ -305,10 +305,10 @@ def test_hopper_backward(fused, dtype, head_dim, causal, seqlen_q, seqlen_k, lay
 
 
 @pytest.mark.parametrize("head_dim,causal,fused", [(64, False, True), (64, True, False), (128, False, False),
-                                                (128, True, True)])
+                                                (128, True, False), (128, True, True)])
 def test_hopper_backward_persistent(head_dim, causal, fused, monkeypatch):
-    """The persistent dK/dV kernel with 3 programs: each runs many pairs of work items, so its K/V
-    buffers, the query ring and the fused kernel's dS buffers wrap around many times (the other
+    """The persistent dK/dV and dQ kernels with 3 programs: each runs many pairs of work items, so
+    their held buffers, rings and the fused kernel's dS buffers wrap around many times (the other
     tests' shapes give most programs one pair)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (sm_90)")

@@ -17,9 +17,11 @@ Fused (FUSED), the dK/dV kernel also computes dQ, so that S and dP are computed 
 consumers share their dS^T tiles through shared memory and, per query tile, compute dQ = dS K over
 the item's 128 keys in 64-column parts, each part added to an fp32 workspace by a TMA reduction
 (the order of those additions varies from run to run; kernels/backward.py then casts the sum).
-dQ, otherwise: a program owns 2 x 64 query rows of one (batch, head), each consumer 64 of them with
-their Q and dO; the loader streams the K/V tiles; per tile S = Q K^T, dP = dO V^T,
-dS = P (dP - delta), dQ += dS K. No atomics: bitwise reproducible.
+dQ, otherwise: a work item is 2 x 64 query rows of one (batch, head), each consumer 64 of them with
+their Q and dO, scheduled as the forward's (persistent programs, pairs of items); the loader streams
+the K/V tiles; per tile S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K. Q and dO go back to
+the loader after the item's last products, dQ leaves through the item's last V tile. No atomics:
+bitwise reproducible.
 One consumer's exponentials overlap the other's matrix products.
 
 Only the plain backward is here (hopper_forward.accepts: 16-bit, head dims 64 and 128, causal
@@ -36,8 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ..params import AttentionParams
 from .common import LOG2E
 from .config import cdiv, num_sms, scratch, tma_addressable
-from .hopper_forward import ROWS, _barrier, _box_strides, _copy_out, _count, _descriptor, _tma_load, _work, \
-    accepts as _forward_accepts
+from .hopper_forward import ROWS, _barrier, _box_strides, _copy_out, _count, _descriptor, _item as _query_item, \
+    _tma_load, _work, accepts as _forward_accepts
 from .variant import Problem, lse_strides, logit_scales
 
 
@@ -323,23 +325,8 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
 
 
 @gluon.jit
-def _dq_item(seqlen_q, seqlen_k, nheads, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(first query row, batch, head, K/V tiles to visit) of this program: 2 x 64 query rows. The
-    query tiles of a (batch, head) are consecutive programs (their K/V stay in L2); under a causal
-    mask the heaviest (last) tile of each head starts first."""
-    n_m = gl.cdiv(seqlen_q, 2 * ROWS)
-    tile = gl.program_id(0) % n_m
-    bh = gl.program_id(0) // n_m
-    hi = seqlen_k
-    if CAUSAL:
-        tile = n_m - 1 - tile
-        hi = gl.minimum(gl.maximum((tile + 1) * 2 * ROWS + offset, 0), seqlen_k)
-    return tile * 2 * ROWS, bh // nheads, bh % nheads, gl.cdiv(hi, BLOCK_N)
-
-
-@gluon.jit
 def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-    (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, kv_empty,
+    (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty,
      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
      stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
      stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
@@ -349,33 +336,47 @@ def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
     do_desc = _descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
     k_desc = _descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
     v_desc = _descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
-    start_m, off_b, off_h, n_tiles = _dq_item(seqlen_q, seqlen_k, nheads, offset, CAUSAL, BLOCK_N)
-    off_hk = off_h // (nheads // nheads_k)
+    n_m = gl.cdiv(seqlen_q, 2 * ROWS)
+    items = n_m * batch * nheads
     qdo_ready = qdo_ready.index(0)
-    mbarrier.expect(qdo_ready, 4 * q_desc.block_type.nbytes)
-    for part in gl.static_range(2):
-        _tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], qdo_ready, q_smem.index(part).reshape(q_block))
-        _tma_load(do_desc, [off_b, start_m + part * ROWS, off_h, 0], qdo_ready,
-                  do_smem.index(part).reshape(q_block))
-    for j in range(n_tiles):
-        stage = j % STAGES
-        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(stage), k_smem.index(stage).reshape(kv_block))
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(stage), v_smem.index(stage).reshape(kv_block))
+    it = 0  # K/V tiles loaded so far: the ring's position
+    done = 0  # work items loaded so far
+    for c in range(_count(items)):
+        w = _work(c)
+        if w < items:
+            start_m, off_b, off_h, n_tiles = _query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, 2)
+            off_hk = off_h // (nheads // nheads_k)
+            mbarrier.wait(qdo_free, (done & 1) ^ 1)
+            mbarrier.expect(qdo_ready, 4 * q_desc.block_type.nbytes)
+            for part in gl.static_range(2):
+                _tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], qdo_ready,
+                          q_smem.index(part).reshape(q_block))
+                _tma_load(do_desc, [off_b, start_m + part * ROWS, off_h, 0], qdo_ready,
+                          do_smem.index(part).reshape(q_block))
+            for j in range(n_tiles):
+                stage = it % STAGES
+                mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                _tma_load(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(stage),
+                          k_smem.index(stage).reshape(kv_block))
+                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                _tma_load(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(stage),
+                          v_smem.index(stage).reshape(kv_block))
+                it += 1
+            done += 1
 
 
 @gluon.jit
-def _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, first, last, rows, offset,
-              qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
-              a_layout: gl.constexpr):
-    """K/V tiles [first, last), tile j in ring position j. MASKED applies the causal diagonal. Keys
-    past seqlen_k need no mask: their K rows are zero-filled, so they add nothing to dQ."""
+def _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, base, first, last, end, rows,
+              offset, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              s_layout: gl.constexpr, a_layout: gl.constexpr):
+    """K/V tiles [first, last) of a work item whose tile 0 sits at position `base` of the buffer ring;
+    each goes back to the loader once done, but the one at position `end`. MASKED applies the causal
+    diagonal. Keys past seqlen_k need no mask: their K rows are zero-filled, so they add nothing to dQ."""
     zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     for j in range(first, last):
-        stage = j % STAGES
-        phase = (j // STAGES) & 1
+        stage = (base + j) % STAGES
+        phase = ((base + j) // STAGES) & 1
         k = k_smem.index(stage)
         mbarrier.wait(k_ready.index(stage), phase)
         s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -390,14 +391,15 @@ def _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta,
         dp = warpgroup_mma_wait(0, deps=(dp,))
         ds = p * (dp - gl.expand_dims(delta, 1))
         dq = warpgroup_mma(gl.convert_layout(ds.to(k.dtype), a_layout), k, dq)
-        mbarrier.arrive(kv_empty.index(stage), count=1)
+        if base + j != end:
+            mbarrier.arrive(kv_empty.index(stage), count=1)
     return dq
 
 
 @gluon.jit
 def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                 WG: gl.constexpr):
-    (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, kv_empty,
+    (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty,
      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
      stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
      stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
@@ -406,29 +408,47 @@ def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.co
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    start_m, off_b, off_h, n_tiles = _dq_item(seqlen_q, seqlen_k, nheads, offset, CAUSAL, BLOCK_N)
     dq_desc = _descriptor(DQ, batch, seqlen_q, nheads, stride_dqb, stride_dqm, stride_dqh, ROWS, HEAD_D)
-    row0 = start_m + WG * ROWS
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    row_ptrs = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
-    # Rows past seqlen_q read lse = +inf: their P is 0.
-    lse = gl.load(Lse + row_ptrs, mask=rows < seqlen_q, other=float("inf")) * LOG2E
-    delta = gl.load(Delta + row_ptrs, mask=rows < seqlen_q, other=0.0)
-    # Tiles every row of this warpgroup sees whole (below its first row's diagonal) come first.
-    n_full = n_tiles
-    if CAUSAL:
-        n_full = gl.minimum(gl.maximum(row0 + offset + 1, 0) // BLOCK_N, n_tiles)
-    dq = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
     q = q_smem.index(WG)
     do = do_smem.index(WG)
-    mbarrier.wait(qdo_ready.index(0), 0)
-    dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, 0, n_full, rows, offset,
-                   qk_scale, False, BLOCK_N, STAGES, s_layout, a_layout)
-    dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, n_full, n_tiles, rows,
-                   offset, qk_scale, True, BLOCK_N, STAGES, s_layout, a_layout)
-    # dQ leaves through this consumer's Q tile.
-    _copy_out(dq_desc, [off_b, row0, off_h, 0], q, (dq * softmax_scale).to(DQ.dtype.element_ty))
-    tma.store_wait(0)  # the copy has read shared memory before the program ends
+    # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
+    n_m = gl.cdiv(seqlen_q, 2 * ROWS)
+    items = n_m * batch * nheads
+    it = 0  # K/V tiles consumed so far: the ring's position
+    done = 0  # work items done so far
+    for c in range(_count(items)):
+        w = _work(c)
+        if w < items:
+            start_m, off_b, off_h, n_tiles = _query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, 2)
+            row0 = start_m + WG * ROWS
+            rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            row_ptrs = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+            # Rows past seqlen_q read lse = +inf: their P is 0.
+            lse = gl.load(Lse + row_ptrs, mask=rows < seqlen_q, other=float("inf")) * LOG2E
+            delta = gl.load(Delta + row_ptrs, mask=rows < seqlen_q, other=0.0)
+            # Tiles every row of this warpgroup sees whole (below its first row's diagonal) come first.
+            n_full = n_tiles
+            if CAUSAL:
+                n_full = gl.minimum(gl.maximum(row0 + offset + 1, 0) // BLOCK_N, n_tiles)
+            end = it + n_tiles - 1  # the item's last K/V buffer, which dQ leaves through
+            dq = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+            mbarrier.wait(qdo_ready.index(0), done & 1)
+            dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, 0, n_full, end, rows,
+                           offset, qk_scale, False, BLOCK_N, STAGES, s_layout, a_layout)
+            dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, n_full, n_tiles, end,
+                           rows, offset, qk_scale, True, BLOCK_N, STAGES, s_layout, a_layout)
+            # Q and dO go back to the loader, which fetches the next item's while this one finishes;
+            # once both consumers have released them, no product reads the last K/V buffer either:
+            # dQ leaves through its V tile, which then goes back too.
+            mbarrier.arrive(qdo_free, count=1)
+            mbarrier.wait(qdo_free, done & 1)
+            _copy_out(dq_desc, [off_b, row0, off_h, 0], v_smem.index(end % STAGES),
+                      (dq * softmax_scale).to(DQ.dtype.element_ty), PART=WG)
+            tma.store_wait(0)
+            _barrier()  # the thread that issued the copy has seen it read the tile
+            mbarrier.arrive(kv_empty.index(end % STAGES), count=1)
+            it += n_tiles
+            done += 1
 
 
 @gluon.jit
@@ -439,11 +459,14 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, Lse, Delta, DQ,
                         batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
                         CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr):
+    gl.static_assert(BLOCK_N == 2 * ROWS, "dQ leaves through a V tile: both consumers' rows")
     q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, kv_empty = _buffers(Q.dtype.element_ty, HEAD_D,
                                                                                      BLOCK_N, STAGES, 1)
-    args = (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, kv_empty,
-            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-            stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+    qdo_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(qdo_free, count=2)  # both consumers are done with an item's Q and dO
+    args = (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready,
+            kv_empty, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+            stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
             stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale)
     gl.warp_specialize([(_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 0)),
                         (_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 1)),
@@ -487,9 +510,11 @@ def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams):
 
 
 def dq_launch(tensors: dict, prob: Problem, params: AttentionParams):
-    """(kernel, grid, keyword arguments) of the dQ kernel for kernels/launch.py: one program per
-    2 x 64 query rows of a (batch, head); 128-key K/V tiles in a ring of 2 buffers."""
+    """(kernel, grid, keyword arguments) of the dQ kernel for kernels/launch.py: a work item per
+    2 x 64 query rows of a (batch, head), one persistent program per SM taking pairs of items
+    round-robin (the forward's schedule); 128-key K/V tiles in a ring of 2 buffers."""
     dq = tensors["DQ"]
-    grid = (cdiv(prob.seqlen_q, 2 * ROWS.value) * prob.batch * prob.nheads,)
+    items = cdiv(prob.seqlen_q, 2 * ROWS.value) * prob.batch * prob.nheads
+    grid = (min(cdiv(items, 2), num_sms(dq.device)),)
     return _attn_bwd_dq_hopper, grid, dict(
         **_shared_args(tensors, prob, params), DQ=dq, **_box_strides(prob, "dq", dq), BLOCK_N=128, STAGES=2)

@@ -82,7 +82,8 @@ def _item(w, n_m, nheads, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.co
         hi = gl.minimum(gl.maximum((tile + 1) * CONSUMERS * ROWS + offset, 0), seqlen_k)
     else:
         hi = seqlen_k
-    # At least one tile, seen by no row where no row sees a key: the item's last K/V buffer carries O out.
+    # At least one tile (seen by no row where no row sees a key): the item's last K/V buffer carries its
+    # output out (with one Q buffer; the backward's dQ kernel).
     return tile * CONSUMERS * ROWS, bh // nheads, bh % nheads, gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
 
 
