@@ -151,8 +151,10 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             # The Gluon dK/dV beyond 512 keys: whole backward +1..+17% (2026-11-22-h100-gluon-bwd/
             # ab_dkdv.log); its dQ measured up to 14% slower than this one at D=64 up to 4k. With dQ
             # fused into it, against these two passes (2026-11-22-h100-fused-bwd/ab_fused_split.log,
-            # two rounds): +10..+19% from 4k, +4..5% at 1k non-causal, -2..3% at 1k causal.
-            fuse = arch == 90 and (length == 5 or not banded)
+            # two rounds): +10..+19% from 4k, +4..5% at 1k non-causal, -2..3% at 1k causal; causal at
+            # 1025-2048 keys, against the persistent kernels: +8..9% at 2k, -2..3% at 1k
+            # (2026-11-22-h100-session11/tune_d64_dq.log, two rounds).
+            fuse = arch == 90 and (length >= 4 or not banded)
             dkdv = Launch(32, 64, 4, 3) if length < 3 else Launch(64, 128, 8, 3, gluon=arch == 90, fuse_dq=fuse)
             return fwd, dkdv, Launch(64, 64, 4, 3)
         if block_d <= 128:
