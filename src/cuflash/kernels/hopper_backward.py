@@ -39,7 +39,7 @@ from ..params import AttentionParams
 from .common import LOG2E
 from .config import cdiv, num_sms, scratch, tma_addressable
 from .hopper_forward import ROWS, _barrier, _box_strides, _copy_out, _count, _descriptor, _item as _query_item, \
-    _tma_load, _work, accepts as _forward_accepts
+    _load_pair, _tma_load, _work, accepts as _forward_accepts
 from .variant import Problem, lse_strides, logit_scales
 
 
@@ -176,14 +176,8 @@ def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr
             for g in range(group):
                 off_h = off_hk * group + g
                 for j in range(lo, hi):
-                    stage = it % STAGES
-                    mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
-                    mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-                    _tma_load(q_desc, [off_b, j * ROWS, off_h, 0], q_ready.index(stage),
-                              q_smem.index(stage).reshape(block))
-                    mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-                    _tma_load(do_desc, [off_b, j * ROWS, off_h, 0], do_ready.index(stage),
-                              do_smem.index(stage).reshape(block))
+                    _load_pair(it, q_desc, do_desc, [off_b, j * ROWS, off_h, 0], q_smem, do_smem, q_ready, do_ready,
+                               empty, STAGES)
                     it += 1
             done += 1
 
@@ -331,7 +325,6 @@ def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
      stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
      stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
     q_block: gl.constexpr = [1, ROWS, 1, HEAD_D]
-    kv_block: gl.constexpr = [1, BLOCK_N, 1, HEAD_D]
     q_desc = _descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
     do_desc = _descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
     k_desc = _descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
@@ -354,14 +347,8 @@ def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
                 _tma_load(do_desc, [off_b, start_m + part * ROWS, off_h, 0], qdo_ready,
                           do_smem.index(part).reshape(q_block))
             for j in range(n_tiles):
-                stage = it % STAGES
-                mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-                _tma_load(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(stage),
-                          k_smem.index(stage).reshape(kv_block))
-                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                _tma_load(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(stage),
-                          v_smem.index(stage).reshape(kv_block))
+                _load_pair(it, k_desc, v_desc, [off_b, j * BLOCK_N, off_hk, 0], k_smem, v_smem, k_ready, v_ready,
+                           kv_empty, STAGES)
                 it += 1
             done += 1
 

@@ -121,6 +121,20 @@ def _copy_out(desc, coord, buffer, tile, ADD: gl.constexpr = False, PART: gl.con
 
 
 @gluon.jit
+def _load_pair(it, a_desc, b_desc, coord, a_smem, b_smem, a_ready, b_ready, empty, STAGES: gl.constexpr):
+    """The loader's step of a ring of STAGES buffers: once every consumer has released position `it`'s
+    buffers, the TMA copies the box at `coord` of two tensors into them, each signalling its "ready"
+    barrier."""
+    stage = it % STAGES
+    mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
+    box: gl.constexpr = [1, a_smem.shape[1], 1, a_smem.shape[2]]
+    mbarrier.expect(a_ready.index(stage), a_desc.block_type.nbytes)
+    _tma_load(a_desc, coord, a_ready.index(stage), a_smem.index(stage).reshape(box))
+    mbarrier.expect(b_ready.index(stage), b_desc.block_type.nbytes)
+    _tma_load(b_desc, coord, b_ready.index(stage), b_smem.index(stage).reshape(box))
+
+
+@gluon.jit
 def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
           CONSUMERS: gl.constexpr):
     (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
@@ -147,14 +161,8 @@ def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexp
                 _tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready.index(qb),
                           q_smem.index(qb * CONSUMERS + part).reshape([1, ROWS, 1, HEAD_D]))
             for j in range(n_tiles):
-                stage = it % STAGES
-                mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-                _tma_load(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(stage),
-                          k_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
-                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                _tma_load(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(stage),
-                          v_smem.index(stage).reshape([1, BLOCK_N, 1, HEAD_D]))
+                _load_pair(it, k_desc, v_desc, [off_b, j * BLOCK_N, off_hk, 0], k_smem, v_smem, k_ready, v_ready,
+                           kv_empty, STAGES)
                 it += 1
             done += 1
 
