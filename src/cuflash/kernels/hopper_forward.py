@@ -175,9 +175,10 @@ def _softmax(s, m_i, l_i, j, rows, seqlen_k, offset, qk_scale, MASKED: gl.conste
     x = s * qk_scale
     if MASKED:
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = gl.expand_dims(cols < seqlen_k, 0)
-        if CAUSAL:
-            visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + offset, 1))
+        if CAUSAL:  # a row sees keys up to its diagonal and the key bound: one compare a score
+            visible = gl.expand_dims(cols, 0) <= gl.expand_dims(gl.minimum(rows + offset, seqlen_k - 1), 1)
+        else:
+            visible = gl.expand_dims(cols < seqlen_k, 0)
         x = gl.where(visible, x, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(x, 1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
