@@ -169,10 +169,11 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
     assert not any((gluon(128, 1, False), gluon(128, 2, True), gluon(64, 2, False), gluon(64, 3, True),
                     gluon(256, 5, False), gluon(128, 5, False, fp32=True), gluon(128, 5, False, arch=80),
                     gluon(128, 5, False, arch=100)))
-    # Three consumer warpgroups in the D=64 forward beyond 2k keys, two elsewhere.
-    assert all(_launches(90, 64, False, False, 5, banded)[0].consumers == 3 for banded in (False, True))
+    # Three consumer warpgroups in the D=64 forward beyond 2k keys and non-causal beyond 1k, two elsewhere.
+    assert all(_launches(90, 64, False, False, length, banded)[0].consumers == 3
+               for length, banded in ((5, False), (5, True), (4, False)))
     assert all(_launches(90, d, False, False, length, banded)[0].consumers == 2
-               for d, length, banded in ((64, 3, False), (64, 4, False), (64, 4, True), (128, 5, False)))
+               for d, length, banded in ((64, 3, False), (64, 4, True), (128, 5, False)))
     assert all(gluon(d, length, banded, kernel=1) for d in (64, 128) for length in (3, 4, 5) for banded in (False, True))
     assert all(gluon(128, length, banded, kernel=2) for length in (3, 4, 5) for banded in (False, True))
     assert gluon(128, 2, False, kernel=1) and gluon(128, 2, False, kernel=2)

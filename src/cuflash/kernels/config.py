@@ -146,8 +146,11 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 # consumer warpgroups: +3..10% non-causal over two, causal +3..7% from 8k, level at 4k;
                 # at 1k -10% non-causal, causal -30% (2026-11-22-h100-fwd-consumers/ab_fwd_mine.log).
                 # Causal 1025-2048 keys: +8..9% over these launches at 2k, -16% at 1k
-                # (2026-11-22-h100-fwd-o-kv/ab_fwd_round2.log).
-                fwd = dataclasses.replace(fwd, gluon=True, consumers=3 if length == 5 else 2)
+                # (2026-11-22-h100-fwd-o-kv/ab_fwd_round2.log). Non-causal there three consumers: +5..7%
+                # at 1536 and 2048 keys, causal -15..-26% (2026-11-22-h100-session11/
+                # tune_d64_consumers_class4.log, two rounds).
+                three = length == 5 or (length == 4 and not banded)
+                fwd = dataclasses.replace(fwd, gluon=True, consumers=3 if three else 2)
             # The Gluon dK/dV beyond 512 keys: whole backward +1..+17% (2026-11-22-h100-gluon-bwd/
             # ab_dkdv.log); its dQ measured up to 14% slower than this one at D=64 up to 4k. With dQ
             # fused into it, against these two passes (2026-11-22-h100-fused-bwd/ab_fused_split.log,
