@@ -48,8 +48,9 @@ def _buffers(dtype: gl.constexpr, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, STA
              HELD: gl.constexpr):
     """The shared memory of both kernels: HELD buffers of two tensors' tiles of 2 x 64 rows, each
     held for a work item (K and V for dK/dV, Q and dO for dQ), a ring of STAGES buffers of BLOCK
-    rows for the two tensors streamed past them, and the barriers: a "ready" per held buffer, a
-    "ready" per streamed tensor and buffer, an "empty" per buffer that both consumers arrive at."""
+    rows for the two tensors streamed past them, and the barriers: a "ready" per held buffer and a
+    "free" that both consumers arrive at once done with it, a "ready" per streamed tensor and buffer,
+    an "empty" per buffer that both consumers arrive at."""
     held_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
     ring_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_D], dtype)
     held_a = gl.allocate_shared_memory(dtype, [2 * HELD, ROWS, HEAD_D], held_layout)
@@ -58,16 +59,34 @@ def _buffers(dtype: gl.constexpr, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, STA
     ring_b = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_D], ring_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     held_ready = gl.allocate_shared_memory(gl.int64, [HELD, 1], bar_layout)
+    held_free = gl.allocate_shared_memory(gl.int64, [HELD, 1], bar_layout)
     a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     for i in gl.static_range(HELD):
         mbarrier.init(held_ready.index(i), count=1)
+        mbarrier.init(held_free.index(i), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(a_ready.index(i), count=1)
         mbarrier.init(b_ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    return held_a, held_b, ring_a, ring_b, held_ready, a_ready, b_ready, empty
+    return held_a, held_b, ring_a, ring_b, held_ready, held_free, a_ready, b_ready, empty
+
+
+@gluon.jit
+def _load_held(done, a_desc, b_desc, row0, off_b, off_h, a_smem, b_smem, ready, free):
+    """The loader's copy of work item `done`'s held tiles (2 x 64 rows of two tensors from row0) into
+    held buffer done % HELD, once both consumers have freed it."""
+    HELD: gl.constexpr = ready.shape[0]
+    kb = done % HELD
+    mbarrier.wait(free.index(kb), ((done // HELD) & 1) ^ 1)
+    mbarrier.expect(ready.index(kb), 4 * a_desc.block_type.nbytes)
+    box: gl.constexpr = [1, ROWS, 1, a_smem.shape[2]]
+    for part in gl.static_range(2):
+        _tma_load(a_desc, [off_b, row0 + part * ROWS, off_h, 0], ready.index(kb),
+                  a_smem.index(2 * kb + part).reshape(box))
+        _tma_load(b_desc, [off_b, row0 + part * ROWS, off_h, 0], ready.index(kb),
+                  b_smem.index(2 * kb + part).reshape(box))
 
 
 @gluon.jit
@@ -150,14 +169,12 @@ def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr
      stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
      stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, stride_lb, stride_lh, batch, nheads,
      nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
-    block: gl.constexpr = [1, ROWS, 1, HEAD_D]
     q_desc = _descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
     do_desc = _descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
     k_desc = _descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, ROWS, HEAD_D)
     v_desc = _descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, ROWS, HEAD_D)
     n_n = gl.cdiv(seqlen_k, 2 * ROWS)
     items = n_n * batch * nheads_k
-    KV_BUFFERS: gl.constexpr = kv_ready.shape[0]
     group = nheads // nheads_k
     it = 0  # query tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
@@ -165,14 +182,7 @@ def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr
         w = _work(c)
         if w < items:
             start_n, off_b, off_hk, lo, hi = _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL)
-            kb = done % KV_BUFFERS
-            mbarrier.wait(kv_free.index(kb), ((done // KV_BUFFERS) & 1) ^ 1)
-            mbarrier.expect(kv_ready.index(kb), 4 * k_desc.block_type.nbytes)
-            for part in gl.static_range(2):
-                _tma_load(k_desc, [off_b, start_n + part * ROWS, off_hk, 0], kv_ready.index(kb),
-                          k_smem.index(2 * kb + part).reshape(block))
-                _tma_load(v_desc, [off_b, start_n + part * ROWS, off_hk, 0], kv_ready.index(kb),
-                          v_smem.index(2 * kb + part).reshape(block))
+            _load_held(done, k_desc, v_desc, start_n, off_b, off_hk, k_smem, v_smem, kv_ready, kv_free)
             for g in range(group):
                 off_h = off_hk * group + g
                 for j in range(lo, hi):
@@ -300,11 +310,9 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
                           seqlen_k, offset, qk_scale, softmax_scale, CAUSAL: gl.constexpr, FUSED: gl.constexpr,
                           HEAD_D: gl.constexpr, STAGES: gl.constexpr, KV_BUFFERS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr):
-    k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, do_ready, empty = _buffers(Q.dtype.element_ty, HEAD_D, ROWS,
-                                                                                  STAGES, KV_BUFFERS)
-    kv_free = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(KV_BUFFERS):
-        mbarrier.init(kv_free.index(i), count=2)  # both consumers' dK and dV have left the buffer
+    # kv_free: both consumers' dK and dV have left the item's K/V buffer.
+    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, q_ready, do_ready, empty = _buffers(
+        Q.dtype.element_ty, HEAD_D, ROWS, STAGES, KV_BUFFERS)
     ds_smem, dq_smem, ds_ready, ds_free = None, None, None, None
     if FUSED:
         ds_smem, dq_smem, ds_ready, ds_free = _dq_buffers(Q.dtype.element_ty)
@@ -324,14 +332,12 @@ def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
      stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
      stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
-    q_block: gl.constexpr = [1, ROWS, 1, HEAD_D]
     q_desc = _descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
     do_desc = _descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
     k_desc = _descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
     v_desc = _descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
     n_m = gl.cdiv(seqlen_q, 2 * ROWS)
     items = n_m * batch * nheads
-    qdo_ready = qdo_ready.index(0)
     it = 0  # K/V tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
     for c in range(_count(items)):
@@ -339,13 +345,7 @@ def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
         if w < items:
             start_m, off_b, off_h, n_tiles = _query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, 2)
             off_hk = off_h // (nheads // nheads_k)
-            mbarrier.wait(qdo_free, (done & 1) ^ 1)
-            mbarrier.expect(qdo_ready, 4 * q_desc.block_type.nbytes)
-            for part in gl.static_range(2):
-                _tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], qdo_ready,
-                          q_smem.index(part).reshape(q_block))
-                _tma_load(do_desc, [off_b, start_m + part * ROWS, off_h, 0], qdo_ready,
-                          do_smem.index(part).reshape(q_block))
+            _load_held(done, q_desc, do_desc, start_m, off_b, off_h, q_smem, do_smem, qdo_ready, qdo_free)
             for j in range(n_tiles):
                 _load_pair(it, k_desc, v_desc, [off_b, j * BLOCK_N, off_hk, 0], k_smem, v_smem, k_ready, v_ready,
                            kv_empty, STAGES)
@@ -427,8 +427,8 @@ def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.co
             # Q and dO go back to the loader, which fetches the next item's while this one finishes;
             # once both consumers have released them, no product reads the last K/V buffer either:
             # dQ leaves through its V tile, which then goes back too.
-            mbarrier.arrive(qdo_free, count=1)
-            mbarrier.wait(qdo_free, done & 1)
+            mbarrier.arrive(qdo_free.index(0), count=1)
+            mbarrier.wait(qdo_free.index(0), done & 1)
             _copy_out(dq_desc, [off_b, row0, off_h, 0], v_smem.index(end % STAGES),
                       (dq * softmax_scale).to(DQ.dtype.element_ty), PART=WG)
             tma.store_wait(0)
@@ -447,10 +447,9 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, Lse, Delta, DQ,
                         CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr):
     gl.static_assert(BLOCK_N == 2 * ROWS, "dQ leaves through a V tile: both consumers' rows")
-    q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, kv_empty = _buffers(Q.dtype.element_ty, HEAD_D,
-                                                                                     BLOCK_N, STAGES, 1)
-    qdo_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(qdo_free, count=2)  # both consumers are done with an item's Q and dO
+    # qdo_free: both consumers are done with the item's Q and dO.
+    q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty = _buffers(
+        Q.dtype.element_ty, HEAD_D, BLOCK_N, STAGES, 1)
     args = (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready,
             kv_empty, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
             stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
