@@ -193,20 +193,35 @@ def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr
 
 
 @gluon.jit
+def _columns(lse_ptr, delta_ptr, j, seqlen_q, layout: gl.constexpr):
+    """lse (base 2) and delta of query tile j, one per column of S^T; rows past seqlen_q read
+    lse = +inf, so their P is 0."""
+    cols = j * ROWS + gl.arange(0, ROWS, layout=layout)
+    return (gl.load(lse_ptr + cols, mask=cols < seqlen_q, other=float("inf")) * LOG2E,
+            gl.load(delta_ptr + cols, mask=cols < seqlen_q, other=0.0))
+
+
+@gluon.jit
 def _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, fused, base, first, last,
            keys, seqlen_q, offset, qk_scale, MASKED: gl.constexpr, FUSED: gl.constexpr, STAGES: gl.constexpr,
            HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
     """Query tiles [first, last) of one head, tile j in the ring's position base + j. MASKED
-    applies the causal diagonal; rows past seqlen_q read lse = +inf, so their P is 0. FUSED also
-    adds dQ = dS K to global memory (dS for the keys past seqlen_k is not 0, but their K rows
-    are: zero-filled)."""
+    applies the causal diagonal. FUSED also adds dQ = dS K to global memory (dS for the keys past
+    seqlen_k is not 0, but their K rows are: zero-filled). At D=64 a tile's lse and delta are loaded
+    during the previous tile's last products (loaded at the tile's start, their latency held up
+    S^T's issue); D=128 has no registers to hold them across the loop (more spills, the causal
+    kernel lost 4-7%) and loads them at the tile's start."""
     zero = gl.zeros([ROWS, ROWS], gl.float32, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    PREFETCH: gl.constexpr = HEAD_D == 64
+    if PREFETCH:
+        lse, delta = _columns(lse_ptr, delta_ptr, first, seqlen_q, col_layout)
     for j in range(first, last):
         stage = (base + j) % STAGES
         phase = ((base + j) // STAGES) & 1
-        cols = j * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
-        lse = gl.load(lse_ptr + cols, mask=cols < seqlen_q, other=float("inf")) * LOG2E
-        delta = gl.load(delta_ptr + cols, mask=cols < seqlen_q, other=0.0)
+        cols = j * ROWS + gl.arange(0, ROWS, layout=col_layout)
+        if not PREFETCH:
+            lse, delta = _columns(lse_ptr, delta_ptr, j, seqlen_q, col_layout)
         q = q_smem.index(stage)
         do = do_smem.index(stage)
         mbarrier.wait(q_ready.index(stage), phase)
@@ -224,6 +239,8 @@ def _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, del
         if FUSED:
             _share_ds(ds, base + j, fused, WG)
         dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
+        if PREFETCH:
+            lse, delta = _columns(lse_ptr, delta_ptr, j + 1, seqlen_q, col_layout)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(empty.index(stage), count=1)
         if FUSED:
