@@ -194,7 +194,8 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
     with pytest.raises(ValueError, match="2 or 3 consumer"):
         hopper_forward.launch_args(dict(Q=q, K=k, V=k, Out=q), problem(q, k, k, causal), causal, 4)
     for params in (AttentionParams(0.1, window_left=64, window_right=0), AttentionParams(0.1, softcap=30.0),
-                   AttentionParams(0.1, dropout_p=0.1), AttentionParams(0.1, alibi_slopes=torch.ones(4))):
+                   AttentionParams(0.1, dropout_p=0.1), AttentionParams(0.1, alibi_slopes=torch.ones(4)),
+                   AttentionParams(0.0)):
         assert not hopper_forward.accepts(problem(q, k, k, params), params)
     buf = torch.randn(q.numel() + 4, dtype=torch.bfloat16)
     for other in (q.float(), q[..., :96], buf[4:].view(q.shape)):  # fp32, D=96, a base 8 bytes off

@@ -170,19 +170,21 @@ def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexp
 @gluon.jit
 def _softmax(s, m_i, l_i, j, rows, seqlen_k, offset, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
              BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """One online-softmax step on the scores of K/V tile j: (p, alpha, m_new, l_new). MASKED applies
-    the key bound and the causal diagonal (tiles that need neither skip the selects)."""
-    x = s * qk_scale
+    """One online-softmax step on the scores of K/V tile j: (p, alpha, m_new, l_new), the maxima in
+    base-2 logits. MASKED applies the key bound and the causal diagonal (tiles that need neither skip
+    the selects). With qk_scale > 0 (accepts) the row maximum of the logits is that of the scores
+    times qk_scale, so each score is scaled once, inside the exponential's argument (a fused
+    multiply-add), not also before the maximum."""
     if MASKED:
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if CAUSAL:  # a row sees keys up to its diagonal and the key bound: one compare a score
             visible = gl.expand_dims(cols, 0) <= gl.expand_dims(gl.minimum(rows + offset, seqlen_k - 1), 1)
         else:
             visible = gl.expand_dims(cols < seqlen_k, 0)
-        x = gl.where(visible, x, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(x, 1))
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-    p = gl.exp2(x - gl.expand_dims(m_safe, 1))
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
     alpha = gl.exp2(m_i - m_safe)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
@@ -365,12 +367,13 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse,
 
 
 def accepts(prob: Problem, params: AttentionParams) -> bool:
-    """Whether this kernel computes the call: the plain forward (causal or not, GQA) of 16-bit
-    inputs with head dim 64 or 128 that the tensor memory accelerator can address, under a Triton
-    whose Gluon this kernel was written against (3.6 run, 3.9 compiled; Gluon changed its API
-    between the releases that have it, so older ones take the Triton kernel)."""
+    """Whether this kernel computes the call: the plain forward (causal or not, GQA, a positive
+    softmax_scale) of 16-bit inputs with head dim 64 or 128 that the tensor memory accelerator can
+    address, under a Triton whose Gluon this kernel was written against (3.6 run, 3.9 compiled;
+    Gluon changed its API between the releases that have it, so older ones take the Triton kernel)."""
     plain = (params.window_left < 0 and params.window_right in (-1, 0) and params.softcap == 0
-             and params.alibi_slopes is None and params.attn_mask is None and params.dropout_p == 0)
+             and params.alibi_slopes is None and params.attn_mask is None and params.dropout_p == 0
+             and params.softmax_scale > 0)
     return (GLUON_TRITON and plain and not prob.varlen and prob.head_dim in (64, 128)
             and prob.q.dtype in (torch.float16, torch.bfloat16) and tma_addressable(prob.q, prob.k, prob.v))
 
