@@ -190,13 +190,31 @@ def _softmax(s, m_i, l_i, j, rows, seqlen_k, offset, qk_scale, MASKED: gl.conste
 
 
 @gluon.jit
+def _pack(p, dtype: gl.constexpr):
+    """P (fp32) rounded to `dtype`, the two columns of a pair in one 32-bit register: the form the next
+    tile's P V reads it in. Carried across the loop as 16-bit values instead, P cost a byte permute a
+    register every iteration (ptxas regrouping the halves)."""
+    even, odd = gl.split(gl.reshape(p, [p.shape[0], p.shape[1] // 2, 2]))
+    CVT: gl.constexpr = "cvt.rn.bf16x2.f32" if dtype == gl.bfloat16 else "cvt.rn.f16x2.f32"
+    return gl.inline_asm_elementwise(CVT + " $0, $2, $1;", "=r,r,r", [even, odd], gl.int32, True, 1)
+
+
+@gluon.jit
+def _unpack(packed, dtype: gl.constexpr, layout: gl.constexpr):
+    """_pack's P as a `dtype` tensor in `layout` (the A operand of P V)."""
+    even, odd = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [packed], [dtype.value, dtype.value],
+                                          True, 1)
+    return gl.convert_layout(gl.reshape(gl.join(even, odd), [packed.shape[0], 2 * packed.shape[1]]), layout)
+
+
+@gluon.jit
 def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, base, first, last, rows, seqlen_k,
            offset, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
            STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
     """K/V tiles [first, last) of a work item whose tile 0 sits at position `base` of the buffer
-    ring, software-pipelined: p holds the probabilities of tile j - 1 whose product with V is still
-    to do; it runs on the tensor cores while this warpgroup computes the softmax of tile j (S of
-    tile j is issued first, so waiting for all but one product gives S)."""
+    ring, software-pipelined: p holds the probabilities of tile j - 1 (packed by _pack) whose
+    product with V is still to do; it runs on the tensor cores while this warpgroup computes the
+    softmax of tile j (S of tile j is issued first, so waiting for all but one product gives S)."""
     zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     for j in range(first, last):
         stage = (base + j) % STAGES
@@ -204,14 +222,14 @@ def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, base
         mbarrier.wait(k_ready.index(stage), ((base + j) // STAGES) & 1)
         s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((base + j - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        acc = warpgroup_mma(_unpack(p, v_smem.dtype, p_layout), v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         p_new, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, rows, seqlen_k, offset, qk_scale, MASKED, CAUSAL,
                                           BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(kv_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        p = gl.convert_layout(p_new.to(v_smem.dtype), p_layout)
+        p = _pack(p_new, v_smem.dtype)
     return acc, m_i, l_i, p
 
 
@@ -255,7 +273,7 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
             m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-            p = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+            p = _pack(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), dtype)
             qb = done % Q_BUFFERS
             q = q_smem.index(qb * CONSUMERS + WG)
             mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
@@ -267,7 +285,7 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
                                   gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
                 p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N,
                                               s_layout)
-                p = gl.convert_layout(p.to(dtype), p_layout)
+                p = _pack(p, dtype)
                 acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, 1,
                                           n_full, rows, seqlen_k, offset, qk_scale, False, CAUSAL, BLOCK_N, STAGES,
                                           s_layout, p_layout, o_layout)
@@ -294,7 +312,7 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
             if n_mine > 0:  # the last tile's product with V
                 last = it + n_mine - 1
                 mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-                acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc)
+                acc = warpgroup_mma(_unpack(p, dtype, p_layout), v_smem.index(last % STAGES), acc)
                 if last < end:
                     mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
 
