@@ -196,14 +196,16 @@ def _pack(p, dtype: gl.constexpr):
     register every iteration (ptxas regrouping the halves)."""
     even, odd = gl.split(gl.reshape(p, [p.shape[0], p.shape[1] // 2, 2]))
     CVT: gl.constexpr = "cvt.rn.bf16x2.f32" if dtype == gl.bfloat16 else "cvt.rn.f16x2.f32"
-    return gl.inline_asm_elementwise(CVT + " $0, $2, $1;", "=r,r,r", [even, odd], gl.int32, True, 1)
+    return gl.inline_asm_elementwise(CVT + " $0, $2, $1;", "=r,r,r", [even, odd], dtype=gl.int32, is_pure=True,
+                                     pack=1)
 
 
 @gluon.jit
 def _unpack(packed, dtype: gl.constexpr, layout: gl.constexpr):
     """_pack's P as a `dtype` tensor in `layout` (the A operand of P V)."""
-    even, odd = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [packed], [dtype.value, dtype.value],
-                                          True, 1)
+    # The result types as plain dtypes (a list of the constexpr parameter would hold its wrappers).
+    even, odd = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [packed],
+                                          dtype=[dtype.value, dtype.value], is_pure=True, pack=1)
     return gl.convert_layout(gl.reshape(gl.join(even, odd), [packed.shape[0], 2 * packed.shape[1]]), layout)
 
 
