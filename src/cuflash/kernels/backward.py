@@ -1,7 +1,8 @@
 """Backward pass: FlashAttention-2, Algorithm 2, by recomputation from the log-sum-exp.
 
 Three launches, none of them atomic, so the result is bitwise reproducible:
-  _attn_bwd_delta  delta = rowsum(dO * O), one value per query row;
+  _attn_bwd_delta  delta = rowsum(dO * O), one value per query row (for the Gluon dK/dV kernel
+                   also -delta and -lse / softmax_scale, where its accumulators start);
   _attn_bwd_dkdv   one program per K/V tile of one KV head: streams the query tiles of every
                    query head that shares the KV head (MQA/GQA sums there), accumulating dK, dV;
   _attn_bwd_dq     one program per query tile: streams the K/V tiles, accumulating dQ.
@@ -32,12 +33,16 @@ except ImportError:
 
 
 @triton.jit
-def _attn_bwd_delta(Out, DO, Delta,
+def _attn_bwd_delta(Out, DO, Lse, Delta, AccInit,
                     stride_ob, stride_om, stride_oh,
                     stride_dob, stride_dom, stride_doh,
                     stride_lb, stride_lh,
-                    nheads, seqlen_q, head_dim,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                    nheads, seqlen_q, head_dim, padded_q, softmax_scale,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC_INIT: tl.constexpr):
+    """delta of BLOCK_M rows of a (batch, head). ACC_INIT: also the Gluon dK/dV kernel's starting
+    values of its S^T and dP^T accumulators per query row, -lse / softmax_scale and -delta
+    (AccInit[0] and [1], each (batch * nheads, padded_q): rows up to a whole tile, which read
+    -inf and 0, so that their P is 0)."""
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // nheads).to(tl.int64)
@@ -49,7 +54,15 @@ def _attn_bwd_delta(Out, DO, Delta,
     do_ptrs = tile_ptrs(DO, off_b, stride_dob, off_h, stride_doh, start_m, stride_dom, rows, offs_d)
     o = load_tile(o_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, True).to(tl.float32)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, head_dim, True, True).to(tl.float32)
-    tl.store(Delta + off_b * stride_lb + off_h * stride_lh + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
+    delta = tl.sum(o * do, 1)
+    row_ptr = off_b * stride_lb + off_h * stride_lh + offs_m
+    tl.store(Delta + row_ptr, delta, mask=offs_m < seqlen_q)
+    if ACC_INIT:
+        lse = tl.load(Lse + row_ptr, mask=offs_m < seqlen_q, other=float("inf"))
+        init_ptr = AccInit + off_bh.to(tl.int64) * padded_q + offs_m
+        rows_total = tl.num_programs(1).to(tl.int64) * padded_q
+        tl.store(init_ptr, -lse / softmax_scale)  # the grid covers padded_q rows exactly
+        tl.store(init_ptr + rows_total, -delta)
 
 
 @triton.jit
@@ -352,13 +365,18 @@ def _launches(t: dict, params: AttentionParams, configs: tuple[Launch, Launch] |
     # delta over the rows as stored: a varlen batch is one sequence of total_q rows here.
     delta_rows, delta_batch = (q.shape[0], 1) if params.varlen else (prob.seqlen_q, prob.batch)
     rows_block = 64  # query rows per program of the delta and cast kernels
-    delta = _attn_bwd_delta, (cdiv(delta_rows, rows_block), delta_batch * prob.nheads), dict(
-        Out=t["Out"], DO=dout, Delta=t["Delta"], **prob.strides("o", t["Out"]), **prob.strides("do", dout),
-        **lse_args, nheads=prob.nheads, seqlen_q=delta_rows, head_dim=prob.head_dim, BLOCK_M=rows_block,
-        BLOCK_D=prob.block_d,
-    )
     # The Gluon kernels for Hopper where the table asks for them and they take the input.
     gluon = hopper_backward is not None and hopper_backward.accepts(prob, params, dout)
+    acc_init = dkdv_cfg.gluon and gluon
+    padded_q = cdiv(prob.seqlen_q, rows_block) * rows_block  # whole query tiles of the Gluon kernels
+    if acc_init:  # (launch() makes a new one per call)
+        t["AccInit"] = torch.zeros((2, prob.batch * prob.nheads, padded_q), dtype=torch.float32, device=q.device)
+    delta = _attn_bwd_delta, (cdiv(delta_rows, rows_block), delta_batch * prob.nheads), dict(
+        Out=t["Out"], DO=dout, Lse=t["Lse"], Delta=t["Delta"], AccInit=t.get("AccInit"),
+        **prob.strides("o", t["Out"]), **prob.strides("do", dout), **lse_args, nheads=prob.nheads,
+        seqlen_q=delta_rows, head_dim=prob.head_dim, padded_q=padded_q, softmax_scale=params.softmax_scale,
+        BLOCK_M=rows_block, BLOCK_D=prob.block_d, ACC_INIT=acc_init,
+    )
     fused = dkdv_cfg.gluon and dkdv_cfg.fuse_dq and gluon and not params.deterministic
     if fused:  # dQ from the dK/dV kernel, into a workspace (launch() makes a new one per call)
         t["DQAcc"] = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

@@ -8,8 +8,10 @@ pairs of items round-robin (as the forward's programs do):
 - the loader (one warp) copies an item's K and V once (into one of KV_BUFFERS buffers: with two
   it fetches the next item's during the last one), then each query tile's Q and dO into a ring
   of STAGES buffers with the tensor memory accelerator, each load signalling a "ready" barrier;
+  with Q and dO come their rows' -lse / softmax_scale and -delta (kernels/backward.py's AccInit);
 - two consumer warpgroups, each owning 64 of the keys, compute per query tile on the tensor cores
-  (wgmma) S^T = K Q^T and dP^T = V dO^T, then P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta),
+  (wgmma) S^T = K Q^T and dP^T = V dO^T, their accumulators starting at those values (so no
+  register holds lse and delta per column), then P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta),
   and accumulate dV += P^T dO and dK += dS^T Q in registers (P^T and dS^T from registers), then
   release the buffer on an "empty" barrier that both must arrive at; at the item's end dK and dV
   leave through the item's K and V buffer, which then goes back to the loader.
@@ -164,11 +166,12 @@ def _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-    (Q, K, V, DO, Lse, Delta, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free, q_ready, do_ready,
-     empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-     stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
-     stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, stride_lb, stride_lh, batch, nheads,
+    (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
+     do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
+     stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
+     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, padded_q, batch, nheads,
      nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+    init_desc = _init_descriptor(AccInit, batch * nheads, padded_q)
     q_desc = _descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
     do_desc = _descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
     k_desc = _descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, ROWS, HEAD_D)
@@ -185,62 +188,62 @@ def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr
             _load_held(done, k_desc, v_desc, start_n, off_b, off_hk, k_smem, v_smem, kv_ready, kv_free)
             for g in range(group):
                 off_h = off_hk * group + g
+                bh = off_b * nheads + off_h
                 for j in range(lo, hi):
                     _load_pair(it, q_desc, do_desc, [off_b, j * ROWS, off_h, 0], q_smem, do_smem, q_ready, do_ready,
-                               empty, STAGES)
+                               empty, STAGES, (init_desc, init_smem, bh, batch * nheads + bh))
                     it += 1
             done += 1
 
 
 @gluon.jit
-def _columns(lse_ptr, delta_ptr, j, seqlen_q, layout: gl.constexpr):
-    """lse (base 2) and delta of query tile j, one per column of S^T; rows past seqlen_q read
-    lse = +inf, so their P is 0."""
-    cols = j * ROWS + gl.arange(0, ROWS, layout=layout)
-    return (gl.load(lse_ptr + cols, mask=cols < seqlen_q, other=float("inf")) * LOG2E,
-            gl.load(delta_ptr + cols, mask=cols < seqlen_q, other=0.0))
+def _init_descriptor(AccInit, rows, padded_q):
+    """The TMA descriptor of kernels/backward.py's AccInit, (2 x rows, padded_q): the starting values
+    of S^T's and dP^T's accumulators for each (batch, head) and query row (-lse / softmax_scale and
+    -delta; padding rows read -inf and 0, so their P is 0), a box per 64 query rows."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, ROWS], gl.float32)
+    return tma.make_tensor_descriptor(AccInit, [2 * rows, padded_q], [padded_q, 1], [1, ROWS], layout)
 
 
 @gluon.jit
-def _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, fused, base, first, last,
-           keys, seqlen_q, offset, qk_scale, MASKED: gl.constexpr, FUSED: gl.constexpr, STAGES: gl.constexpr,
+def _start(row_smem, layout: gl.constexpr):
+    """A 64 x 64 accumulator in `layout` whose every column n starts at the n-th value of row_smem
+    (shared memory holding one box of _init_descriptor)."""
+    row = row_smem.load(layout)  # [1, 64]
+    return gl.broadcast(gl.zeros([ROWS, ROWS], gl.float32, layout), row)[1]
+
+
+@gluon.jit
+def _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, first, last, keys,
+           offset, qk_scale, MASKED: gl.constexpr, FUSED: gl.constexpr, STAGES: gl.constexpr,
            HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
     """Query tiles [first, last) of one head, tile j in the ring's position base + j. MASKED
     applies the causal diagonal. FUSED also adds dQ = dS K to global memory (dS for the keys past
-    seqlen_k is not 0, but their K rows are: zero-filled). At D=64 a tile's lse and delta are loaded
-    during the previous tile's last products (loaded at the tile's start, their latency held up
-    S^T's issue); D=128 has no registers to hold them across the loop (more spills, the causal
-    kernel lost 4-7%) and loads them at the tile's start."""
-    zero = gl.zeros([ROWS, ROWS], gl.float32, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    PREFETCH: gl.constexpr = HEAD_D == 64
-    if PREFETCH:
-        lse, delta = _columns(lse_ptr, delta_ptr, first, seqlen_q, col_layout)
+    seqlen_k is not 0, but their K rows are: zero-filled). The accumulators of S^T and dP^T start at
+    -lse / softmax_scale and -delta per column, which the loader brings with Q and dO: the scores
+    come out shifted by lse, dP^T less delta, and no register holds the 32 values per thread that
+    lse and delta take in S^T's layout."""
     for j in range(first, last):
         stage = (base + j) % STAGES
         phase = ((base + j) // STAGES) & 1
-        cols = j * ROWS + gl.arange(0, ROWS, layout=col_layout)
-        if not PREFETCH:
-            lse, delta = _columns(lse_ptr, delta_ptr, j, seqlen_q, col_layout)
         q = q_smem.index(stage)
         do = do_smem.index(stage)
         mbarrier.wait(q_ready.index(stage), phase)
-        s = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(k, q.permute((1, 0)), _start(init_smem.index(2 * stage), s_layout), is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
-        dp = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(v, do.permute((1, 0)), _start(init_smem.index(2 * stage + 1), s_layout), is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         x = s * qk_scale
         if MASKED:  # query row i sees key n where n <= i + offset
+            cols = j * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
             x = gl.where(gl.expand_dims(cols + offset, 0) >= gl.expand_dims(keys, 1), x, float("-inf"))
-        p = gl.exp2(x - gl.expand_dims(lse, 0))
+        p = gl.exp2(x)
         dv = warpgroup_mma(gl.convert_layout(p.to(q.dtype), a_layout), do, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=(dp,))
-        ds = (p * (dp - gl.expand_dims(delta, 0))).to(q.dtype)
+        ds = (p * dp).to(q.dtype)
         if FUSED:
             _share_ds(ds, base + j, fused, WG)
         dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
-        if PREFETCH:
-            lse, delta = _columns(lse_ptr, delta_ptr, j + 1, seqlen_q, col_layout)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(empty.index(stage), count=1)
         if FUSED:
@@ -251,10 +254,10 @@ def _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, del
 @gluon.jit
 def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
              WG: gl.constexpr):
-    (Q, K, V, DO, Lse, Delta, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free, q_ready, do_ready,
-     empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-     stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
-     stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, stride_lb, stride_lh, batch, nheads,
+    (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
+     do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
+     stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
+     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, padded_q, batch, nheads,
      nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
@@ -290,19 +293,14 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
             mbarrier.wait(kv_ready.index(kb), (done // KV_BUFFERS) & 1)
             base = it - lo  # tile j of head g at ring position it + g * (hi - lo) + j - lo
             for g in range(group):
-                off_h = (off_hk * group + g).to(gl.int64)
-                lse_ptr = Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh
-                delta_ptr = Delta + off_b.to(gl.int64) * stride_lb + off_h * stride_lh
                 fused = None
                 if FUSED:
                     fused = (ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_hk * group + g,
                              softmax_scale)
-                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, fused,
-                                base, lo, full, keys, seqlen_q, offset, qk_scale, True, FUSED, STAGES, HEAD_D, WG,
-                                s_layout, a_layout)
-                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, q_ready, do_ready, empty, lse_ptr, delta_ptr, fused,
-                                base, full, hi, keys, seqlen_q, offset, qk_scale, False, FUSED, STAGES, HEAD_D, WG,
-                                s_layout, a_layout)
+                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, lo,
+                                full, keys, offset, qk_scale, True, FUSED, STAGES, HEAD_D, WG, s_layout, a_layout)
+                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, full,
+                                hi, keys, offset, qk_scale, False, FUSED, STAGES, HEAD_D, WG, s_layout, a_layout)
                 base += hi - lo
             it += group * (hi - lo)
             if FUSED:
@@ -319,24 +317,27 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
 
 
 @gluon.jit
-def _attn_bwd_dkdv_hopper(Q, K, V, DO, Lse, Delta, DK, DV, DQAcc,
+def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc,
                           stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                           stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                           stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                          stride_ab, stride_am, stride_ah, stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q,
+                          stride_ab, stride_am, stride_ah, padded_q, batch, nheads, nheads_k, seqlen_q,
                           seqlen_k, offset, qk_scale, softmax_scale, CAUSAL: gl.constexpr, FUSED: gl.constexpr,
                           HEAD_D: gl.constexpr, STAGES: gl.constexpr, KV_BUFFERS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr):
     # kv_free: both consumers' dK and dV have left the item's K/V buffer.
     k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, q_ready, do_ready, empty = _buffers(
         Q.dtype.element_ty, HEAD_D, ROWS, STAGES, KV_BUFFERS)
+    # Per ring buffer, the boxes of AccInit that come with its Q and its dO.
+    init_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, ROWS],
+                                          gl.NVMMASharedLayout.get_default_for([1, ROWS], gl.float32))
     ds_smem, dq_smem, ds_ready, ds_free = None, None, None, None
     if FUSED:
         ds_smem, dq_smem, ds_ready, ds_free = _dq_buffers(Q.dtype.element_ty)
-    args = (Q, K, V, DO, Lse, Delta, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_free, q_ready,
-            do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
-            stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
-            stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, stride_lb, stride_lh,
+    args = (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free,
+            q_ready, do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb,
+            stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb,
+            stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, padded_q,
             batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale)
     gl.warp_specialize([(_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 0)),
                         (_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 1)),
@@ -485,9 +486,9 @@ def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
     q, k, v, dout = (tensors[name] for name in ("Q", "K", "V", "DO"))
     triton.set_allocator(scratch)  # the kernels build their tensor descriptors in global scratch
     qk_scale, _ = logit_scales(params)
-    return dict(Q=q, K=k, V=v, DO=dout, Lse=tensors["Lse"], Delta=tensors["Delta"],
+    return dict(Q=q, K=k, V=v, DO=dout,
                 **_box_strides(prob, "q", q), **_box_strides(prob, "k", k, "n"), **_box_strides(prob, "v", v, "n"),
-                **_box_strides(prob, "do", dout), **lse_strides(prob, params), batch=prob.batch, nheads=prob.nheads,
+                **_box_strides(prob, "do", dout), batch=prob.batch, nheads=prob.nheads,
                 nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k,
                 offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
                 softmax_scale=params.softmax_scale, CAUSAL=params.window_right == 0, HEAD_D=prob.head_dim,
@@ -499,16 +500,18 @@ def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
 def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams):
     """(kernel, grid, keyword arguments) of the dK/dV kernel for kernels/launch.py: a work item
     per 128 keys of a (batch, KV head), one persistent program per SM taking pairs of items
-    round-robin; 64-row query tiles in a ring of 2 buffers. With an fp32 tensors["DQAcc"] shaped
-    like Q, zero-filled, the kernel also adds dQ to it."""
-    dk, dv, acc = tensors["DK"], tensors["DV"], tensors.get("DQAcc")
+    round-robin; 64-row query tiles in a ring of 2 buffers; tensors["AccInit"] as kernels/backward.py's
+    delta kernel writes it. With an fp32 tensors["DQAcc"] shaped like Q, zero-filled, the kernel also
+    adds dQ to it."""
+    dk, dv, acc, init = tensors["DK"], tensors["DV"], tensors.get("DQAcc"), tensors["AccInit"]
     items = cdiv(prob.seqlen_k, 2 * ROWS.value) * prob.batch * prob.nheads_k
     # Two K/V buffers (the loader fetches the next item's K and V during the last one) where shared
     # memory holds them: all but the fused kernel at D=128 (one: 192 of 227 KB).
     kv_buffers = 1 if acc is not None and prob.head_dim == 128 else 2
     acc_strides = _box_strides(prob, "a", acc) if acc is not None else dict(stride_ab=0, stride_am=0, stride_ah=0)
     return _attn_bwd_dkdv_hopper, (min(cdiv(items, 2), num_sms(dk.device)),), dict(
-        **_shared_args(tensors, prob, params), DK=dk, DV=dv, DQAcc=acc, **_box_strides(prob, "dk", dk, "n"),
+        **_shared_args(tensors, prob, params), AccInit=init, padded_q=init.shape[2], DK=dk, DV=dv, DQAcc=acc,
+        **_box_strides(prob, "dk", dk, "n"),
         **_box_strides(prob, "dv", dv, "n"), **acc_strides, FUSED=acc is not None, STAGES=2, KV_BUFFERS=kv_buffers)
 
 
@@ -520,4 +523,5 @@ def dq_launch(tensors: dict, prob: Problem, params: AttentionParams):
     items = cdiv(prob.seqlen_q, 2 * ROWS.value) * prob.batch * prob.nheads
     grid = (min(cdiv(items, 2), num_sms(dq.device)),)
     return _attn_bwd_dq_hopper, grid, dict(
-        **_shared_args(tensors, prob, params), DQ=dq, **_box_strides(prob, "dq", dq), BLOCK_N=128, STAGES=2)
+        **_shared_args(tensors, prob, params), Lse=tensors["Lse"], Delta=tensors["Delta"],
+        **lse_strides(prob, params), DQ=dq, **_box_strides(prob, "dq", dq), BLOCK_N=128, STAGES=2)

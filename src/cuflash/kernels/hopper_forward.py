@@ -121,17 +121,21 @@ def _copy_out(desc, coord, buffer, tile, ADD: gl.constexpr = False, PART: gl.con
 
 
 @gluon.jit
-def _load_pair(it, a_desc, b_desc, coord, a_smem, b_smem, a_ready, b_ready, empty, STAGES: gl.constexpr):
+def _load_pair(it, a_desc, b_desc, coord, a_smem, b_smem, a_ready, b_ready, empty, STAGES: gl.constexpr, rows=None):
     """The loader's step of a ring of STAGES buffers: once every consumer has released position `it`'s
     buffers, the TMA copies the box at `coord` of two tensors into them, each signalling its "ready"
-    barrier."""
+    barrier. With rows = (descriptor of a 2D tensor, shared memory of 2 x STAGES of its boxes, a's row,
+    b's row), each tensor's box comes with the box of that row at column coord[1]."""
     stage = it % STAGES
     mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
     box: gl.constexpr = [1, a_smem.shape[1], 1, a_smem.shape[2]]
-    mbarrier.expect(a_ready.index(stage), a_desc.block_type.nbytes)
-    _tma_load(a_desc, coord, a_ready.index(stage), a_smem.index(stage).reshape(box))
-    mbarrier.expect(b_ready.index(stage), b_desc.block_type.nbytes)
-    _tma_load(b_desc, coord, b_ready.index(stage), b_smem.index(stage).reshape(box))
+    row_bytes: gl.constexpr = 0 if rows is None else rows[0].block_type.nbytes
+    for i in gl.static_range(2):
+        desc, smem, ready = (a_desc, a_smem, a_ready) if i == 0 else (b_desc, b_smem, b_ready)
+        mbarrier.expect(ready.index(stage), desc.block_type.nbytes + row_bytes)
+        _tma_load(desc, coord, ready.index(stage), smem.index(stage).reshape(box))
+        if rows is not None:
+            _tma_load(rows[0], [rows[2 + i], coord[1]], ready.index(stage), rows[1].index(2 * stage + i))
 
 
 @gluon.jit
