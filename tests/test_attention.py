@@ -185,8 +185,10 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
     def fused(block_d, length, banded, arch=90):  # dQ from the Gluon dK/dV kernel
         return _launches(arch, block_d, False, False, length, banded)[1].fuse_dq
     assert all(fused(64, length, banded) for length in (4, 5) for banded in (False, True)) and fused(64, 3, False)
-    assert not any(fused(*case) for case in ((64, 3, True), (64, 2, False), (128, 5, False),
-                                              (128, 5, True), (64, 5, False, 80), (64, 5, False, 100)))
+    assert fused(128, 5, False) and fused(128, 5, True)
+    assert not any(fused(*case) for case in ((64, 3, True), (64, 2, False), (128, 4, False), (128, 4, True),
+                                              (128, 3, False), (64, 5, False, 80), (64, 5, False, 100),
+                                              (128, 5, False, 80)))
     q, k = (torch.randn(2, 600, 4, 128, dtype=torch.bfloat16) for _ in range(2))
     causal = AttentionParams(128 ** -0.5, window_right=0)
     assert hopper_forward.accepts(problem(q, k, k, causal), causal)

@@ -180,9 +180,13 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             # dK/dV +3% / +6%, the dQ +1% / +2..4% (causal -2..-7%; 2026-11-22-h100-short-gluon/
             # tune_bwd_class2.log, two rounds).
             gluon = arch == 90 and (length > 2 or (length == 2 and not banded))
-            # dQ fused into the Gluon dK/dV measured 4-6% slower non-causal and 13-18% causal than
-            # the two passes here (2026-11-22-h100-fused-bwd/ab_fused_split.log): not taken.
-            dkdv = Launch(64, 128, 8, 2, tma=length > 2, warp_specialize=length > 2, gluon=gluon)
+            # dQ fused into the Gluon dK/dV beyond 2k keys: since its accumulators start at -lse and
+            # -delta (no spills in its loop), whole backward +3..11% over the two passes at 4k and
+            # 16k, causal or not, +0..2% at 3k; at 2k +2..4% non-causal but -3% causal, at 1-1.5k
+            # level to -5% non-causal, -7..-16% causal (2026-11-23-h100-session13/
+            # tune_d128_fused.log, tune_d128_fused_2k.log, two rounds each).
+            dkdv = Launch(64, 128, 8, 2, tma=length > 2, warp_specialize=length > 2, gluon=gluon,
+                          fuse_dq=length == 5)
             return fwd, dkdv, Launch(128, 64, 8, 3, gluon=gluon)
         # D=256 at 4k (tune_d256.log): 1.8-1.9x the forward, 2.1-2.4x dK/dV and 1.2x dQ of the
         # untuned (64,64,4,2) / (32,64,4,2) / (64,32,4,2).
