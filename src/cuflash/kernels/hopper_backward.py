@@ -388,11 +388,10 @@ def _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta,
         mbarrier.wait(v_ready.index(stage), phase)
         dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
-        x = s * qk_scale
         if MASKED:  # query row i sees key n where n <= i + offset
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            x = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows + offset, 1), x, float("-inf"))
-        p = gl.exp2(x - gl.expand_dims(lse, 1))
+            s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows + offset, 1), s, float("-inf"))
+        p = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(lse, 1)))
         dp = warpgroup_mma_wait(0, deps=(dp,))
         ds = p * (dp - gl.expand_dims(delta, 1))
         dq = warpgroup_mma(gl.convert_layout(ds.to(k.dtype), a_layout), k, dq)

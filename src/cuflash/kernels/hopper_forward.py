@@ -178,7 +178,8 @@ def _softmax(s, m_i, l_i, j, rows, seqlen_k, offset, qk_scale, MASKED: gl.conste
     base-2 logits. MASKED applies the key bound and the causal diagonal (tiles that need neither skip
     the selects). With qk_scale > 0 (accepts) the row maximum of the logits is that of the scores
     times qk_scale, so each score is scaled once, inside the exponential's argument (a fused
-    multiply-add), not also before the maximum."""
+    multiply-add, spelled out: Triton 3.10 stops contracting a multiply and an add by default),
+    not also before the maximum."""
     if MASKED:
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if CAUSAL:  # a row sees keys up to its diagonal and the key bound: one compare a score
@@ -188,7 +189,8 @@ def _softmax(s, m_i, l_i, j, rows, seqlen_k, offset, qk_scale, MASKED: gl.conste
         s = gl.where(visible, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
+    # (times -1 folds into the FFMA as a negated operand; Triton's -x is 0 - x, an instruction a row)
+    p = gl.exp2(gl.fma(s, qk_scale, gl.expand_dims(m_safe * -1.0, 1)))
     alpha = gl.exp2(m_i - m_safe)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
