@@ -174,13 +174,16 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
                for length, banded in ((5, False), (5, True), (4, False)))
     assert all(_launches(90, d, False, False, length, banded)[0].consumers == 2
                for d, length, banded in ((64, 3, False), (64, 4, True), (128, 5, False)))
-    assert all(gluon(d, length, banded, kernel=1) for d in (64, 128) for length in (3, 4, 5) for banded in (False, True))
+    # The Gluon dK/dV at every length; its dQ at D=128 from 513 keys, non-causal from 257.
+    assert all(gluon(d, length, banded, kernel=1)
+               for d in (64, 128) for length in range(6) for banded in (False, True))
     assert all(gluon(128, length, banded, kernel=2) for length in (3, 4, 5) for banded in (False, True))
-    assert gluon(128, 2, False, kernel=1) and gluon(128, 2, False, kernel=2)
+    assert gluon(128, 2, False, kernel=2) and not gluon(128, 2, True, kernel=2)
     assert not gluon(64, 5, False, kernel=2)
+    assert not gluon(128, 1, False, kernel=2)
     assert not any(gluon(*case, kernel=kernel) for kernel in (1, 2) for case in (
-        (128, 2, True), (128, 1, False), (64, 2, False), (64, 2, True), (256, 5, False), (128, 5, False, 90, True),
-        (128, 5, False, 80), (64, 5, True, 100)))
+        (256, 5, False), (128, 5, False, 90, True),
+        (128, 5, False, 80), (64, 5, True, 100), (64, 2, False, 80)))
 
     def fused(block_d, length, banded, arch=90):  # dQ from the Gluon dK/dV kernel
         return _launches(arch, block_d, False, False, length, banded)[1].fuse_dq

@@ -260,17 +260,21 @@ def test_hopper_forward(dtype, head_dim, causal, consumers, seqlen_q, seqlen_k, 
     assert launched and set(launched) == {consumers}
 
 
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (129, 500), (500, 17)])
-def test_hopper_short(seqlen_q, seqlen_k):
-    """The Gluon forward and backward kernels also take D=128 non-causal from 257 keys (the
-    table's length class 2)."""
+@pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (64, False), (64, True)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (129, 500), (500, 17), (17, 200), (1, 100)])
+def test_hopper_short(seqlen_q, seqlen_k, head_dim, causal):
+    """Up to 512 keys the Gluon dK/dV kernel takes the backward, and at D=128 non-causal from 257 keys
+    (the table's length class 2) the Gluon forward and dQ kernels too."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     torch.manual_seed(seqlen_q + seqlen_k)
-    q, k, v = make_qkv(4, seqlen_q, seqlen_k, 8, 2, 128, torch.bfloat16, "cuda")
-    assert forward_config(q, 128, max(seqlen_q, seqlen_k), False).gluon
-    assert all(c.gluon for c in backward_configs(q, 128, max(seqlen_q, seqlen_k), False))
-    check_against_oracle(_flash(False), q, k, v, False)
+    q, k, v = make_qkv(4, seqlen_q, seqlen_k, 8, 2, head_dim, torch.bfloat16, "cuda")
+    n = max(seqlen_q, seqlen_k)
+    dkdv, dq = backward_configs(q, head_dim, n, causal)
+    plain = head_dim == 128 and not causal
+    assert dkdv.gluon and not dkdv.fuse_dq
+    assert dq.gluon == forward_config(q, head_dim, n, causal).gluon == (plain and n > 256)
+    check_against_oracle(_flash(causal), q, k, v, causal)
 
 
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd"])

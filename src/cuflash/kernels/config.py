@@ -157,8 +157,13 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             # two rounds): +10..+19% from 4k, +4..5% at 1k non-causal, -2..3% at 1k causal; causal at
             # 1025-2048 keys, against the persistent kernels: +8..9% at 2k, -2..3% at 1k
             # (2026-11-22-h100-session11/tune_d64_dq.log, two rounds).
+            # Up to 512 keys the Gluon dK/dV too, since its accumulators start at -lse and -delta:
+            # whole backward over these launches +18..21% non-causal, +18..34% causal at 384-512 keys
+            # (the fused kernel less: -9..+17%), +6..25% at 192-256, +6..14% at 128 and causal 64,
+            # -3% at 64 non-causal (2026-11-23-h100-session13/tune_bwd_class{0,1,2}.log, two rounds).
             fuse = arch == 90 and (length >= 4 or not banded)
-            dkdv = Launch(32, 64, 4, 3) if length < 3 else Launch(64, 128, 8, 3, gluon=arch == 90, fuse_dq=fuse)
+            dkdv = (Launch(32, 64, 4, 3, gluon=arch == 90) if length < 3
+                    else Launch(64, 128, 8, 3, gluon=arch == 90, fuse_dq=fuse))
             return fwd, dkdv, Launch(64, 64, 4, 3)
         if block_d <= 128:
             if length == 0:
@@ -180,12 +185,15 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             # dK/dV +3% / +6%, the dQ +1% / +2..4% (causal -2..-7%; 2026-11-22-h100-short-gluon/
             # tune_bwd_class2.log, two rounds).
             gluon = arch == 90 and (length > 2 or (length == 2 and not banded))
+            # The Gluon dK/dV at every length, since its accumulators start at -lse and -delta:
+            # whole backward +15..31% at 384-512 keys causal, +21..27% at 192-256, +14..22% at 64-128
+            # (2026-11-23-h100-session13/tune_bwd_class{0,1,2}.log, two rounds).
             # dQ fused into the Gluon dK/dV beyond 2k keys: since its accumulators start at -lse and
             # -delta (no spills in its loop), whole backward +3..11% over the two passes at 4k and
             # 16k, causal or not, +0..2% at 3k; at 2k +2..4% non-causal but -3% causal, at 1-1.5k
             # level to -5% non-causal, -7..-16% causal (2026-11-23-h100-session13/
             # tune_d128_fused.log, tune_d128_fused_2k.log, two rounds each).
-            dkdv = Launch(64, 128, 8, 2, tma=length > 2, warp_specialize=length > 2, gluon=gluon,
+            dkdv = Launch(64, 128, 8, 2, tma=length > 2, warp_specialize=length > 2, gluon=arch == 90,
                           fuse_dq=length == 5)
             return fwd, dkdv, Launch(128, 64, 8, 3, gluon=gluon)
         # D=256 at 4k (tune_d256.log): 1.8-1.9x the forward, 2.1-2.4x dK/dV and 1.2x dQ of the
