@@ -510,7 +510,8 @@ def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams):
     acc_strides = _box_strides(prob, "a", acc) if acc is not None else dict(stride_ab=0, stride_am=0, stride_ah=0)
     return _attn_bwd_dkdv_hopper, (min(cdiv(items, 2), num_sms(dk.device)),), dict(
         **_shared_args(tensors, prob, params), AccInit=init, padded_q=init.shape[2], DK=dk, DV=dv, DQAcc=acc,
-        **_box_strides(prob, "dk", dk, "n"), **_box_strides(prob, "dv", dv, "n"), **acc_strides, FUSED=acc is not None, STAGES=2, KV_BUFFERS=kv_buffers)
+        **_box_strides(prob, "dk", dk, "n"), **_box_strides(prob, "dv", dv, "n"), **acc_strides,
+        FUSED=acc is not None, STAGES=2, KV_BUFFERS=kv_buffers)
 
 
 def dq_launch(tensors: dict, prob: Problem, params: AttentionParams):
