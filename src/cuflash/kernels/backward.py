@@ -367,20 +367,20 @@ def _launches(t: dict, params: AttentionParams, configs: tuple[Launch, Launch] |
     rows_block = 64  # query rows per program of the delta and cast kernels
     # The Gluon kernels for Hopper where the table asks for them and they take the input.
     gluon = hopper_backward is not None and hopper_backward.accepts(prob, params, dout)
-    acc_init = dkdv_cfg.gluon and gluon
+    gluon_dkdv = dkdv_cfg.gluon and gluon
     padded_q = cdiv(prob.seqlen_q, rows_block) * rows_block  # whole query tiles of the Gluon kernels
-    if acc_init:  # (launch() makes a new one per call)
+    if gluon_dkdv:  # its accumulators' starting values (launch() makes a new one per call)
         t["AccInit"] = torch.zeros((2, prob.batch * prob.nheads, padded_q), dtype=torch.float32, device=q.device)
     delta = _attn_bwd_delta, (cdiv(delta_rows, rows_block), delta_batch * prob.nheads), dict(
         Out=t["Out"], DO=dout, Lse=t["Lse"], Delta=t["Delta"], AccInit=t.get("AccInit"),
         **prob.strides("o", t["Out"]), **prob.strides("do", dout), **lse_args, nheads=prob.nheads,
         seqlen_q=delta_rows, head_dim=prob.head_dim, padded_q=padded_q, softmax_scale=params.softmax_scale,
-        BLOCK_M=rows_block, BLOCK_D=prob.block_d, ACC_INIT=acc_init,
+        BLOCK_M=rows_block, BLOCK_D=prob.block_d, ACC_INIT=gluon_dkdv,
     )
-    fused = dkdv_cfg.gluon and dkdv_cfg.fuse_dq and gluon and not params.deterministic
+    fused = gluon_dkdv and dkdv_cfg.fuse_dq and not params.deterministic
     if fused:  # dQ from the dK/dV kernel, into a workspace (launch() makes a new one per call)
         t["DQAcc"] = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    if dkdv_cfg.gluon and gluon:
+    if gluon_dkdv:
         dkdv = hopper_backward.dkdv_launch(t, prob, params)
     else:
         dkdv = _attn_bwd_dkdv, (cdiv(prob.seqlen_k, dkdv_cfg.block_n), prob.batch * prob.nheads_k), dict(

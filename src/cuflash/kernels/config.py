@@ -184,7 +184,7 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             # 1k within -2..+1%; ab_bwd.log). Non-causal from 257 keys too: at 384 / 512 keys the
             # dK/dV +3% / +6%, the dQ +1% / +2..4% (causal -2..-7%; 2026-11-22-h100-short-gluon/
             # tune_bwd_class2.log, two rounds).
-            gluon = arch == 90 and (length > 2 or (length == 2 and not banded))
+            gluon_dq = arch == 90 and (length > 2 or (length == 2 and not banded))
             # The Gluon dK/dV at every length, since its accumulators start at -lse and -delta:
             # whole backward +15..31% at 384-512 keys causal, +21..27% at 192-256, +14..22% at 64-128
             # (2026-11-23-h100-session13/tune_bwd_class{0,1,2}.log, two rounds).
@@ -195,7 +195,7 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
             # tune_d128_fused.log, tune_d128_fused_2k.log, two rounds each).
             dkdv = Launch(64, 128, 8, 2, tma=length > 2, warp_specialize=length > 2, gluon=arch == 90,
                           fuse_dq=length == 5)
-            return fwd, dkdv, Launch(128, 64, 8, 3, gluon=gluon)
+            return fwd, dkdv, Launch(128, 64, 8, 3, gluon=gluon_dq)
         # D=256 at 4k (tune_d256.log): 1.8-1.9x the forward, 2.1-2.4x dK/dV and 1.2x dQ of the
         # untuned (64,64,4,2) / (32,64,4,2) / (64,32,4,2).
         return Launch(128, 64, 8, 2, tma=True), Launch(64, 64, 8, 2, tma=True), Launch(128, 32, 8, 3)
