@@ -164,11 +164,17 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
         return _launches(arch, block_d, fp32, False, length, banded)[kernel].gluon
 
     # Length classes (config._length): 1 up to 256 keys, 2 up to 512, 3 up to 1k, 4 up to 2k, 5 beyond.
-    assert all(gluon(128, length, banded) for length in (3, 4, 5) for banded in (False, True))
-    assert gluon(128, 2, False) and gluon(64, 3, False) and gluon(64, 4, True) and gluon(64, 5, True)
-    assert not any((gluon(128, 1, False), gluon(128, 2, True), gluon(64, 2, False), gluon(64, 3, True),
-                    gluon(256, 5, False), gluon(128, 5, False, fp32=True), gluon(128, 5, False, arch=80),
+    # The Gluon forward but causal up to 64 keys, and at D=64 for 257-512 keys.
+    assert all(gluon(d, length, banded) == (not (banded and length == 0) and (d, length) != (64, 2))
+               for d in (64, 128) for length in range(6) for banded in (False, True))
+    assert not any((gluon(256, 5, False), gluon(128, 5, False, fp32=True), gluon(128, 5, False, arch=80),
                     gluon(128, 5, False, arch=100)))
+    # Its 64-key tiles up to 256 keys and causal up to 1k, 128-key tiles elsewhere.
+    for d in (64, 128):
+        for length in range(6):
+            for banded in (False, True):
+                fwd = _launches(90, d, False, False, length, banded)[0]
+                assert fwd.gluon_block_n == (64 if length <= 1 or (banded and length <= 3) else 128) or not fwd.gluon
     # Three consumer warpgroups in the D=64 forward beyond 2k keys and non-causal beyond 1k, two elsewhere.
     assert all(_launches(90, 64, False, False, length, banded)[0].consumers == 3
                for length, banded in ((5, False), (5, True), (4, False)))
@@ -196,8 +202,11 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
     causal = AttentionParams(128 ** -0.5, window_right=0)
     assert hopper_forward.accepts(problem(q, k, k, causal), causal)
     assert hopper_forward.accepts(problem(q[..., :64], k[..., :64], k[..., :64], causal), causal)
-    with pytest.raises(ValueError, match="2 or 3 consumer"):
-        hopper_forward.launch_args(dict(Q=q, K=k, V=k, Out=q), problem(q, k, k, causal), causal, 4)
+    for cfg, match in ((Launch(128, 64, 4, 3, gluon=True, consumers=4), "2 or 3 consumer"),
+                       (Launch(128, 64, 4, 3, gluon=True, gluon_block_n=32), "64- or 128-key tiles"),
+                       (Launch(128, 64, 4, 3, gluon=True, gluon_block_n=64, gluon_stages=6), "fewer than 6")):
+        with pytest.raises(ValueError, match=match):
+            hopper_forward.launch_args(dict(Q=q, K=k, V=k, Out=q), problem(q, k, k, causal), causal, cfg)
     for params in (AttentionParams(0.1, window_left=64, window_right=0), AttentionParams(0.1, softcap=30.0),
                    AttentionParams(0.1, dropout_p=0.1), AttentionParams(0.1, alibi_slopes=torch.ones(4)),
                    AttentionParams(0.0)):

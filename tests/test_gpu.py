@@ -234,14 +234,16 @@ def test_length_one_with_descriptor_launches(causal, head_dim, seqlen_q, seqlen_
 
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (4100, 1)])
-@pytest.mark.parametrize("head_dim,causal,consumers", [(128, False, 2), (128, True, 2), (64, False, 2), (64, True, 2),
-                                                     (64, False, 3), (64, True, 3)])
+@pytest.mark.parametrize("head_dim,causal,consumers,block_n", [
+    (128, False, 2, 128), (128, True, 2, 128), (64, False, 2, 128), (64, True, 2, 128), (64, False, 3, 128),
+    (64, True, 3, 128), (128, False, 2, 64), (128, True, 2, 64), (64, True, 2, 64)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_hopper_forward(dtype, head_dim, causal, consumers, seqlen_q, seqlen_k, layout, monkeypatch):
-    """The Gluon forward (kernels/hopper_forward.py) with 2 or 3 consumer warpgroups (forced here
-    where the table takes the other count or the Triton kernel) matches float64 like the Triton
-    kernels: ragged tiles, GQA, rows with no visible key (causal, seqlen_q > seqlen_k),
-    non-contiguous inputs; the gradients check its lse."""
+def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, seqlen_q, seqlen_k, layout, monkeypatch):
+    """The Gluon forward (kernels/hopper_forward.py) with 2 or 3 consumer warpgroups and 128- or 64-key
+    tiles (forced here where the table takes others or the Triton kernel; 64-key tiles with 5 K/V
+    buffers, at D=128 the most shared memory it allows) matches float64 like the Triton kernels: ragged
+    tiles, GQA, rows with no visible key (causal, seqlen_q > seqlen_k), non-contiguous inputs; the
+    gradients check its lse."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (sm_90)")
     from cuflash.kernels import forward, hopper_forward, launch
@@ -251,20 +253,21 @@ def test_hopper_forward(dtype, head_dim, causal, consumers, seqlen_q, seqlen_k, 
     params = AttentionParams(head_dim ** -0.5, window_right=0 if causal else -1)
     assert hopper_forward.accepts(problem(q, k, v, params), params)
     cfg = dataclasses.replace(forward_config(q, head_dim, max(seqlen_q, seqlen_k), causal), gluon=True,
-                              consumers=consumers)
+                              consumers=consumers, gluon_block_n=block_n, gluon_stages=5 if block_n == 64 else 3)
     monkeypatch.setattr(forward, "forward_config", lambda *_: cfg)
     monkeypatch.setattr(launch, "_plans", {})  # the plans made with the patched table stay here
     launched, launch_args = [], hopper_forward.launch_args
     monkeypatch.setattr(hopper_forward, "launch_args", lambda *args: launched.append(args[-1]) or launch_args(*args))
     check_against_oracle(_flash(causal), q, k, v, causal)
-    assert launched and set(launched) == {consumers}
+    assert launched and set(launched) == {cfg}
 
 
 @pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (64, False), (64, True)])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (129, 500), (500, 17), (17, 200), (1, 100)])
 def test_hopper_short(seqlen_q, seqlen_k, head_dim, causal):
     """Up to 512 keys the Gluon dK/dV kernel takes the backward, and at D=128 non-causal from 257 keys
-    (the table's length class 2) the Gluon forward and dQ kernels too."""
+    (the table's length class 2) the Gluon dQ kernel too. The Gluon forward runs but causal up to 64 keys
+    (here 100) and at D=64 for 257-512 keys; with 64-key tiles up to 256 keys and causal up to 1k."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     torch.manual_seed(seqlen_q + seqlen_k)
@@ -273,7 +276,10 @@ def test_hopper_short(seqlen_q, seqlen_k, head_dim, causal):
     dkdv, dq = backward_configs(q, head_dim, n, causal)
     plain = head_dim == 128 and not causal
     assert dkdv.gluon and not dkdv.fuse_dq
-    assert dq.gluon == forward_config(q, head_dim, n, causal).gluon == (plain and n > 256)
+    assert dq.gluon == (plain and n > 256)
+    fwd = forward_config(q, head_dim, n, causal)
+    assert fwd.gluon == (not (causal and n <= 128) and (head_dim == 128 or not 256 < n <= 512))
+    assert not fwd.gluon or fwd.gluon_block_n == (64 if n <= 256 or causal else 128)
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 

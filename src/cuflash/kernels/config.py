@@ -24,6 +24,10 @@ class Launch:
     # (forward launches with gluon) consumer warpgroups, 64 query rows each: 2, or 3 at D=64 (at D=128
     # three would spill their registers).
     consumers: int = 2
+    # (forward launches with gluon) the Gluon forward's key tile (128, or 64: under a causal mask less
+    # of the diagonal computed, at twice the tiles) and its ring of K/V buffers.
+    gluon_block_n: int = 128
+    gluon_stages: int = 3
     # (dK/dV launches with gluon) The Gluon dK/dV kernel also adds dQ to an fp32 workspace by TMA
     # reductions, replacing the dQ launch, unless the call asks for a deterministic backward.
     fuse_dq: bool = False
@@ -139,7 +143,7 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 fwd = Launch(64, 32, 4, 2)
             else:
                 fwd = small_fwd if length < 5 else Launch(128, 64, 4, 3, tma=True)
-            if arch == 90 and (length >= 4 or (length == 3 and not banded)):
+            if arch == 90 and length != 2 and not (length == 0 and banded):
                 # The Gluon forward (see D=128), side by side (ab_pairs.log): non-causal 0.87-0.95x
                 # cuDNN from 1k, level with these launches up to 8k and +5% at 16k; causal 0.82-0.94x
                 # from 2k against 0.78-0.87x, but 0.66x against 0.71x at 1k. Beyond 2k keys with three
@@ -151,6 +155,14 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 # tune_d64_consumers_class4.log, two rounds).
                 three = length == 5 or (length == 4 and not banded)
                 fwd = dataclasses.replace(fwd, gluon=True, consumers=3 if three else 2)
+                if length <= 1 or (banded and length == 3):
+                    # Up to 256 keys, and causal up to 1k: 64-key tiles (fewer keys past the end, less
+                    # of the diagonal computed, at twice the tiles) in 6 buffers. Over the Triton forward
+                    # (2026-11-23-h100-session14/ab_fwd_tiles_*.log, two rounds each): non-causal +32% at
+                    # 64 keys, +2% at 128, +6..20% at 144-256; causal +2..10% at 160-256 and 512-1024
+                    # keys; but causal -14% at 64 (class 0 causal stays Triton) and causal -10% at 384
+                    # (class 2 stays Triton, where 128-key tiles lost 23..27% non-causal at 320 and 448).
+                    fwd = dataclasses.replace(fwd, gluon_block_n=64, gluon_stages=6)
             # The Gluon dK/dV beyond 512 keys: whole backward +1..+17% (2026-11-22-h100-gluon-bwd/
             # ab_dkdv.log); its dQ measured up to 14% slower than this one at D=64 up to 4k. With dQ
             # fused into it, against these two passes (2026-11-22-h100-fused-bwd/ab_fused_split.log,
@@ -172,13 +184,21 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 fwd = Launch(64, 64, 4, 3, tma=True)
             else:
                 fwd = small_fwd if length in (1, 2) else Launch(128, 64, 8, 3)
-            if arch == 90 and (length >= 3 or (length == 2 and not banded)):
+            if arch == 90 and (length > 0 or not banded):
                 # The Gluon forward beyond 512 keys (wgmma is Hopper's alone): 0.85-1.03x cuDNN
                 # non-causal, 0.79-1.04x causal, where these launches reach 0.64-0.83x
                 # (2026-11-22-h100-gluon/ab_pairs.log). Non-causal from 257 keys too: +14..26% at
                 # 384 and 512; at 256 one of two rounds 26% slower, causal there -6..-14%
                 # (2026-11-22-h100-short-gluon/ab_short_rotated.log, tune_short.log).
                 fwd = dataclasses.replace(fwd, gluon=True)
+                if length <= 1 or (banded and length <= 3):
+                    # Up to 256 keys, and causal up to 1k: 64-key tiles (fewer keys past the end, less of
+                    # the diagonal computed, at twice the tiles) in 5 buffers (and two Q buffers, which
+                    # then fit). Over the Triton forward (2026-11-23-h100-session14/ab_fwd_tiles_*.log,
+                    # two rounds each): non-causal +13% at 64 keys, +1% at 128, +15..25% at 144-256;
+                    # causal +3..13% at 160-256, +1% at 384, +22% at 512, over 128-key tiles +8..19% at
+                    # 640-896 and level at 1k; causal at 64 keys -8% (class 0 causal stays Triton).
+                    fwd = dataclasses.replace(fwd, gluon_block_n=64, gluon_stages=5)
             # The Gluon dK/dV and dQ beyond 512 keys (2026-11-22-h100-gluon-bwd): whole backward
             # +7..+18% for the dK/dV (ab_dkdv.log), then +5..+8% for the dQ from 4k (causal 4k and
             # 1k within -2..+1%; ab_bwd.log). Non-causal from 257 keys too: at 384 / 512 keys the

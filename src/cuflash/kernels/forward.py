@@ -145,7 +145,7 @@ def _launch(tensors: dict, params: AttentionParams, config: Launch | None):
     prob = problem(q, k, v, params)
     cfg = config or forward_config(q, prob.block_d, max(prob.seqlen_q, prob.seqlen_k), params.banded)
     if cfg.gluon and hopper_forward is not None and hopper_forward.accepts(prob, params):
-        return hopper_forward.launch_args(tensors, prob, params, cfg.consumers)
+        return hopper_forward.launch_args(tensors, prob, params, cfg)
     tma = use_tma(cfg, (prob.seqlen_q, prob.seqlen_k), k, v)
     grid = (cdiv(prob.seqlen_q, cfg.block_m), prob.batch * prob.nheads)
     return _attn_fwd, grid, dict(

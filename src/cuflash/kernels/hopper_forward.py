@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ..params import AttentionParams
 from .common import LN2
-from .config import cdiv, num_sms, scratch, tma_addressable
+from .config import Launch, cdiv, num_sms, scratch, tma_addressable
 from .variant import Problem, lse_strides, logit_scales
 
 # The Triton versions the Gluon kernels are for (3.6, the GPU machine's; 3.9, the CPU machine's) and
@@ -302,10 +302,10 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
                                           s_layout, p_layout, o_layout)
             # Each consumer's rows of O leave through shared memory, copied out by the TMA. With two Q
             # buffers, through the consumer's part of the item's Q buffer, which goes back to the loader
-            # once the copy has read it. With one (D=128: no room for a second), the Q buffer goes back
-            # once every consumer's last S is done, so that the next item's Q arrives while this one
-            # finishes, and O leaves through the item's last K tile (S products only read it), held
-            # until the copy has read it.
+            # once the copy has read it. With one (D=128 with 128-key tiles: no room for a second), the
+            # Q buffer goes back once every consumer's last S is done, so that the next item's Q arrives
+            # while this one finishes, and O leaves through the item's last K tile (S products only read
+            # it), held until the copy has read it.
             O_IN_K: gl.constexpr = Q_BUFFERS == 1
             if O_IN_K:
                 mbarrier.arrive(q_empty.index(qb), count=1)
@@ -404,34 +404,40 @@ def accepts(prob: Problem, params: AttentionParams) -> bool:
             and prob.q.dtype in (torch.float16, torch.bfloat16) and tma_addressable(prob.q, prob.k, prob.v))
 
 
-def launch_args(tensors: dict, prob: Problem, params: AttentionParams, consumers: int):
-    """(kernel, grid, keyword arguments) for kernels/launch.py. Tiles: `consumers` (2 or 3) x 64
-    query rows, 128 keys, 3 K/V buffers (D=128 at 16k tokens on an H100: 0.90-1.03x cuDNN where 2
-    buffers gave 0.81-0.90x). One persistent program per SM, whose loader fetches the next work
-    item during the last one's epilogue, taking pairs of items round-robin (causal D=128 1k +24%
-    over one program per item; docs/perf-notes.md)."""
-    if consumers not in (2, 3):
-        raise ValueError(f"the Gluon forward runs 2 or 3 consumer warpgroups, not {consumers}")
+def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Launch):
+    """(kernel, grid, keyword arguments) for kernels/launch.py, with the launch's consumer warpgroups
+    (2 or 3) x 64 query rows, its key tile (128 or 64) and ring of K/V buffers (D=128 at 16k tokens
+    on an H100, 128-key tiles: 3 buffers 0.90-1.03x cuDNN where 2 gave 0.81-0.90x). One persistent
+    program per SM, whose loader fetches the next work item during the last one's epilogue, taking
+    pairs of items round-robin (causal D=128 1k +24% over one program per item; docs/perf-notes.md)."""
+    if cfg.consumers not in (2, 3) or cfg.gluon_block_n not in (64, 128):
+        raise ValueError(f"the Gluon forward runs 2 or 3 consumer warpgroups and 64- or 128-key tiles, not "
+                         f"{cfg.consumers} and {cfg.gluon_block_n}")
     q, k, v, out = tensors["Q"], tensors["K"], tensors["V"], tensors["Out"]
+    # Two Q buffers (the loader fetches an item's Q during the last one) where the shared memory holds
+    # them: all but D=128 with 128-key tiles, which takes 224 of 227 KB with one (3 K/V buffers of 64 KB,
+    # Q 32 KB); that one goes back to the loader after the item's last S, O leaving through a K tile
+    # instead (+6..8% at 1k non-causal over O through the Q buffer, released after the copy;
+    # 2026-11-22-h100-fwd-o-kv).
+    q_buffers = 1 if prob.head_dim == 128 and cfg.gluon_block_n == 128 else 2
+    smem = (q_buffers * cfg.consumers * ROWS.value + 2 * cfg.gluon_stages * cfg.gluon_block_n) * prob.head_dim * 2
+    if smem > 227 * 1024:
+        raise ValueError(f"the Gluon forward's buffers take {smem} bytes of shared memory, over 227 KB: "
+                         f"fewer than {cfg.gluon_stages} K/V buffers")
     triton.set_allocator(scratch)  # the kernel builds its tensor descriptors in global scratch
     qk_scale, _ = logit_scales(params)
-    items = cdiv(prob.seqlen_q, consumers * ROWS) * prob.batch * prob.nheads
+    items = cdiv(prob.seqlen_q, cfg.consumers * ROWS) * prob.batch * prob.nheads
     # The warps (4 per consumer, 1 loader) run as whole warpgroups that share the register file,
     # 64K a program, which the partitions trade: 2 consumers: 3 warpgroups of 168 registers a thread,
     # 240 each for the consumers, 24 for the loader; 3 consumers: 4 of 128, 160 and 24.
-    regs, consumer_regs = (168, 240) if consumers == 2 else (128, 160)
-    # Two Q buffers (the loader fetches an item's Q during the last one) where the shared memory holds
-    # them: D=64; D=128 takes 224 of 227 KB with one (3 K/V buffers of 64 KB, Q 32 KB), which goes back
-    # to the loader after the item's last S, O leaving through a K tile instead (+6..8% at 1k non-causal
-    # over O through the Q buffer, released after the copy; 2026-11-22-h100-fwd-o-kv).
-    q_buffers = 2 if prob.head_dim == 64 else 1
+    regs, consumer_regs = (168, 240) if cfg.consumers == 2 else (128, 160)
     return _attn_fwd_hopper, (min(cdiv(items, 2), num_sms(q.device)),), dict(
         Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], **_box_strides(prob, "q", q), **_box_strides(prob, "k", k, "n"),
         **_box_strides(prob, "v", v, "n"), **_box_strides(prob, "o", out), **lse_strides(prob, params),
         batch=prob.batch, nheads=prob.nheads, nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q,
         seqlen_k=prob.seqlen_k, offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
-        CAUSAL=params.window_right == 0, BLOCK_N=128, HEAD_D=prob.head_dim, STAGES=3, CONSUMERS=consumers,
-        Q_BUFFERS=q_buffers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=regs)
+        CAUSAL=params.window_right == 0, BLOCK_N=cfg.gluon_block_n, HEAD_D=prob.head_dim, STAGES=cfg.gluon_stages,
+        CONSUMERS=cfg.consumers, Q_BUFFERS=q_buffers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=regs)
 
 
 def _box_strides(prob: Problem, name: str, t: torch.Tensor, row: str = "m") -> dict:
