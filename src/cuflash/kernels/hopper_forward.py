@@ -242,6 +242,25 @@ def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, base
 
 
 @gluon.jit
+def _hand_back(buffer, q_empty, kv_empty, O_IN_K: gl.constexpr):
+    """Once the tensor memory accelerator has read O out of `buffer`, hands it back: the K/V buffer
+    (O_IN_K) or the Q buffer of that index."""
+    tma.store_wait(0)
+    _barrier()  # the thread that issued the copy has seen it read the buffer
+    if O_IN_K:
+        mbarrier.arrive(kv_empty.index(buffer), count=1)
+    else:
+        mbarrier.arrive(q_empty.index(buffer), count=1)
+
+
+@gluon.jit
+def _hand_back_pending(pending, q_empty, kv_empty, O_IN_K: gl.constexpr):
+    """_hand_back of the buffer `pending`, if any (not where -1)."""
+    if pending >= 0:
+        _hand_back(pending, q_empty, kv_empty, O_IN_K)
+
+
+@gluon.jit
 def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
              CONSUMERS: gl.constexpr, WG: gl.constexpr):
     (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
@@ -260,6 +279,13 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
     it = 0  # K/V tiles consumed so far: the ring's position
     done = 0  # work items done so far
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+    O_IN_K: gl.constexpr = Q_BUFFERS == 1  # O leaves through a K tile (see the item's end)
+    # At D=128 under a causal mask the buffer that O leaves through goes back after the next item's
+    # tile 0 (the copy reading it meanwhile), not once the copy has read it: +0.5..7% at 1k-16k keys
+    # (2026-11-23-h100-session14/ab_fwd_release_causal.log, two rounds, where the unchanged non-causal
+    # code read -2.8..+1.5%); non-causal -3..+4%, 16k -2% in both rounds (ab_fwd_release_final.log).
+    DEFER: gl.constexpr = HEAD_D == 128 and CAUSAL
+    pending = -1  # the buffer that the last item's O is leaving through, until it goes back
     items = n_m * batch * nheads
     for k in range(_count(items)):
         w = _work(k)
@@ -294,19 +320,25 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
                 p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N,
                                               s_layout)
                 p = _pack(p, dtype)
+                if DEFER:  # the last item's O has left its buffer during tile 0: the buffer goes back
+                    # (before any wait for a tile that the loader may need it for)
+                    _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
+                    pending = -1
                 acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, 1,
                                           n_full, rows, seqlen_k, offset, qk_scale, False, CAUSAL, BLOCK_N, STAGES,
                                           s_layout, p_layout, o_layout)
                 acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, n_full,
                                           n_mine, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N, STAGES,
                                           s_layout, p_layout, o_layout)
+            if DEFER:  # (where this warpgroup's rows see no tile)
+                _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
+                pending = -1
             # Each consumer's rows of O leave through shared memory, copied out by the TMA. With two Q
             # buffers, through the consumer's part of the item's Q buffer, which goes back to the loader
             # once the copy has read it. With one (D=128 with 128-key tiles: no room for a second), the
             # Q buffer goes back once every consumer's last S is done, so that the next item's Q arrives
             # while this one finishes, and O leaves through the item's last K tile (S products only read
             # it), held until the copy has read it.
-            O_IN_K: gl.constexpr = Q_BUFFERS == 1
             if O_IN_K:
                 mbarrier.arrive(q_empty.index(qb), count=1)
                 end = it + n_tiles - 1  # the tiles before `end` go back as soon as they are done
@@ -336,16 +368,18 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
                 mbarrier.wait(v_ready.index(end % STAGES), (end // STAGES) & 1)
                 mbarrier.wait(q_empty.index(qb), done & 1)
                 _copy_out(o_desc, [off_b, row0, off_h, 0], k_smem.index(end % STAGES), out, PART=WG)
+                buffer = end % STAGES
             else:
                 _copy_out(o_desc, [off_b, row0, off_h, 0], q, out)
-            tma.store_wait(0)
-            _barrier()  # the thread that issued the copy has seen it read the buffer
-            if O_IN_K:
-                mbarrier.arrive(kv_empty.index(end % STAGES), count=1)
+                buffer = qb
+            if DEFER:
+                pending = buffer
             else:
-                mbarrier.arrive(q_empty.index(qb), count=1)
+                _hand_back(buffer, q_empty, kv_empty, O_IN_K)
             it += n_tiles
             done += 1
+    if DEFER:  # (shared memory must outlive the copies)
+        _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
 
 
 @gluon.jit
