@@ -164,20 +164,21 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
         return _launches(arch, block_d, fp32, False, length, banded)[kernel].gluon
 
     # Length classes (config._length): 1 up to 256 keys, 2 up to 512, 3 up to 1k, 4 up to 2k, 5 beyond.
-    # The Gluon forward but causal up to 64 keys, and at D=64 for 257-512 keys.
-    assert all(gluon(d, length, banded) == (not (banded and length == 0) and (d, length) != (64, 2))
+    # The Gluon forward but causal up to 64 keys, and at D=64 causal for 257-512 keys.
+    assert all(gluon(d, length, banded) == (not (banded and length == 0) and (d, length, banded) != (64, 2, True))
                for d in (64, 128) for length in range(6) for banded in (False, True))
     assert not any((gluon(256, 5, False), gluon(128, 5, False, fp32=True), gluon(128, 5, False, arch=80),
                     gluon(128, 5, False, arch=100)))
-    # Its 64-key tiles up to 256 keys and causal up to 1k, 128-key tiles elsewhere.
+    # Its 64-key tiles up to 256 keys (D=64: 512) and causal up to 1k, 128-key tiles elsewhere.
     for d in (64, 128):
         for length in range(6):
             for banded in (False, True):
                 fwd = _launches(90, d, False, False, length, banded)[0]
-                assert fwd.gluon_block_n == (64 if length <= 1 or (banded and length <= 3) else 128) or not fwd.gluon
+                short = length <= (2 if d == 64 else 1) or (banded and length <= 3)
+                assert fwd.gluon_block_n == (64 if short else 128) or not fwd.gluon
     # Three consumer warpgroups in the D=64 forward beyond 2k keys and non-causal beyond 1k, two elsewhere.
     assert all(_launches(90, 64, False, False, length, banded)[0].consumers == 3
-               for length, banded in ((5, False), (5, True), (4, False)))
+               for length, banded in ((5, False), (5, True), (4, False), (2, False)))
     assert all(_launches(90, d, False, False, length, banded)[0].consumers == 2
                for d, length, banded in ((64, 3, False), (64, 4, True), (128, 5, False)))
     # The Gluon dK/dV at every length; its dQ at D=128 from 513 keys, non-causal from 257.

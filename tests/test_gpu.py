@@ -236,7 +236,8 @@ def test_length_one_with_descriptor_launches(causal, head_dim, seqlen_q, seqlen_
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (4100, 1)])
 @pytest.mark.parametrize("head_dim,causal,consumers,block_n", [
     (128, False, 2, 128), (128, True, 2, 128), (64, False, 2, 128), (64, True, 2, 128), (64, False, 3, 128),
-    (64, True, 3, 128), (128, False, 2, 64), (128, True, 2, 64), (64, True, 2, 64)])
+    (64, True, 3, 128), (128, False, 2, 64), (128, True, 2, 64), (64, True, 2, 64), (64, False, 3, 64),
+    (64, True, 3, 64)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, seqlen_q, seqlen_k, layout, monkeypatch):
     """The Gluon forward (kernels/hopper_forward.py) with 2 or 3 consumer warpgroups and 128- or 64-key
@@ -267,7 +268,8 @@ def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, seqlen_q, s
 def test_hopper_short(seqlen_q, seqlen_k, head_dim, causal):
     """Up to 512 keys the Gluon dK/dV kernel takes the backward, and at D=128 non-causal from 257 keys
     (the table's length class 2) the Gluon dQ kernel too. The Gluon forward runs but causal up to 64 keys
-    (here 100) and at D=64 for 257-512 keys; with 64-key tiles up to 256 keys and causal up to 1k."""
+    (here 100) and at D=64 causal for 257-512 keys; with 64-key tiles up to 256 keys (D=64: 512) and causal
+    up to 1k."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     torch.manual_seed(seqlen_q + seqlen_k)
@@ -278,8 +280,8 @@ def test_hopper_short(seqlen_q, seqlen_k, head_dim, causal):
     assert dkdv.gluon and not dkdv.fuse_dq
     assert dq.gluon == (plain and n > 256)
     fwd = forward_config(q, head_dim, n, causal)
-    assert fwd.gluon == (not (causal and n <= 128) and (head_dim == 128 or not 256 < n <= 512))
-    assert not fwd.gluon or fwd.gluon_block_n == (64 if n <= 256 or causal else 128)
+    assert fwd.gluon == (not (causal and (n <= 128 or head_dim == 64 and 256 < n <= 512)))
+    assert not fwd.gluon or fwd.gluon_block_n == (64 if n <= 256 or causal or head_dim == 64 else 128)
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 

@@ -3,7 +3,7 @@ launch and the Triton forward, in one process: every variant timed twice per cas
 (order forward, then reversed), each a do_bench median over 4 input sets rotated through the L2;
 cuDNN's forward as the anchor; outputs compared with the first variant's to 1e-2 absolute. bf16, 16k
 tokens, hidden 2048.
-PYTHONPATH=src python3 ab_fwd_tiles.py [D,...] [seqlens] [rounds] [causal: 0,1]"""
+PYTHONPATH=src python3 ab_fwd_tiles.py [D,...] [seqlens] [rounds] [causal: 0,1] [variants: table,...]"""
 import dataclasses
 import itertools
 import sys
@@ -21,13 +21,16 @@ hdims = [int(d) for d in (sys.argv[1] if len(sys.argv) > 1 else "64,128").split(
 seqlens = [int(n) for n in (sys.argv[2] if len(sys.argv) > 2 else "768,1024,2048").split(",")]
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 causals = [bool(int(c)) for c in (sys.argv[4] if len(sys.argv) > 4 else "0,1").split(",")]
+chosen = sys.argv[5].split(",") if len(sys.argv) > 5 else None
 
 # name -> the Launch fields changed from the table's forward launch ({}: the table's own).
 VARIANTS = {
     64: {"table": {}, "triton": {"gluon": False}, "g2n128": {"gluon": True, "consumers": 2, "gluon_block_n": 128, "gluon_stages": 3},
          "g2n64s4": {"gluon": True, "consumers": 2, "gluon_block_n": 64, "gluon_stages": 4},
          "g2n64s6": {"gluon": True, "consumers": 2, "gluon_block_n": 64, "gluon_stages": 6},
-         "g2n64s8": {"gluon": True, "consumers": 2, "gluon_block_n": 64, "gluon_stages": 8}},
+         "g2n64s8": {"gluon": True, "consumers": 2, "gluon_block_n": 64, "gluon_stages": 8},
+         "g3n64s6": {"gluon": True, "consumers": 3, "gluon_block_n": 64, "gluon_stages": 6},
+         "g3n128": {"gluon": True, "consumers": 3, "gluon_block_n": 128, "gluon_stages": 3}},
     128: {"table": {}, "triton": {"gluon": False}, "g2n128": {"gluon": True, "consumers": 2, "gluon_block_n": 128, "gluon_stages": 3},
           "g2n64s4": {"gluon": True, "consumers": 2, "gluon_block_n": 64, "gluon_stages": 4},
           "g2n64s5": {"gluon": True, "consumers": 2, "gluon_block_n": 64, "gluon_stages": 5}},
@@ -59,7 +62,7 @@ for rnd in range(1, rounds + 1):
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     ref = timed(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                 [tuple(t.transpose(1, 2) for t in s) for s in sets])
-                names = list(VARIANTS[d])
+                names = [name for name in VARIANTS[d] if chosen is None or name in chosen]
                 times = {name: [] for name in names}
                 first, differs = None, []
                 for name in names + names[::-1]:

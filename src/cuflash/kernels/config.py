@@ -143,7 +143,7 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 fwd = Launch(64, 32, 4, 2)
             else:
                 fwd = small_fwd if length < 5 else Launch(128, 64, 4, 3, tma=True)
-            if arch == 90 and length != 2 and not (length == 0 and banded):
+            if arch == 90 and not (banded and length in (0, 2)):
                 # The Gluon forward (see D=128), side by side (ab_pairs.log): non-causal 0.87-0.95x
                 # cuDNN from 1k, level with these launches up to 8k and +5% at 16k; causal 0.82-0.94x
                 # from 2k against 0.78-0.87x, but 0.66x against 0.71x at 1k. Beyond 2k keys with three
@@ -153,15 +153,20 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                 # (2026-11-22-h100-fwd-o-kv/ab_fwd_round2.log). Non-causal there three consumers: +5..7%
                 # at 1536 and 2048 keys, causal -15..-26% (2026-11-22-h100-session11/
                 # tune_d64_consumers_class4.log, two rounds).
-                three = length == 5 or (length == 4 and not banded)
+                # Non-causal 257-512 keys: three consumers with 64-key tiles, over the Triton forward +22% at
+                # 320 keys, +10% at 384, -1% at 448, +3% at 512 (two consumers with 128-key tiles -16..+8%;
+                # with 64-key tiles +0..5%). Three against two elsewhere up to 1k: -13..+10% at 144-256
+                # keys (64-key tiles), -15..+7% at 640-1024 (128-key tiles) (2026-11-23-h100-session14/
+                # ab_fwd_tiles_d64_class2.log, ab_fwd_tiles_d64_g3.log, two rounds each).
+                three = length == 5 or (length in (2, 4) and not banded)
                 fwd = dataclasses.replace(fwd, gluon=True, consumers=3 if three else 2)
-                if length <= 1 or (banded and length == 3):
-                    # Up to 256 keys, and causal up to 1k: 64-key tiles (fewer keys past the end, less
+                if length <= 2 or (banded and length == 3):
+                    # Up to 512 keys, and causal up to 1k: 64-key tiles (fewer keys past the end, less
                     # of the diagonal computed, at twice the tiles) in 6 buffers. Over the Triton forward
                     # (2026-11-23-h100-session14/ab_fwd_tiles_*.log, two rounds each): non-causal +32% at
                     # 64 keys, +2% at 128, +6..20% at 144-256; causal +2..10% at 160-256 and 512-1024
-                    # keys; but causal -14% at 64 (class 0 causal stays Triton) and causal -10% at 384
-                    # (class 2 stays Triton, where 128-key tiles lost 23..27% non-causal at 320 and 448).
+                    # keys; but causal -14% at 64 and -10..-15% at 320-448 (those classes, 0 and 2,
+                    # stay Triton under a causal mask).
                     fwd = dataclasses.replace(fwd, gluon_block_n=64, gluon_stages=6)
             # The Gluon dK/dV beyond 512 keys: whole backward +1..+17% (2026-11-22-h100-gluon-bwd/
             # ab_dkdv.log); its dQ measured up to 14% slower than this one at D=64 up to 4k. With dQ
