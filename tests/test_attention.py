@@ -176,7 +176,8 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
                 fwd = _launches(90, d, False, False, length, banded)[0]
                 short = length <= (2 if d == 64 else 1) or (banded and length <= 3)
                 assert fwd.gluon_block_n == (64 if short else 128) or not fwd.gluon
-    # Three consumer warpgroups in the D=64 forward beyond 2k keys and non-causal beyond 1k, two elsewhere.
+    # Three consumer warpgroups in the D=64 forward beyond 2k keys and non-causal beyond 1k and at 257-512
+    # keys, two elsewhere.
     assert all(_launches(90, 64, False, False, length, banded)[0].consumers == 3
                for length, banded in ((5, False), (5, True), (4, False), (2, False)))
     assert all(_launches(90, d, False, False, length, banded)[0].consumers == 2

@@ -24,8 +24,9 @@ class Launch:
     # (forward launches with gluon) consumer warpgroups, 64 query rows each: 2, or 3 at D=64 (at D=128
     # three would spill their registers).
     consumers: int = 2
-    # (forward launches with gluon) the Gluon forward's key tile (128, or 64: under a causal mask less
-    # of the diagonal computed, at twice the tiles) and its ring of K/V buffers.
+    # (forward launches with gluon) the Gluon forward's key tile (128, or 64: fewer keys past a short
+    # sequence's end and under a causal mask less of the diagonal computed, at twice the tiles) and its
+    # ring of K/V buffers.
     gluon_block_n: int = 128
     gluon_stages: int = 3
     # (dK/dV launches with gluon) The Gluon dK/dV kernel also adds dQ to an fp32 workspace by TMA
