@@ -68,3 +68,13 @@ def test_decode_mode_on_cpu(tmp_path, capsys):
     assert all(float(r["ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
     table = (tmp_path / "decode.md").read_text()
     assert "copy bandwidth" in table and table.count("| paged16 |") == 2 and "vs best SDPA" in table
+
+
+def test_cpu_bench_host_column(tmp_path):
+    """The table's host time column: n/a on the CPU, where the wall time is the time."""
+    rc = main(["--device", "cpu", "--providers", "cuflash", "--seqlens", "64", "--hdims", "16", "--batch", "1",
+               "--nheads", "2", "--dtype", "fp32", "--modes", "fwd", "--causal", "false", "--iters", "2",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    table = (tmp_path / "results.md").read_text()
+    assert "| cuflash err | cuflash host us |" in table and table.rstrip().endswith("| n/a |")

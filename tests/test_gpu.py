@@ -545,3 +545,20 @@ def test_kvcache_decode_step_in_a_cuda_graph():
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         graph.replay()
         assert torch.equal(captured, step())
+
+
+def test_bench_times_the_device_not_the_host():
+    """A call whose host work (3 ms) outlasts its kernel: the bench's device time is the kernel's,
+    its host time the 3 ms; timed with events around each call as it runs, it would read ~3 ms."""
+    import time
+
+    from cuflash.bench.harness import _device_ms_host_us, _median_ms
+    x = torch.randn(1 << 20, device="cuda")
+
+    def step(i):
+        time.sleep(0.003)
+        x.mul_(1.0)
+
+    ms, host_us = _device_ms_host_us(step, 10, 2, torch.device("cuda"))
+    assert ms < 0.5 and host_us > 2900, (ms, host_us)
+    assert _median_ms(step, 10, 2, torch.device("cuda")) > 2.5  # what the events alone would say

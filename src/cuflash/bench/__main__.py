@@ -105,12 +105,13 @@ def _key(row) -> tuple:
 
 
 def _markdown(rows, providers, header, unit) -> str:
-    """One line per case: TFLOP/s of each provider and cuflash's ratio to each of the others."""
+    """One line per case: TFLOP/s of each provider, cuflash's ratio to each of the others, cuflash's
+    error and the host's time to enqueue one cuflash call (CUDA)."""
     others = [p for p in providers if p != "cuflash"]
     lines = [header, "",
              "| variant | mode | B | H | D | N | causal | " + " | ".join(f"{p} {unit}" for p in providers) + " | "
-             + " | ".join(f"vs {p}" for p in others) + " | cuflash err |",
-             "|---" * (8 + len(providers) + len(others)) + "|"]
+             + " | ".join(f"vs {p}" for p in others) + " | cuflash err | cuflash host us |",
+             "|---" * (9 + len(providers) + len(others)) + "|"]
     scale = 1e3 if unit == "GFLOP/s" else 1.0
     keys = []
     for r in rows:
@@ -124,8 +125,10 @@ def _markdown(rows, providers, header, unit) -> str:
         ratios = [f"{tf['cuflash'] / tf[p]:.2f}x" if tf.get("cuflash") and tf.get(p) else "n/a" for p in others]
         err = by.get("cuflash", {}).get("rel_err")
         err_cell = f"{err:.1e}" if err is not None else "n/a"
+        host = by.get("cuflash", {}).get("host_us")
+        host_cell = f"{host:.0f}" if host is not None else "n/a"
         lines.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(cells + ratios)
-                     + f" | {err_cell} |")
+                     + f" | {err_cell} | {host_cell} |")
     return "\n".join(lines)
 
 

@@ -2,12 +2,17 @@
 
 FLOPs follow the FlashAttention papers: forward 4*B*H*Nq*Nk*D (halved when causal), backward
 2.5x forward. Times are medians of CUDA-event timings after warm-up, cycling through enough input
-sets that the L2 cache does not flatter small problems.
+sets that the L2 cache does not flatter small problems. They time the device's work: the stream first
+sleeps long enough for the host to enqueue every timed call, so that a short call whose host work
+outlasts its kernels is not timed as its host's (that, the host's time to enqueue a call, is a
+column of its own).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -156,6 +161,49 @@ def _median_ms(step, iters: int, warmup: int, device: torch.device) -> float:
     return times[len(times) // 2]
 
 
+@functools.lru_cache(maxsize=None)
+def _sleep_cycles_per_ms(device: torch.device) -> float:
+    """How many cycles of torch.cuda._sleep take a millisecond on `device` (measured once)."""
+    with torch.cuda.device(device):
+        torch.cuda._sleep(1_000_000)  # (warm)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        end.record()
+        end.synchronize()
+        return 20_000_000 / start.elapsed_time(end)
+
+
+def _device_ms_host_us(step, iters: int, warmup: int, device: torch.device) -> tuple[float, float | None]:
+    """(median device time of step(i) in ms, median host time to enqueue it in us). On CUDA the stream
+    sleeps first (twice the host time of an untimed pass, plus a millisecond) while the host enqueues
+    the timed calls, each between two events, so the events time the device only; the host time is
+    taken in that loop, with nothing holding the host back. On the CPU both are the wall time (the
+    host's time is None)."""
+    if device.type != "cuda":
+        return _median_ms(step, iters, warmup, device), None
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(iters):
+        step(i)
+    host_ms = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    host = []
+    torch.cuda._sleep(int((2 * host_ms + 1) * _sleep_cycles_per_ms(device)))
+    for i in range(iters):
+        starts[i].record()
+        begin = time.perf_counter()
+        step(i)
+        host.append((time.perf_counter() - begin) * 1e6)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), statistics.median(host)
+
+
 def error_vs_oracle(provider: str, case: Case, device, seqlen: int = 512) -> float | None:
     """||out - ref|| / ||ref|| against float64 on a smaller problem of the same kind (None with
     dropout, whose output is random)."""
@@ -171,8 +219,8 @@ def error_vs_oracle(provider: str, case: Case, device, seqlen: int = 512) -> flo
 
 
 def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: int = 5) -> dict:
-    """One row of results: time (ms), TFLOP/s, GB/s, peak memory (GB, CUDA only), error; or a
-    note saying why there is none."""
+    """One row of results: device time (ms), TFLOP/s, GB/s, the host's time to enqueue a call (us,
+    CUDA only), peak memory (GB, CUDA only), error; or a note saying why there is none."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     row = {"provider": provider, "batch": case.batch, "seqlen": case.seqlen, "nheads": case.nheads,
@@ -193,15 +241,16 @@ def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: 
             torch.cuda.reset_peak_memory_stats(device)
         if case.mode == "fwd":
             with torch.no_grad():
-                ms = _median_ms(lambda i: fn(*data[i % sets][:3]), iters, warmup, device)
+                ms, host_us = _device_ms_host_us(lambda i: fn(*data[i % sets][:3]), iters, warmup, device)
         elif case.mode == "bwd":
             outs = [fn(*d[:3]) for d in data]
-            ms = _median_ms(lambda i: torch.autograd.grad(outs[i % sets], data[i % sets][:3], data[i % sets][3],
-                                                          retain_graph=True), iters, warmup, device)
+            ms, host_us = _device_ms_host_us(
+                lambda i: torch.autograd.grad(outs[i % sets], data[i % sets][:3], data[i % sets][3], retain_graph=True),
+                iters, warmup, device)
         else:
-            ms = _median_ms(lambda i: torch.autograd.grad(fn(*data[i % sets][:3]),
-                                                          data[i % sets][:3], data[i % sets][3]), iters, warmup,
-                            device)
+            ms, host_us = _device_ms_host_us(
+                lambda i: torch.autograd.grad(fn(*data[i % sets][:3]), data[i % sets][:3], data[i % sets][3]),
+                iters, warmup, device)
         peak = torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None
         err = error_vs_oracle(provider, case, device)
     except Exception as exc:  # an SDPA backend that does not support the case says why
@@ -210,4 +259,4 @@ def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: 
             torch.cuda.empty_cache()
         return {**row, "note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
     return {**row, "ms": ms, "tflops": case.flops() / ms / 1e9, "gbps": case.bytes() / ms / 1e6,
-            "peak_gb": peak, "rel_err": err, "note": ""}
+            "host_us": host_us, "peak_gb": peak, "rel_err": err, "note": ""}
