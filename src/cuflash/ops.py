@@ -143,10 +143,13 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.params = params
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero tensor made for lse's gradient on every backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # only lse was differentiated (it has no gradient): every gradient is zero
+            return None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():
             grads = _backend(q.device, q.dtype).attention_backward(_contiguous_last(dout), q, k, v, out, lse,
@@ -181,11 +184,14 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, *(params[i] for i in TENSOR_FIELDS))
     ctx.params = [None if i in TENSOR_FIELDS else a for i, a in enumerate(params)]
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, *tensors = ctx.saved_tensors
     params = list(ctx.params)
+    if dout is None:  # (as _Attention.backward)
+        return (None,) * (3 + len(params))
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
     for i, t in zip(TENSOR_FIELDS, tensors):
         params[i] = t
     dq, dk, dv = attention_backward(_contiguous_last(dout), q, k, v, out, lse, *params)
