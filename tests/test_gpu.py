@@ -1,5 +1,6 @@
 """The compiled Triton kernels on a CUDA GPU (marker `gpu`; skipped without one)."""
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -550,8 +551,6 @@ def test_kvcache_decode_step_in_a_cuda_graph():
 def test_bench_times_the_device_not_the_host():
     """A call whose host work (3 ms) outlasts its kernel: the bench's device time is the kernel's,
     its host time the 3 ms; timed with events around each call as it runs, it would read ~3 ms."""
-    import time
-
     from cuflash.bench.harness import _device_ms_host_us, _median_ms
     x = torch.randn(1 << 20, device="cuda")
 

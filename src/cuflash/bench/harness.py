@@ -178,8 +178,8 @@ def _device_ms_host_us(step, iters: int, warmup: int, device: torch.device) -> t
     """(median device time of step(i) in ms, median host time to enqueue it in us). On CUDA the stream
     sleeps first (twice the host time of an untimed pass, plus a millisecond) while the host enqueues
     the timed calls, each between two events, so the events time the device only; the host time is
-    taken in that loop, with nothing holding the host back. On the CPU both are the wall time (the
-    host's time is None)."""
+    taken in that loop, with nothing holding the host back. On the CPU the time is the wall time and
+    the host's time None."""
     if device.type != "cuda":
         return _median_ms(step, iters, warmup, device), None
     for i in range(warmup):
