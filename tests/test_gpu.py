@@ -286,6 +286,20 @@ def test_hopper_short(seqlen_q, seqlen_k, head_dim, causal):
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (129, 500), (500, 200), (200, 200)])
+def test_d256_short(seqlen_q, seqlen_k, causal, dtype):
+    """D=256 at 129-512 keys (the table's length classes 1 and 2): on Hopper the causal forward runs
+    32-key tiles through pointers, the non-causal one 64-key tiles through tensor descriptors."""
+    torch.manual_seed(seqlen_q + seqlen_k)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 256, dtype, "cuda")
+    if torch.cuda.get_device_capability() >= (9, 0):
+        fwd = forward_config(q, 256, max(seqlen_q, seqlen_k), causal)
+        assert (fwd.block_n, fwd.tma) == ((32, False) if causal else (64, True))
+    check_against_oracle(_flash(causal), q, k, v, causal)
+
+
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (4100, 1)])
 @pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (64, False), (64, True)])

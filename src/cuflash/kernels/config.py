@@ -223,8 +223,11 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
                           fuse_dq=length == 5)
             return fwd, dkdv, Launch(128, 64, 8, 3, gluon=gluon_dq)
         # D=256 at 4k (tune_d256.log): 1.8-1.9x the forward, 2.1-2.4x dK/dV and 1.2x dQ of the
-        # untuned (64,64,4,2) / (32,64,4,2) / (64,32,4,2).
-        return Launch(128, 64, 8, 2, tma=True), Launch(64, 64, 8, 2, tma=True), Launch(128, 32, 8, 3)
+        # untuned (64,64,4,2) / (32,64,4,2) / (64,32,4,2). The banded forward at 129-512 keys with
+        # 32-key tiles through pointers: causal +8% at 256 and 384 (one round), +4..5% at 512 (two
+        # rounds), -2% at 1k (2026-11-23-h100-session15/tune_d256_fwd_short*.log).
+        fwd = Launch(128, 32, 8, 3) if banded and length in (1, 2) else Launch(128, 64, 8, 2, tma=True)
+        return fwd, Launch(64, 64, 8, 2, tma=True), Launch(128, 32, 8, 3)
     if block_d <= 64:
         return Launch(128, 64, 4, 3), Launch(32, 128, 4, 2), Launch(128, 32, 4, 2)
     if block_d <= 128:
