@@ -48,8 +48,8 @@ from cuflash.kernels.config import _launches, _length, padded_head_dim  # noqa: 
 from cuflash.params import AttentionParams  # noqa: E402
 
 # (seqlen_q, seqlen_k, nheads, nheads_k): ones that Triton turns into constants, GQA, MQA, ragged.
-SHAPES = [(1, 1, 4, 4), (1, 1000, 4, 2), (1000, 1, 4, 4), (17, 17, 4, 1), (1000, 1000, 4, 2), (3000, 3000, 2, 2),
-          (1, 3000, 4, 1)]
+SHAPES = [(1, 1, 4, 4), (1, 1000, 4, 2), (1000, 1, 4, 4), (17, 17, 4, 1), (300, 300, 4, 2), (1, 300, 4, 1),
+          (300, 1, 4, 4), (1000, 1000, 4, 2), (3000, 3000, 2, 2), (1, 3000, 4, 1)]
 OPTIONS = {"plain": {}, "causal": dict(window_right=0), "window": dict(window_left=256, window_right=0),
            "softcap": dict(softcap=30.0), "dropout": dict(dropout_p=0.1), "varlen": {},
            "varlen causal": dict(window_right=0)}
