@@ -154,6 +154,17 @@ def test_tensor_descriptors_only_where_they_compile():
     assert not use_tma(tma, n, torch.randn(1, 1, 3, 40).expand(2, 17, 3, 40))  # rows at stride 0
 
 
+def test_d256_forward_launches_on_hopper():
+    """Hopper's D=256 forward: 32-key tiles through pointers for causal or windowed inputs at 129-512
+    keys (length classes 1 and 2, where they measured faster), 64-key tiles through tensor descriptors
+    at every other length and without a band."""
+    from cuflash.kernels.config import _launches
+    for length in range(6):
+        for banded in (False, True):
+            fwd = _launches(90, 256, False, False, length, banded)[0]
+            assert (fwd.block_n, fwd.tma) == ((32, False) if banded and length in (1, 2) else (64, True))
+
+
 def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
     """The table sends the forward and the backward's dK/dV and dQ to the Gluon kernels on Hopper
     only where they measured faster, and the kernels accept only the plain 16-bit attention they
