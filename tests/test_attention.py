@@ -155,14 +155,15 @@ def test_tensor_descriptors_only_where_they_compile():
 
 
 def test_d256_forward_launches_on_hopper():
-    """Hopper's D=256 forward: 32-key tiles through pointers for causal or windowed inputs at 129-512
-    keys (length classes 1 and 2, where they measured faster), 64-key tiles through tensor descriptors
-    at every other length and without a band."""
+    """Hopper's D=256 forward: 32-key tiles through pointers up to 256 keys (length classes 0 and 1)
+    and for causal or windowed inputs up to 512 (class 2), where they measured faster; 64-key tiles
+    through tensor descriptors beyond."""
     from cuflash.kernels.config import _launches
     for length in range(6):
         for banded in (False, True):
             fwd = _launches(90, 256, False, False, length, banded)[0]
-            assert (fwd.block_n, fwd.tma) == ((32, False) if banded and length in (1, 2) else (64, True))
+            short = length <= 1 or (banded and length == 2)
+            assert (fwd.block_n, fwd.tma) == ((32, False) if short else (64, True))
 
 
 def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
@@ -183,6 +184,13 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
                for d in (64, 128) for length in range(6) for banded in (False, True))
     assert not any((gluon(256, 5, False), gluon(128, 5, False, fp32=True), gluon(128, 5, False, arch=80),
                     gluon(128, 5, False, arch=100)))
+    # At D=256 up to 2k keys and causal beyond: 32-key tiles in 4 buffers at 257-2048 keys, 64-key tiles in 2
+    # elsewhere.
+    for length in range(6):
+        for banded in (False, True):
+            fwd = _launches(90, 256, False, False, length, banded)[0]
+            assert fwd.gluon == (banded or length <= 4)
+            assert (fwd.gluon_block_n, fwd.gluon_stages) == ((32, 4) if 2 <= length <= 4 else (64, 2)) or not fwd.gluon
     # Its 64-key tiles up to 256 keys (D=64: 512) and causal up to 1k, 128-key tiles elsewhere.
     for d in (64, 128):
         for length in range(6):
@@ -219,10 +227,15 @@ def test_gluon_kernels_only_where_measured_and_accepted(monkeypatch):
     assert hopper_forward.accepts(problem(q, k, k, causal), causal)
     assert hopper_forward.accepts(problem(q[..., :64], k[..., :64], k[..., :64], causal), causal)
     for cfg, match in ((Launch(128, 64, 4, 3, gluon=True, consumers=4), "2 or 3 consumer"),
-                       (Launch(128, 64, 4, 3, gluon=True, gluon_block_n=32), "64- or 128-key tiles"),
-                       (Launch(128, 64, 4, 3, gluon=True, gluon_block_n=64, gluon_stages=6), "fewer than 6")):
+                       (Launch(128, 64, 4, 3, gluon=True, gluon_block_n=16), "32-, 64- or 128-key tiles"),
+                       (Launch(128, 64, 4, 3, gluon=True, gluon_block_n=64, gluon_stages=7), "fewer than 7")):
         with pytest.raises(ValueError, match=match):
             hopper_forward.launch_args(dict(Q=q, K=k, V=k, Out=q), problem(q, k, k, causal), causal, cfg)
+    wide = torch.randn(2, 600, 4, 256, dtype=torch.bfloat16)  # D=256: one Q buffer, at most 2 K/V buffers of 64 keys
+    assert hopper_forward.accepts(problem(wide, wide, wide, causal), causal)
+    with pytest.raises(ValueError, match="fewer than 3"):
+        hopper_forward.launch_args(dict(Q=wide, K=wide, V=wide, Out=wide), problem(wide, wide, wide, causal), causal,
+                                   Launch(128, 64, 4, 3, gluon=True, gluon_block_n=64, gluon_stages=3))
     for params in (AttentionParams(0.1, window_left=64, window_right=0), AttentionParams(0.1, softcap=30.0),
                    AttentionParams(0.1, dropout_p=0.1), AttentionParams(0.1, alibi_slopes=torch.ones(4)),
                    AttentionParams(0.0)):

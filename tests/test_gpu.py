@@ -235,16 +235,19 @@ def test_length_one_with_descriptor_launches(causal, head_dim, seqlen_q, seqlen_
 
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (4100, 1)])
-@pytest.mark.parametrize("head_dim,causal,consumers,block_n", [
-    (128, False, 2, 128), (128, True, 2, 128), (64, False, 2, 128), (64, True, 2, 128), (64, False, 3, 128),
-    (64, True, 3, 128), (128, False, 2, 64), (128, True, 2, 64), (64, True, 2, 64), (64, False, 3, 64),
-    (64, True, 3, 64)])
+@pytest.mark.parametrize("head_dim,causal,consumers,block_n,stages", [
+    (128, False, 2, 128, 3), (128, True, 2, 128, 3), (64, False, 2, 128, 3), (64, True, 2, 128, 3),
+    (64, False, 3, 128, 3), (64, True, 3, 128, 3), (128, False, 2, 64, 5), (128, True, 2, 64, 5),
+    (64, True, 2, 64, 5), (64, False, 3, 64, 5), (64, True, 3, 64, 5), (256, False, 2, 64, 2),
+    (256, True, 2, 64, 2), (256, False, 2, 32, 3), (256, True, 2, 32, 3)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, seqlen_q, seqlen_k, layout, monkeypatch):
-    """The Gluon forward (kernels/hopper_forward.py) with 2 or 3 consumer warpgroups and 128- or 64-key
-    tiles (forced here where the table takes others or the Triton kernel; 64-key tiles with 5 K/V
-    buffers, at D=128 the most shared memory it allows) matches float64 like the Triton kernels: ragged
-    tiles, GQA, rows with no visible key (causal, seqlen_q > seqlen_k), non-contiguous inputs; the
+def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, stages, seqlen_q, seqlen_k, layout,
+                        monkeypatch):
+    """The Gluon forward (kernels/hopper_forward.py) with 2 or 3 consumer warpgroups, 128-, 64- or 32-key
+    tiles and rings of K/V buffers (forced here where the table takes others or the Triton kernel; at
+    D=128 with 64-key tiles and D=256 with 32-key ones the most shared memory it allows, two Q buffers; at
+    D=256 with 64-key tiles one Q buffer that O leaves through) matches float64 like the Triton kernels:
+    ragged tiles, GQA, rows with no visible key (causal, seqlen_q > seqlen_k), non-contiguous inputs; the
     gradients check its lse."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (sm_90)")
@@ -255,7 +258,7 @@ def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, seqlen_q, s
     params = AttentionParams(head_dim ** -0.5, window_right=0 if causal else -1)
     assert hopper_forward.accepts(problem(q, k, v, params), params)
     cfg = dataclasses.replace(forward_config(q, head_dim, max(seqlen_q, seqlen_k), causal), gluon=True,
-                              consumers=consumers, gluon_block_n=block_n, gluon_stages=5 if block_n == 64 else 3)
+                              consumers=consumers, gluon_block_n=block_n, gluon_stages=stages)
     monkeypatch.setattr(forward, "forward_config", lambda *_: cfg)
     monkeypatch.setattr(launch, "_plans", {})  # the plans made with the patched table stay here
     launched, launch_args = [], hopper_forward.launch_args
@@ -286,17 +289,23 @@ def test_hopper_short(seqlen_q, seqlen_k, head_dim, causal):
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
+@pytest.mark.parametrize("gluon", [True, False], ids=["table", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (129, 500), (500, 200), (200, 200)])
-def test_d256_short(seqlen_q, seqlen_k, causal, dtype):
-    """D=256 at 129-512 keys (the table's length classes 1 and 2): on Hopper the causal forward runs
-    32-key tiles through pointers, the non-causal one 64-key tiles through tensor descriptors."""
+def test_d256_short(seqlen_q, seqlen_k, causal, dtype, gluon, monkeypatch):
+    """D=256 at 129-512 keys (the table's length classes 1 and 2): on Hopper the plain forward runs the
+    Gluon kernel; the Triton launch (windows, ALiBi, ... and forced here) 32-key tiles through pointers up
+    to 256 keys and causal up to 512, 64-key tiles through tensor descriptors non-causal beyond 256."""
+    from cuflash.kernels import forward, launch
     torch.manual_seed(seqlen_q + seqlen_k)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 256, dtype, "cuda")
-    if torch.cuda.get_device_capability() >= (9, 0):
-        fwd = forward_config(q, 256, max(seqlen_q, seqlen_k), causal)
-        assert (fwd.block_n, fwd.tma) == ((32, False) if causal else (64, True))
+    fwd = forward_config(q, 256, max(seqlen_q, seqlen_k), causal)
+    if torch.cuda.get_device_capability() == (9, 0):
+        short = causal or max(seqlen_q, seqlen_k) <= 256
+        assert (fwd.block_n, fwd.tma, fwd.gluon) == ((32, False, True) if short else (64, True, True))
+    monkeypatch.setattr(forward, "forward_config", lambda *_: dataclasses.replace(fwd, gluon=fwd.gluon and gluon))
+    monkeypatch.setattr(launch, "_plans", {})  # the plans made with the patched table stay here
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 

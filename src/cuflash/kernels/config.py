@@ -25,8 +25,8 @@ class Launch:
     # three would spill their registers).
     consumers: int = 2
     # (forward launches with gluon) the Gluon forward's key tile (128, or 64: fewer keys past a short
-    # sequence's end and under a causal mask less of the diagonal computed, at twice the tiles) and its
-    # ring of K/V buffers.
+    # sequence's end and under a causal mask less of the diagonal computed, at twice the tiles; 64 or 32
+    # at D=256) and its ring of K/V buffers.
     gluon_block_n: int = 128
     gluon_stages: int = 3
     # (dK/dV launches with gluon) The Gluon dK/dV kernel also adds dQ to an fp32 workspace by TMA
@@ -225,8 +225,19 @@ def _table(arch: int, block_d: int, fp32: bool, length: int, banded: bool):
         # D=256 at 4k (tune_d256.log): 1.8-1.9x the forward, 2.1-2.4x dK/dV and 1.2x dQ of the
         # untuned (64,64,4,2) / (32,64,4,2) / (64,32,4,2). The banded forward at 129-512 keys with
         # 32-key tiles through pointers: causal +8% at 256 and 384 (one round), +4..5% at 512 (two
-        # rounds), -2% at 1k (2026-11-23-h100-session15/tune_d256_fwd_short*.log).
-        fwd = Launch(128, 32, 8, 3) if banded and length in (1, 2) else Launch(128, 64, 8, 2, tma=True)
+        # rounds), -2% at 1k (2026-11-23-h100-session15/tune_d256_fwd_short*.log); the same up to 256
+        # keys without a band: +5% at 128 and 256 keys, causal at 128 +6% (2026-11-24-h100-session16/
+        # tune_d256_fwd_short.log; non-causal at 384-512 -2..+2%).
+        short = length <= 1 or (banded and length == 2)
+        fwd = Launch(128, 32, 8, 3) if short else Launch(128, 64, 8, 2, tma=True)
+        if arch == 90 and (banded or length <= 4):
+            # The Gluon forward (two consumers; 32- or 64-key tiles, as many K/V buffers as fit beside
+            # one Q buffer) over these launches (2026-11-24-h100-session16/ab_fwd_d256.log): 64-key tiles
+            # +18% at 128 keys, causal +4% at 256 and +15% / +6% at 4k / 16k (non-causal level at 256 and
+            # 16k, -3% at 4k: beyond 2k it stays Triton); 32-key tiles in 4 buffers +21..25% at 512,
+            # +14..36% at 1k, +5% / +27% at 2k (non-causal / causal).
+            tiles, buffers = (32, 4) if 2 <= length <= 4 else (64, 2)
+            fwd = dataclasses.replace(fwd, gluon=True, gluon_block_n=tiles, gluon_stages=buffers)
         return fwd, Launch(64, 64, 8, 2, tma=True), Launch(128, 32, 8, 3)
     if block_d <= 64:
         return Launch(128, 64, 4, 3), Launch(32, 128, 4, 2), Launch(128, 32, 4, 2)

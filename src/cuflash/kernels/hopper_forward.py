@@ -10,15 +10,15 @@ pairs of items round-robin (persistent). The partitions share the program's shar
   O += P V on the tensor cores (wgmma; P from registers), then release the K/V buffer on an
   "empty" barrier that all must arrive at; each writes its rows of O into shared memory it no
   longer reads (its part of the Q buffer, or with a single Q buffer, which goes back to the loader
-  once every consumer's last S is done, the item's last K tile), which the tensor memory
-  accelerator copies to global memory, and then releases that buffer the same way.
+  once every consumer's last S is done, the item's last K tile where that has O's shape), which the
+  tensor memory accelerator copies to global memory, and then releases that buffer the same way.
 The consumers run independent instruction streams, so one's softmax overlaps the others'
 matrix products; within a consumer, the product P V of one tile runs while the softmax of the
 next is computed. Tile-level Triton (one instruction stream per program, each dot awaited
 before its result is used) expresses neither.
 
 Logits are in base 2 (qk_scale has LOG2E folded in). Only the plain forward is here: 16-bit
-inputs, head dims 64 and 128, causal or not (either alignment), GQA; other inputs take the Triton
+inputs, head dims 64, 128 and 256, causal or not (either alignment), GQA; other inputs take the Triton
 kernel (kernels/forward.py). GPU only: Triton's interpreter does not run Gluon.
 """
 import torch
@@ -279,7 +279,8 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
     it = 0  # K/V tiles consumed so far: the ring's position
     done = 0  # work items done so far
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
-    O_IN_K: gl.constexpr = Q_BUFFERS == 1  # O leaves through a K tile (see the item's end)
+    # O leaves through a K tile where a tile has O's shape (see the item's end)
+    O_IN_K: gl.constexpr = Q_BUFFERS == 1 and CONSUMERS * ROWS == BLOCK_N
     # At D=128 under a causal mask the buffer that O leaves through goes back after the next item's
     # tile 0 (the copy reading it meanwhile), not once the copy has read it: +0.5..7% at 1k-16k keys
     # (2026-11-23-h100-session14/ab_fwd_release_causal.log, two rounds, where the unchanged non-causal
@@ -333,12 +334,13 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
             if DEFER:  # (where this warpgroup's rows see no tile)
                 _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
                 pending = -1
-            # Each consumer's rows of O leave through shared memory, copied out by the TMA. With two Q
-            # buffers, through the consumer's part of the item's Q buffer, which goes back to the loader
-            # once the copy has read it. With one (D=128 with 128-key tiles: no room for a second), the
-            # Q buffer goes back once every consumer's last S is done, so that the next item's Q arrives
-            # while this one finishes, and O leaves through the item's last K tile (S products only read
-            # it), held until the copy has read it.
+            # Each consumer's rows of O leave through shared memory, copied out by the TMA: through the
+            # consumer's part of the item's Q buffer, which goes back to the loader once the copy has read
+            # it; or (O_IN_K: one Q buffer, as at D=128 with 128-key tiles, where there is no room for a
+            # second) the Q buffer goes back once every consumer's last S is done, so that the next item's
+            # Q arrives while this one finishes, and O leaves through the item's last K tile (S products
+            # only read it), held until the copy has read it. (D=256 has one Q buffer but 32- or 64-key
+            # tiles, narrower than O: the next Q waits for the copy.)
             if O_IN_K:
                 mbarrier.arrive(q_empty.index(qb), count=1)
                 end = it + n_tiles - 1  # the tiles before `end` go back as soon as they are done
@@ -395,7 +397,6 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse,
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
-    gl.static_assert(Q_BUFFERS == 2 or CONSUMERS * ROWS == BLOCK_N, "with one Q buffer O leaves through a K tile")
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], bar_layout)
@@ -428,33 +429,34 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse,
 
 def accepts(prob: Problem, params: AttentionParams) -> bool:
     """Whether this kernel computes the call: the plain forward (causal or not, GQA, a positive
-    softmax_scale) of 16-bit inputs with head dim 64 or 128 that the tensor memory accelerator can
+    softmax_scale) of 16-bit inputs with head dim 64, 128 or 256 that the tensor memory accelerator can
     address, under a Triton whose Gluon this kernel was written against (3.6 run, 3.9 compiled;
     Gluon changed its API between the releases that have it, so older ones take the Triton kernel)."""
     plain = (params.window_left < 0 and params.window_right in (-1, 0) and params.softcap == 0
              and params.alibi_slopes is None and params.attn_mask is None and params.dropout_p == 0
              and params.softmax_scale > 0)
-    return (GLUON_TRITON and plain and not prob.varlen and prob.head_dim in (64, 128)
+    return (GLUON_TRITON and plain and not prob.varlen and prob.head_dim in (64, 128, 256)
             and prob.q.dtype in (torch.float16, torch.bfloat16) and tma_addressable(prob.q, prob.k, prob.v))
 
 
 def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Launch):
     """(kernel, grid, keyword arguments) for kernels/launch.py, with the launch's consumer warpgroups
-    (2 or 3) x 64 query rows, its key tile (128 or 64) and ring of K/V buffers (D=128 at 16k tokens
+    (2 or 3) x 64 query rows, its key tile (128, 64 or 32) and ring of K/V buffers (D=128 at 16k tokens
     on an H100, 128-key tiles: 3 buffers 0.90-1.03x cuDNN where 2 gave 0.81-0.90x). One persistent
     program per SM, whose loader fetches the next work item during the last one's epilogue, taking
     pairs of items round-robin (causal D=128 1k +24% over one program per item; docs/perf-notes.md)."""
-    if cfg.consumers not in (2, 3) or cfg.gluon_block_n not in (64, 128):
-        raise ValueError(f"the Gluon forward runs 2 or 3 consumer warpgroups and 64- or 128-key tiles, not "
+    if cfg.consumers not in (2, 3) or cfg.gluon_block_n not in (32, 64, 128):
+        raise ValueError(f"the Gluon forward runs 2 or 3 consumer warpgroups and 32-, 64- or 128-key tiles, not "
                          f"{cfg.consumers} and {cfg.gluon_block_n}")
     q, k, v, out = tensors["Q"], tensors["K"], tensors["V"], tensors["Out"]
     # Two Q buffers (the loader fetches an item's Q during the last one) where the shared memory holds
-    # them: all but D=128 with 128-key tiles, which takes 224 of 227 KB with one (3 K/V buffers of 64 KB,
-    # Q 32 KB); that one goes back to the loader after the item's last S, O leaving through a K tile
-    # instead (+6..8% at 1k non-causal over O through the Q buffer, released after the copy;
-    # 2026-11-22-h100-fwd-o-kv).
-    q_buffers = 1 if prob.head_dim == 128 and cfg.gluon_block_n == 128 else 2
-    smem = (q_buffers * cfg.consumers * ROWS.value + 2 * cfg.gluon_stages * cfg.gluon_block_n) * prob.head_dim * 2
+    # them beside the K/V ring: not at D=128 with 128-key tiles, which takes 224 of 227 KB with one (3 K/V
+    # buffers of 64 KB, Q 32 KB); that one goes back to the loader after the item's last S, O leaving
+    # through a K tile instead (+6..8% at 1k non-causal over O through the Q buffer, released after the
+    # copy; 2026-11-22-h100-fwd-o-kv).
+    rows = cfg.consumers * ROWS.value
+    q_buffers = 2 if (2 * rows + 2 * cfg.gluon_stages * cfg.gluon_block_n) * prob.head_dim * 2 <= 227 * 1024 else 1
+    smem = (q_buffers * rows + 2 * cfg.gluon_stages * cfg.gluon_block_n) * prob.head_dim * 2
     if smem > 227 * 1024:
         raise ValueError(f"the Gluon forward's buffers take {smem} bytes of shared memory, over 227 KB: "
                          f"fewer than {cfg.gluon_stages} K/V buffers")
