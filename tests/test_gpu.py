@@ -238,15 +238,16 @@ def test_length_one_with_descriptor_launches(causal, head_dim, seqlen_q, seqlen_
 @pytest.mark.parametrize("head_dim,causal,consumers,block_n,stages", [
     (128, False, 2, 128, 3), (128, True, 2, 128, 3), (64, False, 2, 128, 3), (64, True, 2, 128, 3),
     (64, False, 3, 128, 3), (64, True, 3, 128, 3), (128, False, 2, 64, 5), (128, True, 2, 64, 5),
-    (64, True, 2, 64, 5), (64, False, 3, 64, 5), (64, True, 3, 64, 5), (256, False, 2, 64, 2),
+    (64, True, 2, 64, 5), (64, False, 3, 64, 5), (64, True, 3, 64, 5), (128, True, 2, 64, 6), (256, False, 2, 64, 2),
     (256, True, 2, 64, 2), (256, False, 2, 32, 3), (256, True, 2, 32, 3)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, stages, seqlen_q, seqlen_k, layout,
                         monkeypatch):
     """The Gluon forward (kernels/hopper_forward.py) with 2 or 3 consumer warpgroups, 128-, 64- or 32-key
     tiles and rings of K/V buffers (forced here where the table takes others or the Triton kernel; at
-    D=128 with 64-key tiles and D=256 with 32-key ones the most shared memory it allows, two Q buffers; at
-    D=256 with 64-key tiles one Q buffer that O leaves through) matches float64 like the Triton kernels:
+    D=128 with 64-key tiles in 5 buffers and D=256 with 32-key ones in 3 the most shared memory that leaves
+    room for two Q buffers; at D=128 with 6 and at D=256 with 64-key tiles one Q buffer that O leaves
+    through, causal at D=128 without the deferred hand-back) matches float64 like the Triton kernels:
     ragged tiles, GQA, rows with no visible key (causal, seqlen_q > seqlen_k), non-contiguous inputs; the
     gradients check its lse."""
     if torch.cuda.get_device_capability() != (9, 0):

@@ -285,7 +285,9 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
     # tile 0 (the copy reading it meanwhile), not once the copy has read it: +0.5..7% at 1k-16k keys
     # (2026-11-23-h100-session14/ab_fwd_release_causal.log, two rounds, where the unchanged non-causal
     # code read -2.8..+1.5%); non-causal -3..+4%, 16k -2% in both rounds (ab_fwd_release_final.log).
-    DEFER: gl.constexpr = HEAD_D == 128 and CAUSAL
+    # Never where that buffer is the only Q buffer: the next item's Q, which tile 0 waits for, would wait
+    # for it.
+    DEFER: gl.constexpr = HEAD_D == 128 and CAUSAL and (O_IN_K or Q_BUFFERS == 2)
     pending = -1  # the buffer that the last item's O is leaving through, until it goes back
     items = n_m * batch * nheads
     for k in range(_count(items)):
