@@ -456,11 +456,12 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Laun
     # buffers of 64 KB, Q 32 KB); that one goes back to the loader after the item's last S, O leaving
     # through a K tile instead (+6..8% at 1k non-causal over O through the Q buffer, released after the
     # copy; 2026-11-22-h100-fwd-o-kv).
-    rows = cfg.consumers * ROWS.value
-    q_buffers = 2 if (2 * rows + 2 * cfg.gluon_stages * cfg.gluon_block_n) * prob.head_dim * 2 <= 227 * 1024 else 1
-    smem = (q_buffers * rows + 2 * cfg.gluon_stages * cfg.gluon_block_n) * prob.head_dim * 2
-    if smem > 227 * 1024:
-        raise ValueError(f"the Gluon forward's buffers take {smem} bytes of shared memory, over 227 KB: "
+    def smem(q_buffers):  # bytes of the Q buffers and the K/V ring
+        return (q_buffers * cfg.consumers * ROWS.value + 2 * cfg.gluon_stages * cfg.gluon_block_n) * prob.head_dim * 2
+
+    q_buffers = 2 if smem(2) <= 227 * 1024 else 1
+    if smem(q_buffers) > 227 * 1024:
+        raise ValueError(f"the Gluon forward's buffers take {smem(q_buffers)} bytes of shared memory, over 227 KB: "
                          f"fewer than {cfg.gluon_stages} K/V buffers")
     triton.set_allocator(scratch)  # the kernel builds its tensor descriptors in global scratch
     qk_scale, _ = logit_scales(params)
