@@ -1,6 +1,7 @@
 """Shared test helpers: random inputs, the float64 oracle, error bounds, torch's own SDPA."""
 import dataclasses
 import os
+import zlib
 
 import pytest
 import torch
@@ -16,6 +17,11 @@ ROUNDING_FLOOR = {torch.float32: 2e-6, torch.float16: 0.0, torch.bfloat16: 0.0, 
 
 interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                reason="needs TRITON_INTERPRET=1 (set by conftest when there is no GPU)")
+
+
+def seed_of(*parts) -> int:
+    """A seed from a test's parameters, the same in every process (hash() of a str is salted per process)."""
+    return zlib.crc32(repr(parts).encode())
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -94,6 +100,23 @@ def check_against_oracle(fn, q, k, v, causal, with_sdpa=True, grads=True, **opti
     return errors
 
 
+def rotary_reference(x, cos, sin, positions, interleaved):
+    """Rotary embedding in float64 written with complex numbers (independent of the implementation's
+    form): x (..., H, D) rotated at positions (shaped like x.shape[:-2]) on its first 2 * cos.shape[1]
+    dims."""
+    half = cos.shape[1]
+    x = x.double()
+    rot = x[..., :2 * half]
+    if interleaved:
+        z = torch.view_as_complex(rot.reshape(*rot.shape[:-1], half, 2).contiguous())
+    else:
+        z = torch.complex(rot[..., :half], rot[..., half:])
+    angle = torch.polar(torch.ones_like(cos.double()), torch.atan2(sin.double(), cos.double()))[positions]
+    z = z * angle[..., None, :]
+    out = torch.view_as_real(z).flatten(-2) if interleaved else torch.cat((z.real, z.imag), dim=-1)
+    return torch.cat((out, x[..., 2 * half:]), dim=-1)
+
+
 def varlen_reference(q, k, v, cu_q, cu_k, **options):
     """The oracle, one sequence at a time: out (total_q, H, D) in float64."""
     outs = []
@@ -112,6 +135,34 @@ def varlen_batch(lens_q, lens_k, nheads, nheads_k, head_dim, dtype, device):
     q = torch.randn(sum(lens_q), nheads, head_dim, dtype=dtype, device=device)
     k, v = (torch.randn(sum(lens_k), nheads_k, head_dim, dtype=dtype, device=device) for _ in range(2))
     return q, k, v, cu_q, cu_k
+
+
+def paged_cache(k, v, cu_k, page, spare_pages=3, interleaved=False):
+    """k, v (total_k, Hk, D) of a varlen batch moved into a paged cache (num_blocks, page, Hk, D)
+    in shuffled pages, with pages nobody uses and garbage past each sequence's end: (k_cache,
+    v_cache, block_table (batch, max pages + 1) int32, the unused column holding an out-of-pool
+    index that must never be read). interleaved: k and v are views of one (num_blocks, 2, page, Hk, D)
+    tensor (pages not contiguous in memory)."""
+    lengths = (cu_k[1:] - cu_k[:-1]).tolist()
+    counts = [-(-n // page) for n in lengths]
+    num_blocks = sum(counts) + spare_pages
+    hk, d = k.shape[1:]
+    pool = torch.randn(num_blocks, 2, page, hk, d, dtype=k.dtype, device=k.device)
+    order = torch.randperm(num_blocks, device=k.device)
+    table = torch.full((len(lengths), max(counts) + 1), 10**6, dtype=torch.int32, device=k.device)
+    used = 0
+    for b, (n, c) in enumerate(zip(lengths, counts)):
+        pages = order[used:used + c]
+        used += c
+        table[b, :c] = pages.int()
+        start = int(cu_k[b])
+        for j in range(c):
+            rows = slice(j * page, min((j + 1) * page, n))
+            pool[pages[j], 0, :rows.stop - rows.start] = k[start + rows.start:start + rows.stop]
+            pool[pages[j], 1, :rows.stop - rows.start] = v[start + rows.start:start + rows.stop]
+    if interleaved:
+        return pool[:, 0], pool[:, 1], table
+    return pool[:, 0].contiguous(), pool[:, 1].contiguous(), table
 
 
 def check_tile_loads(q, k, v, params, fwd, dkdv, dq, tol):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import BOUNDS, check_against_oracle, check_tile_loads, make_qkv, rel_err, run_and_grad, \
-    varlen_batch, varlen_reference
+from attn_testing import BOUNDS, check_against_oracle, check_tile_loads, make_qkv, paged_cache, rel_err, \
+    run_and_grad, seed_of, varlen_batch, varlen_reference
 from cuflash.kernels.config import Launch, backward_configs, forward_config, use_tma
 from cuflash.params import AttentionParams
 
@@ -150,7 +150,7 @@ def _options(name, batch, nheads):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_variant_against_oracle(dtype, variant, shape):
-    torch.manual_seed(hash((variant, shape)) % 2**31)
+    torch.manual_seed(seed_of(variant, shape))
     batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim = shape
     q, k, v = make_qkv(*shape, dtype, "cuda")
     options = _options(variant, batch, nheads)
@@ -172,6 +172,26 @@ def test_varlen_on_gpu(dtype, causal):
                        q.double(), k.double(), v.double(), dout.double())
     for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
         assert rel_err(x, r) < BOUNDS[dtype], name
+
+
+@pytest.mark.parametrize("page,head_dim,options", [
+    (16, 128, dict(causal=True)), (256, 64, dict()), (3, 96, dict(window_size=(100, 7), alibi=True, softcap=8.0)),
+    (64, 256, dict(causal=True, interleaved=True))], ids=["p16_d128_causal", "p256_d64", "p3_d96_variants",
+                                                          "p64_d256_interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_varlen_paged_kv_on_gpu(dtype, page, head_dim, options):
+    """flash_attn_varlen_func reading K/V pages in place (GQA 8:2) against the float64 oracle."""
+    options = dict(options)
+    torch.manual_seed(seed_of(page, head_dim, str(dtype)))
+    lens_q, lens_k = [1, 17, 1000, 300, 64], [5, 17, 1000, 1030, 1]
+    q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, 8, 2, head_dim, dtype, "cuda")
+    k_cache, v_cache, table = paged_cache(k, v, cu_k, page, interleaved=options.pop("interleaved", False))
+    slopes = torch.rand(len(lens_q), 8, device="cuda") if options.pop("alibi", False) else None
+    out = cuflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k),
+                                         alibi_slopes=slopes, block_table=table, **options)
+    ref = varlen_reference(q.double(), k.double(), v.double(), cu_q.tolist(), cu_k.tolist(), alibi_slopes=slopes,
+                           **options)
+    assert rel_err(out, ref) < BOUNDS[dtype]
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -465,7 +485,7 @@ def test_sliding_window_cost_follows_the_window():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_methods_on_gpu(dtype, causal, shape, method):
     from cuflash import methods
-    torch.manual_seed(hash((shape, method)) % 2**31)
+    torch.manual_seed(seed_of(shape, method))
     batch, seqlen_q, seqlen_k, nheads, head_dim = shape
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads, head_dim, dtype, "cuda", layout="bhnd")
     check_against_oracle(lambda a, b, c: methods.attention(method, a, b, c, causal), q, k, v, causal)

@@ -5,23 +5,8 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import rel_err
+from attn_testing import rel_err, rotary_reference
 from cuflash.reference import attention_reference
-
-
-def _rotary(x, cos, sin, positions, interleaved):
-    """Rotary embedding written with complex numbers (independent of the implementation's form)."""
-    half = cos.shape[1]
-    x = x.double()
-    rot = x[..., :2 * half]
-    if interleaved:
-        z = torch.view_as_complex(rot.reshape(*rot.shape[:-1], half, 2).contiguous())
-    else:
-        z = torch.complex(rot[..., :half], rot[..., half:])
-    angle = torch.polar(torch.ones_like(cos.double()), torch.atan2(sin.double(), cos.double()))[positions][:, :, None]
-    z = z * angle
-    out = torch.view_as_real(z).flatten(-2) if interleaved else torch.cat((z.real, z.imag), dim=-1)
-    return torch.cat((out, x[..., 2 * half:]), dim=-1)
 
 
 def _expected(q, k_seqs, v_seqs, causal, **options):
@@ -66,7 +51,7 @@ def test_append_rotary_and_attend(backend, paged, seqlen_q, rotary):
     for b in range(batch):
         n = int(cache_seqlens[b])
         new_pos = torch.arange(n, n + seqlen_q)[None]
-        k_new = _rotary(k[b:b + 1], cos, sin, new_pos, rotary == "interleaved")[0] if rotary else k[b].double()
+        k_new = rotary_reference(k[b:b + 1], cos, sin, new_pos, rotary == "interleaved")[0] if rotary else k[b].double()
         # the cache now holds the (rotated) new keys right after the old ones, and nothing else changed
         assert torch.allclose(logical(k_cache, b)[n:n + seqlen_q].double(), k_new, atol=1e-6)
         assert torch.equal(logical(v_cache, b)[n:n + seqlen_q], v[b])
@@ -76,7 +61,7 @@ def test_append_rotary_and_attend(backend, paged, seqlen_q, rotary):
         k_seqs.append(logical(k_cache, b)[:n + seqlen_q].double())
         v_seqs.append(logical(v_cache, b)[:n + seqlen_q].double())
         if rotary:
-            q_ref[b:b + 1] = _rotary(q[b:b + 1], cos, sin, new_pos, rotary == "interleaved")
+            q_ref[b:b + 1] = rotary_reference(q[b:b + 1], cos, sin, new_pos, rotary == "interleaved")
     ref = _expected(q_ref, k_seqs, v_seqs, True)
     assert out.shape == q.shape and lse.shape == (batch, nheads, seqlen_q)
     assert rel_err(out, ref) < 1e-5
@@ -100,6 +85,51 @@ def test_batch_idx_leftpad_window_and_no_new_tokens(backend):
     v_seqs = [v_cache[3, 4:30].double(), v_cache[1, :9].double()]
     ref = _expected(q.double(), k_seqs, v_seqs, True, window_size=(10, 0), softcap=5.0, alibi_slopes=slopes)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["leftpad", "batch_idx_leftpad", "paged"])
+@pytest.mark.parametrize("mask", ["none", "causal", "local"])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rotary_positions_count_from_the_cache_row_start(backend, layout, mask, interleaved):
+    """Rotary with cache_leftpad (or a paged cache), GQA, causal/local/none: new key i of sequence b
+    is rotated at position cache_seqlens[b] + i counted from the start of the cache row, whatever
+    the left padding (flash-attn's convention); queries at cache_seqlens[b] + i when causal or
+    local, else all at cache_seqlens[b]. The oracle rotates with complex numbers itself."""
+    torch.manual_seed(["leftpad", "batch_idx_leftpad", "paged"].index(layout) + 3 * interleaved)
+    batch, seqlen_q, nheads, nheads_k, d, rotary_dim, page = 2, 3, 4, 2, 32, 16, 8
+    seqlens = torch.tensor([21, 9], dtype=torch.int32)
+    leftpad = None if layout == "paged" else torch.tensor([6, 4], dtype=torch.int32)
+    rows = torch.tensor([2, 0], dtype=torch.int32) if layout == "batch_idx_leftpad" else None
+    if layout == "paged":
+        k_cache = torch.randn(9, page, nheads_k, d)
+        block_table = torch.tensor([[7, 1, 4, 0], [2, 8, 5, 3]], dtype=torch.int32)
+    else:
+        k_cache = torch.randn(3, 32, nheads_k, d)
+        block_table = None
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, seqlen_q, nheads, d)
+    k, v = (torch.randn(batch, seqlen_q, nheads_k, d) for _ in range(2))
+    angles = torch.rand(40, rotary_dim // 2) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    options = dict(causal=mask == "causal", window_size=(6, 1) if mask == "local" else (-1, -1))
+    out = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                         cache_seqlens=seqlens, cache_batch_idx=rows, cache_leftpad=leftpad,
+                                         block_table=block_table, rotary_interleaved=interleaved, **options)
+    q_ref, k_seqs, v_seqs = q.double().clone(), [], []
+    for b in range(batch):
+        n, start = int(seqlens[b]), 0 if leftpad is None else int(leftpad[b])
+        row = k_cache[block_table[b].long()].flatten(0, 1) if block_table is not None else \
+            k_cache[b if rows is None else int(rows[b])]
+        v_row = v_cache[block_table[b].long()].flatten(0, 1) if block_table is not None else \
+            v_cache[b if rows is None else int(rows[b])]
+        new_pos = torch.arange(n, n + seqlen_q)[None]
+        k_new = rotary_reference(k[b:b + 1], cos, sin, new_pos, interleaved)[0]
+        assert torch.allclose(row[n:n + seqlen_q].double(), k_new, atol=1e-6)
+        q_pos = new_pos if mask != "none" else torch.full((1, seqlen_q), n)
+        q_ref[b:b + 1] = rotary_reference(q[b:b + 1], cos, sin, q_pos, interleaved)
+        k_seqs.append(row[start:n + seqlen_q].double())
+        v_seqs.append(v_row[start:n + seqlen_q].double())
+    assert rel_err(out, _expected(q_ref, k_seqs, v_seqs, **options)) < 1e-5
 
 
 # (nheads, nheads_k, seqlen_q, head_dim, dtype, cache_seqlens, page size (0: contiguous), options):
@@ -201,8 +231,10 @@ def test_bad_input_leaves_the_cache_untouched(overrides, code, word):
 
 def test_unused_block_table_entries_are_not_read(backend):
     """Entries past a sequence's last page may hold anything (flash-attn's contract too)."""
+    torch.manual_seed(8)
     k_cache, v_cache = (torch.randn(4, 16, 1, 16) for _ in range(2))
     table = torch.tensor([[2, 99]], dtype=torch.int32)
-    out = cuflash.flash_attn_with_kvcache(torch.randn(1, 1, 1, 16), k_cache, v_cache, cache_seqlens=10,
-                                         block_table=table)
-    assert torch.isfinite(out).all()
+    q = torch.randn(1, 1, 1, 16)
+    out = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=10, block_table=table)
+    ref, _ = attention_reference(q, k_cache[2:3, :10], v_cache[2:3, :10])
+    assert rel_err(out, ref) < 1e-5

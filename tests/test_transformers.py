@@ -8,15 +8,41 @@ transformers = pytest.importorskip("transformers")
 import cuflash.integrations.transformers as cuflash_hf  # noqa: E402
 
 
+def _config():
+    return transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
 def _models(device, dtype):
+    """The sdpa model and the cuflash one with the same weights. Each gets a config of its own:
+    _from_config writes attn_implementation into the config it is handed, so one shared config
+    would make both models run the implementation built last."""
     cuflash_hf.register()
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa", torch_dtype=dtype)
-    ours = transformers.LlamaForCausalLM._from_config(config, attn_implementation="cuflash", torch_dtype=dtype)
+    ref = transformers.LlamaForCausalLM._from_config(_config(), attn_implementation="sdpa", torch_dtype=dtype)
+    ours = transformers.LlamaForCausalLM._from_config(_config(), attn_implementation="cuflash", torch_dtype=dtype)
     ours.load_state_dict(ref.state_dict())
     return ref.to(device), ours.to(device)
+
+
+@pytest.fixture(autouse=True)
+def cuflash_calls(monkeypatch):
+    """Counts the integration's calls into cuflash, so that each test can assert which model ran it."""
+    calls = []
+    for name in ("flash_attn_func", "flash_attn_varlen_func"):
+        fn = getattr(cuflash_hf, name)
+        monkeypatch.setattr(cuflash_hf, name, lambda *a, _fn=fn, **kw: calls.append(_fn) or _fn(*a, **kw))
+    return calls
+
+
+def _run(model, calls, **inputs):
+    """model(**inputs), asserting that cuflash ran in every layer of the cuflash model and nowhere else."""
+    before = len(calls)
+    result = model(**inputs)
+    ran = len(calls) - before
+    expected = model.config.num_hidden_layers if model.config._attn_implementation == "cuflash" else 0
+    assert ran == expected, f"{model.config._attn_implementation} model: {ran} cuflash calls, expected {expected}"
+    return result
 
 
 def _batch(device, padding_side):
@@ -32,13 +58,13 @@ def _batch(device, padding_side):
     return ids, mask
 
 
-def check_logits_and_grads(device, dtype, padding_side, tol):
+def check_logits_and_grads(device, dtype, padding_side, tol, calls):
     ref, ours = _models(device, dtype)
     ids, mask = _batch(device, padding_side)
     results = []
     for model in (ref, ours):
         model.zero_grad()
-        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits = _run(model, calls, input_ids=ids, attention_mask=mask).logits
         valid = logits[mask.bool()]  # padded positions are not defined the same way by both
         (valid.float().square().mean()).backward()
         results.append((valid.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
@@ -49,13 +75,15 @@ def check_logits_and_grads(device, dtype, padding_side, tol):
         assert ((grads[name] - g).norm() / g.norm()).item() < tol * 10, name
 
 
-def check_generate(device, dtype):
+def check_generate(device, dtype, calls):
     ref, ours = _models(device, dtype)
     ids, mask = _batch(device, "left")
     out_ref = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                            output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    assert not calls, "the sdpa model ran cuflash"
     out = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                         output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    assert len(calls) == 8 * ours.config.num_hidden_layers  # the prompt and 7 decoding steps, every layer
     assert out.sequences.shape == (3, 29)
     assert torch.equal(out.sequences, out_ref.sequences)
     for a, b in zip(out.scores, out_ref.scores):
@@ -63,29 +91,31 @@ def check_generate(device, dtype):
 
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])
-def test_llama_logits_and_gradients_match_sdpa_cpu(padding_side):
-    check_logits_and_grads("cpu", torch.float32, padding_side, 1e-5)
+def test_llama_logits_and_gradients_match_sdpa_cpu(padding_side, cuflash_calls):
+    check_logits_and_grads("cpu", torch.float32, padding_side, 1e-5, cuflash_calls)
 
 
-def test_llama_generate_with_kv_cache_cpu():
-    check_generate("cpu", torch.float32)
+def test_llama_generate_with_kv_cache_cpu(cuflash_calls):
+    check_generate("cpu", torch.float32, cuflash_calls)
 
 
-def test_no_padding_and_full_model_forward_cpu():
+def test_no_padding_and_full_model_forward_cpu(cuflash_calls):
     ref, ours = _models("cpu", torch.float32)
     ids = torch.randint(0, 97, (2, 17))
-    assert torch.allclose(ours(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5)
+    assert torch.allclose(_run(ours, cuflash_calls, input_ids=ids).logits,
+                          _run(ref, cuflash_calls, input_ids=ids).logits, atol=1e-5)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("padding_side", ["right", "left"])
-def test_llama_on_gpu(padding_side):
-    check_logits_and_grads("cuda", torch.bfloat16, padding_side, 2e-2)
-    check_generate("cuda", torch.float32)
+def test_llama_on_gpu(padding_side, cuflash_calls):
+    check_logits_and_grads("cuda", torch.bfloat16, padding_side, 2e-2, cuflash_calls)
+    cuflash_calls.clear()
+    check_generate("cuda", torch.float32, cuflash_calls)
 
 
-def test_packed_sequences_without_padding_cpu():
+def test_packed_sequences_without_padding_cpu(cuflash_calls):
     """Padding-free training: several sequences in one row with transformers' cu_seq_lens_* kwargs
     give what each sequence gives alone."""
     ref, ours = _models("cpu", torch.float32)
@@ -93,9 +123,9 @@ def test_packed_sequences_without_padding_cpu():
     seqs = [torch.randint(0, 97, (1, n)) for n in lengths]
     cu = torch.tensor([0, 7, 19, 22], dtype=torch.int32)
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    logits = ours(input_ids=torch.cat(seqs, dim=1), position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                  max_length_q=12, max_length_k=12).logits
-    alone = torch.cat([ref(input_ids=s).logits for s in seqs], dim=1)
+    logits = _run(ours, cuflash_calls, input_ids=torch.cat(seqs, dim=1), position_ids=position_ids,
+                  cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12, max_length_k=12).logits
+    alone = torch.cat([_run(ref, cuflash_calls, input_ids=s).logits for s in seqs], dim=1)
     assert torch.allclose(logits, alone, atol=1e-5)
 
 

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 
 import cuflash
-from attn_testing import BOUNDS, check_against_oracle, make_qkv, rel_err, run_and_grad, varlen_reference
+from attn_testing import BOUNDS, check_against_oracle, make_qkv, paged_cache, rel_err, run_and_grad, seed_of, \
+    varlen_batch, varlen_reference
+from cuflash.reference import attention_reference
 
 DTYPES = [torch.float32, torch.float16]
 
@@ -16,10 +18,50 @@ DTYPES = [torch.float32, torch.float16]
 @pytest.mark.parametrize("seqlens", [(37, 37), (20, 45), (45, 20)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_sliding_window(backend, window, causal, seqlens, dtype):
-    torch.manual_seed(hash((window, causal, seqlens)) % 2**31)
+    torch.manual_seed(seed_of(window, causal, seqlens))
     q, k, v = make_qkv(2, *seqlens, 4, 2, 24, dtype, "cpu")
     check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal, window_size=window),
                          q, k, v, causal, with_sdpa=False, window_size=window)
+
+
+WINDOW_FORMS = {"tuple": lambda l, r: (l, r), "list": lambda l, r: [l, r],
+                "tensor": lambda l, r: torch.tensor([l, r]), "int32_tensor": lambda l, r: torch.tensor([l, r]).int(),
+                "0d_tensors": lambda l, r: (torch.tensor(l), torch.tensor(r))}
+
+
+@pytest.mark.parametrize("form", WINDOW_FORMS)
+def test_window_size_in_every_form_and_entry_point(backend, form):
+    """window_size as flash-attn reads it (window_size[0], window_size[1]): a list, a 2-element
+    integer tensor or a pair of 0-d tensors works in every entry point, against the oracle."""
+    torch.manual_seed(len(form))
+    window = WINDOW_FORMS[form](5, 2)
+    q, k, v = make_qkv(2, 19, 23, 4, 2, 16, torch.float32, "cpu")
+    ref, _ = attention_reference(q, k, v, window_size=(5, 2))
+    assert rel_err(cuflash.flash_attn_func(q, k, v, window_size=window), ref) < 1e-5
+    kv = torch.stack((k, v), dim=2)
+    assert rel_err(cuflash.flash_attn_kvpacked_func(q, kv, window_size=window), ref) < 1e-5
+    out, _ = cuflash.forward(q, k, v, window_size=window)
+    assert rel_err(out, ref) < 1e-5
+    grads = cuflash.backward(torch.ones_like(out), q, k, v, *cuflash.forward(q, k, v, window_size=(5, 2)),
+                             window_size=window)
+    assert torch.equal(grads[0], cuflash.backward(torch.ones_like(out), q, k, v,
+                                                  *cuflash.forward(q, k, v, window_size=(5, 2)),
+                                                  window_size=(5, 2))[0])
+    qkv = torch.stack((q, q, q), dim=2)
+    self_ref, _ = attention_reference(q, q, q, window_size=(5, 2))
+    assert rel_err(cuflash.flash_attn_qkvpacked_func(qkv, window_size=window), self_ref) < 1e-5
+    cu_q = torch.tensor([0, 19, 38], dtype=torch.int32)
+    cu_k = torch.tensor([0, 23, 46], dtype=torch.int32)
+    out = cuflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, 19, 23,
+                                         window_size=window)
+    assert rel_err(out, ref.flatten(0, 1)) < 1e-5
+    out = cuflash.flash_attn_varlen_kvpacked_func(q.flatten(0, 1), kv.flatten(0, 1), cu_q, cu_k, 19, 23,
+                                                  window_size=window)
+    assert rel_err(out, ref.flatten(0, 1)) < 1e-5
+    out = cuflash.flash_attn_varlen_qkvpacked_func(qkv.flatten(0, 1), cu_q, 19, window_size=window)
+    assert rel_err(out, self_ref.flatten(0, 1)) < 1e-5
+    out = cuflash.flash_attn_with_kvcache(q, k.clone(), v.clone(), window_size=window)
+    assert rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("per_batch", [False, True])
@@ -79,6 +121,61 @@ def test_varlen(backend, causal, dtype):
     out, lse, probs = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
                                                      return_attn_probs=True)
     assert lse.shape == (4, sum(lens_q)) and probs.shape == (5, 4, max(lens_q), max(lens_k))
+
+
+PAGED_CASES = {  # (page size, nheads, nheads_k, head dim, options)
+    "page1_causal_mqa": (1, 4, 1, 16, dict(causal=True)),
+    "page5_window_alibi_softcap_gqa": (5, 4, 2, 24, dict(window_size=(9, 2), softcap=4.0, alibi=True)),
+    "page16_plain": (16, 2, 2, 40, dict()),
+    "page7_local_causal_interleaved": (7, 6, 3, 16, dict(causal=True, window_size=(5, 0), interleaved=True)),
+    "page256_causal": (256, 2, 1, 32, dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("case", PAGED_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_varlen_paged_kv(backend, case, dtype):
+    """flash_attn_varlen_func with block_table: k and v as pages of a cache read in place, against
+    the float64 oracle on the same keys packed; causal with seqlen_q != seqlen_k, windows, ALiBi,
+    softcap, GQA/MQA, any page size, a sequence of 1 key, unused pages and table columns."""
+    page, nheads, nheads_k, d, options = PAGED_CASES[case]
+    options = dict(options)
+    torch.manual_seed(seed_of(case, str(dtype)))
+    lens_q, lens_k = [3, 17, 1, 12], [11, 17, 1, 40]
+    q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, nheads, nheads_k, d, dtype, "cpu")
+    k_cache, v_cache, table = paged_cache(k, v, cu_k, page, interleaved=options.pop("interleaved", False))
+    slopes = torch.rand(len(lens_q), nheads) if options.pop("alibi", False) else None
+    out, lse, probs = cuflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                     alibi_slopes=slopes, block_table=table, return_attn_probs=True,
+                                                     **options)
+    ref = varlen_reference(q, k, v, cu_q.tolist(), cu_k.tolist(), alibi_slopes=slopes, **options)
+    assert rel_err(out, ref) < BOUNDS[dtype]
+    dense = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), alibi_slopes=slopes,
+                                           return_attn_probs=True, **options)
+    assert torch.allclose(lse, dense[1], atol=1e-5) and torch.equal(probs, dense[2])
+
+
+def test_varlen_paged_kv_bad_tables_and_no_backward(backend):
+    q, k, v, cu_q, cu_k = varlen_batch([2, 3], [9, 20], 2, 2, 16, torch.float32, "cpu")
+    k_cache, v_cache, table = paged_cache(k, v, cu_k, 8)  # 2 and 3 pages: table (2, 4)
+
+    def call(block_table, **kwargs):
+        return cuflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 3, 20, block_table=block_table,
+                                              **kwargs)
+
+    outside = table.clone()
+    outside[1, 2] = k_cache.shape[0]
+    for bad, code, words in ((outside, "INVALID_ARGUMENT", ["block_table[1, 2]", "outside"]),
+                             (table[:, :2], "SHAPE_MISMATCH", ["block_table", "2 columns", "3 pages"]),
+                             (table.long(), "UNSUPPORTED_DTYPE", ["block_table", "int32"]),
+                             (table[:1], "SHAPE_MISMATCH", ["block_table", "batch"])):
+        with pytest.raises(RuntimeError) as info:  # (a FlashAttentionError, caught as flash-attn's RuntimeError)
+            call(bad)
+        assert info.value.code.name == code and all(w in str(info.value) for w in words), str(info.value)
+    q.requires_grad_()
+    out = call(table)  # the forward runs; a backward through the pages raises, naming block_table
+    with pytest.raises(cuflash.FlashAttentionError, match="block_table"):
+        out.sum().backward()
 
 
 def test_varlen_packed_and_no_padding_compute(backend):
@@ -212,8 +309,16 @@ def test_dropout_mask_same_on_both_backends(monkeypatch):
 
 
 def test_sdpa_dropout(backend):
+    """SDPA's dropout draws the mask flash_attn_func draws from the same seed (its layout
+    transposed), and its output is the oracle's given that mask."""
     torch.manual_seed(19)
     query, key, value = (torch.randn(2, 2, 16, 8) for _ in range(3))
+    torch.manual_seed(7)
     out = cuflash.scaled_dot_product_attention(query, key, value, dropout_p=0.5)
-    plain = cuflash.scaled_dot_product_attention(query, key, value)
-    assert out.shape == plain.shape and not torch.allclose(out, plain)
+    torch.manual_seed(7)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    _, _, probs = cuflash.flash_attn_func(q, k, v, dropout_p=0.5, return_attn_probs=True)
+    keep = probs >= 0
+    assert 0.3 < keep.float().mean().item() < 0.7
+    ref, _ = attention_reference(q, k, v, dropout_p=0.5, dropout_keep=keep)
+    assert rel_err(out.transpose(1, 2), ref) < 1e-5

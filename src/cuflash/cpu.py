@@ -4,7 +4,8 @@ over K/V tiles, recomputation from the log-sum-exp in the backward), for tensors
 Working memory is O(seqlen): one (block_m x block_n) score tile per head at a time, plus the
 fp32 output and gradient accumulators. The query heads that share a KV head are folded into the
 rows of one matrix, so K/V are never repeated and the GQA sums of dK/dV come out of the matmuls.
-Every option of AttentionParams is supported; a varlen batch runs one sequence at a time.
+Every option of AttentionParams is supported; a varlen batch runs one sequence at a time (a paged
+one gathers each sequence's keys from its pages).
 """
 from __future__ import annotations
 
@@ -125,7 +126,8 @@ def attention_forward(q, k, v, params: AttentionParams):
         return _forward(q, k, v, params)
     outs, lses = [], []
     for b, q_rows, k_rows, p in _sequences(params):
-        out, lse = _forward(q[None, q_rows], k[None, k_rows], v[None, k_rows], p, b)
+        k_b, v_b = (params.sequence_keys(t, b, k_rows.start, k_rows.stop) for t in (k, v))
+        out, lse = _forward(q[None, q_rows], k_b[None], v_b[None], p, b)
         outs.append(out[0])
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 
 import torch
 
@@ -31,8 +32,10 @@ class ErrorCode(enum.IntEnum):
     UNSUPPORTED_DEVICE = 14
 
 
-class FlashAttentionError(ValueError):
-    """Raised for any input cuflash cannot compute; ``.code`` is an :class:`ErrorCode`."""
+class FlashAttentionError(ValueError, RuntimeError):
+    """Raised for any input cuflash cannot compute; ``.code`` is an :class:`ErrorCode`. Both a
+    ValueError and a RuntimeError: flash-attn raises RuntimeError from its C++ checks, and code
+    written for it catches that."""
 
     def __init__(self, code: ErrorCode, message: str):
         super().__init__(f"[{code.name}] {message}")
@@ -128,22 +131,36 @@ def resolve_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> 
     return float(softmax_scale)
 
 
-def not_supported_yet(name: str, value, accepted: str) -> None:
-    fail(ErrorCode.UNSUPPORTED_FEATURE, f"{name}={value!r} is not supported yet; accepted: {accepted}")
-
-
 def check_dropout(dropout_p) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         fail(ErrorCode.INVALID_ARGUMENT, f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     return float(dropout_p)
 
 
+def _window_bound(w) -> int | None:
+    """An integer window bound as flash-attn indexes it (a Python or numpy int, a 0-d integer
+    tensor), or None for anything else (bools, floats, tensors of other shapes or dtypes)."""
+    if isinstance(w, bool) or (isinstance(w, torch.Tensor) and (w.ndim != 0 or w.dtype == torch.bool)):
+        return None
+    try:
+        return operator.index(w)
+    except TypeError:
+        return None
+
+
 def check_window(window_size) -> tuple[int, int]:
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size)):
+    """window_size in any form flash-attn accepts (it reads window_size[0] and window_size[1]): a
+    tuple or list of two ints, a 2-element integer tensor or a pair of 0-d integer tensors; each
+    bound >= -1 (-1: unbounded). Converted to Python ints here, once."""
+    bounds = None
+    if isinstance(window_size, (tuple, list)) or (isinstance(window_size, torch.Tensor) and window_size.ndim == 1):
+        if len(window_size) == 2:
+            bounds = tuple(_window_bound(w) for w in window_size)
+    if bounds is None or any(w is None or w < -1 for w in bounds):
         fail(ErrorCode.INVALID_ARGUMENT,
-             f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got {window_size!r}")
-    return int(window_size[0]), int(window_size[1])
+             f"window_size must be a pair (left, right) of integers >= -1 (-1: unbounded): a tuple, a list or "
+             f"an integer tensor of 2 elements, got {window_size!r}")
+    return bounds
 
 
 def check_softcap(softcap) -> float:
@@ -172,10 +189,11 @@ def check_alibi(alibi_slopes, batch: int, nheads: int, device: torch.device):
     return alibi_slopes.contiguous()
 
 
-def check_cu_seqlens(name: str, cu_seqlens, max_name: str, max_seqlen, total: int, total_name: str,
+def check_cu_seqlens(name: str, cu_seqlens, max_name: str, max_seqlen, total: int | None, total_name: str,
                      device: torch.device, batch: int | None = None) -> int:
     """Checks int32 prefix sums cu_seqlens (batch + 1,) starting at 0, non-decreasing, ending at
-    `total` (the rows of the tensor they index), the longest sequence <= max_seqlen. Returns batch."""
+    `total` (the rows of the tensor they index; None: they index none, as a paged cache's key
+    counts), the longest sequence <= max_seqlen. Returns batch."""
     if not isinstance(cu_seqlens, torch.Tensor):
         fail(ErrorCode.INVALID_ARGUMENT, f"{name} must be an int32 tensor of shape (batch + 1,), "
              f"got {type(cu_seqlens).__name__}")
@@ -196,13 +214,39 @@ def check_cu_seqlens(name: str, cu_seqlens, max_name: str, max_seqlen, total: in
         lengths = [b - a for a, b in zip(values, values[1:])]
         if values[0] != 0 or min(lengths) < 0:
             fail(ErrorCode.INVALID_ARGUMENT, f"{name} must start at 0 and never decrease, got {values}")
-        if values[-1] != total:
+        if total is not None and values[-1] != total:
             fail(ErrorCode.SHAPE_MISMATCH, f"{name} ends at {values[-1]} but {total_name} has {total} rows; "
                  f"they must be equal")
         if max(lengths) > max_seqlen:
             fail(ErrorCode.INVALID_ARGUMENT, f"{max_name}={max_seqlen} but the longest sequence in {name} "
                  f"has {max(lengths)} tokens")
     return cu_seqlens.numel() - 1
+
+
+def check_block_table(block_table, batch: int, num_blocks: int, page_block_size: int, cu_seqlens_k) -> None:
+    """block_table (batch, max_blocks_per_seq) int32 on the device of the cache: enough columns for
+    each sequence's cu_seqlens_k length, and the entries a sequence uses inside the pool of
+    num_blocks pages (entries past a sequence's last page are never read and may hold anything)."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
+        fail(ErrorCode.SHAPE_MISMATCH, f"block_table must be an int32 tensor (batch, max_blocks_per_seq) with batch "
+             f"= {batch}, got {tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else block_table!r}")
+    if block_table.dtype != torch.int32:
+        fail(ErrorCode.UNSUPPORTED_DTYPE, f"block_table must be int32, got {block_table.dtype}")
+    if block_table.device != cu_seqlens_k.device:
+        fail(ErrorCode.DEVICE_MISMATCH, f"block_table is on {block_table.device} but q is on {cu_seqlens_k.device}")
+    if torch.compiler.is_compiling():  # (the values need a host read; a compiled graph trusts them)
+        return
+    pages = ((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long() + page_block_size - 1) // page_block_size
+    most = int(pages.max())
+    if most > block_table.shape[1]:
+        fail(ErrorCode.SHAPE_MISMATCH, f"block_table has {block_table.shape[1]} columns but sequence "
+             f"{int(pages.argmax())} needs {most} pages of {page_block_size} keys (cu_seqlens_k)")
+    used = torch.arange(block_table.shape[1], device=block_table.device) < pages[:, None]
+    outside = ((block_table < 0) | (block_table >= num_blocks)) & used
+    if outside.any():
+        b, j = (int(i) for i in outside.nonzero()[0])
+        fail(ErrorCode.INVALID_ARGUMENT, f"block_table[{b}, {j}] = {int(block_table[b, j])} points outside the "
+             f"{num_blocks} pages of k and v")
 
 
 def check_attn_mask(attn_mask, shape: tuple, device: torch.device) -> torch.Tensor:

@@ -7,8 +7,8 @@ import torch
 from . import ops
 from .dropout import draw_seed, head_ids, keep_mask
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_attn_mask, check_cu_seqlens,
-                     check_dropout, check_same, check_softcap, check_tensor, check_window, fail, lse_dtype,
-                     not_supported_yet, resolve_scale)
+                     check_block_table, check_dropout, check_same, check_softcap, check_tensor, check_window, fail,
+                     lse_dtype, resolve_scale)
 from .params import AttentionParams
 from .reference import attention_probs
 
@@ -118,30 +118,40 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         max_seqlen_q, max_seqlen_k: ints >= the longest sequence.
         causal, window_size, alibi_slopes: as in flash_attn_func, per sequence (aligned to the
             bottom-right corner of each sequence's score matrix); the other options likewise.
-        block_table: paged K/V; not supported here (see flash_attn_with_kvcache).
+        block_table: None, or (batch, max_blocks_per_seq) int32 for a paged K/V cache (forward only,
+            as flash-attn): k and v are then (num_blocks, page_block_size, nheads_k, headdim), any
+            page size, read in place; sequence b's keys are the first cu_seqlens_k[b + 1] -
+            cu_seqlens_k[b] rows of its pages block_table[b, 0], block_table[b, 1], ... A table
+            entry outside the pool, or too few columns for a sequence, raises before any kernel.
     Returns:
         out (total_q, nheads, headdim); with return_attn_probs, (out, softmax_lse (nheads, total_q)
         fp32, probs (batch, nheads, max_seqlen_q, max_seqlen_k), zero-padded).
     """
-    if block_table is not None:
-        not_supported_yet("block_table", "<tensor>", "None")
     check_tensor("q", q, 3, "(total_q, nheads, headdim)")
-    check_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
-    check_tensor("v", v, 3, "(total_k, nheads_k, headdim)")
-    check_attention_inputs(q[None], k[None], v[None])
+    paged = block_table is not None
+    layout = "(num_blocks, page_block_size, nheads_k, headdim) with block_table" if paged else \
+        "(total_k, nheads_k, headdim)"
+    check_tensor("k", k, 4 if paged else 3, layout)
+    check_tensor("v", v, 4 if paged else 3, layout)
+    if paged and k.shape != v.shape:
+        fail(ErrorCode.SHAPE_MISMATCH, f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match")
+    check_attention_inputs(q[None], k[:1] if paged else k[None], v[:1] if paged else v[None])
     _check_device(q)
     batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q.shape[0], "q", q.device)
-    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, k.shape[0], "k", q.device, batch)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, None if paged else k.shape[0],
+                     "k", q.device, batch)
+    if paged:
+        check_block_table(block_table, batch, k.shape[0], k.shape[1], cu_seqlens_k)
     p = _params(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                max_seqlen_k=max_seqlen_k)
+                max_seqlen_k=max_seqlen_k, block_table=block_table)
     out, lse = ops.forward(q, k, v, p)
     if not return_attn_probs:
         return out
     probs = q.new_zeros((batch, q.shape[1], max_seqlen_q, max_seqlen_k), dtype=torch.float32)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(batch):
-        q_b, k_b = q[None, cu_q[b]:cu_q[b + 1]], k[None, cu_k[b]:cu_k[b + 1]]
+        q_b, k_b = q[None, cu_q[b]:cu_q[b + 1]], p.sequence_keys(k, b, cu_k[b], cu_k[b + 1])[None]
         probs[b, :, :q_b.shape[1], :k_b.shape[1]] = _probs(q_b, k_b, p.sequence(b), first_batch=b)[0]
     return out, lse, probs.to(q.dtype)
 

@@ -17,6 +17,7 @@ from . import ops
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_softcap, check_tensor, check_window,
                      fail, resolve_scale)
 from .params import AttentionParams
+from .rotary import check_cos_sin, rotate
 
 
 def _int_tensor(name: str, t, shape: tuple, device, dtypes=(torch.int32,)) -> torch.Tensor:
@@ -31,23 +32,6 @@ def _int_tensor(name: str, t, shape: tuple, device, dtypes=(torch.int32,)) -> to
     return t
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-            interleaved: bool) -> torch.Tensor:
-    """Rotary embedding of x (B, N, H, D) at positions (B, N) on its first 2 * cos.shape[1] dims:
-    pairs (2i, 2i + 1) when interleaved (GPT-J), halves (i, i + rotary_dim / 2) otherwise (GPT-NeoX)."""
-    half = cos.shape[1]
-    c = cos.float()[positions][:, :, None, :]  # (B, N, 1, half)
-    s = sin.float()[positions][:, :, None, :]
-    rot = x[..., :2 * half].float()
-    if interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
-    else:
-        x1, x2 = rot[..., :half], rot[..., half:]
-        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-    return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
-
-
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -60,9 +44,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             (num_blocks, page_block_size, nheads_k, headdim) with block_table.
         k, v: None, or (batch, seqlen_new, nheads_k, headdim): written into the cache at positions
             cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 before attending.
-        rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2): rotary embedding of k at its
-            positions and of q at cache_seqlens + i when causal or windowed (else all at cache_seqlens);
-            positions count from cache_leftpad. rotary_interleaved: GPT-J pairs, else GPT-NeoX halves.
+        rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2): rotary embedding (as
+            cuflash.apply_rotary_emb) of new key i at position cache_seqlens[b] + i and of query i
+            at cache_seqlens[b] + i when causal or windowed (else every query at cache_seqlens[b]).
+            Positions count from the start of the cache row, with cache_leftpad too (as flash-attn).
+            rotary_interleaved: GPT-J pairs, else GPT-NeoX halves.
         cache_seqlens: int or (batch,) int32: tokens in each cache before the append (None: full).
         cache_batch_idx: (batch,) int32/int64: the cache row of each sequence (contiguous cache).
         cache_leftpad: (batch,) int32: each sequence's keys start at this position (contiguous cache).
@@ -135,11 +121,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         fail(ErrorCode.INVALID_ARGUMENT, f"num_splits must be an int >= 0, got {num_splits!r}")
     if rotary_cos is not None or rotary_sin is not None:
-        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-            check_tensor(name, t, 2, "(seqlen_ro, rotary_dim / 2)")
-        if rotary_cos.shape != rotary_sin.shape or 2 * rotary_cos.shape[1] > head_dim:
-            fail(ErrorCode.SHAPE_MISMATCH, f"rotary_cos {tuple(rotary_cos.shape)} and rotary_sin "
-                 f"{tuple(rotary_sin.shape)} must match, with 2 * rotary_dim / 2 <= headdim {head_dim}")
+        check_cos_sin(rotary_cos, rotary_sin, head_dim, q.device, ("rotary_cos", "rotary_sin"))
 
     @functools.cache
     def bounds() -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,8 +132,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                                                           device=q.device)
         return per_sequence(0 if leftpad is None else leftpad), per_sequence(seqlens)
 
-    # Query token i sits at position cache_seqlens + i (counted from cache_leftpad) when causal or
-    # windowed, else all at cache_seqlens (flash-attn's rotary convention).
+    # Query token i sits at position cache_seqlens + i when causal or windowed, else all at
+    # cache_seqlens (flash-attn's rotary convention).
     shifted = causal or (left, right) != (-1, -1)
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     if not (capturing or torch.compiler.is_compiling()):
@@ -166,15 +148,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return (seq if rows is None else rows[seq].long()) * rows_per_seq + positions
 
     if rotary_cos is not None:
-        starts, lengths = bounds()
-        positions_q = (lengths - starts)[:, None] + (
-            torch.arange(seqlen_q, device=q.device)[None, :] if shifted else 0)
-        q = _rotate(q, rotary_cos, rotary_sin, positions_q.expand(batch, seqlen_q), rotary_interleaved)
+        _, lengths = bounds()
+        positions_q = lengths[:, None] + (torch.arange(seqlen_q, device=q.device)[None, :] if shifted else 0)
+        q = rotate(q, rotary_cos, rotary_sin, positions_q.expand(batch, seqlen_q), rotary_interleaved)
     if k is not None:
-        starts, lengths = bounds()
+        _, lengths = bounds()
         positions_new = lengths[:, None] + torch.arange(seqlen_new, device=q.device)[None, :]
         if rotary_cos is not None:
-            k = _rotate(k, rotary_cos, rotary_sin, positions_new - starts[:, None], rotary_interleaved)
+            k = rotate(k, rotary_cos, rotary_sin, positions_new, rotary_interleaved)
         target = flat(torch.arange(batch, device=q.device)[:, None], positions_new).flatten()
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, target, k.reshape(-1, *k.shape[2:]))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, target, v.reshape(-1, *v.shape[2:]))
@@ -198,8 +179,10 @@ def _check_values(seqlens, seqlen_new, capacity, leftpad, rows, cache_rows, tabl
         return x.tolist() if isinstance(x, torch.Tensor) else x
 
     ends = seqlens + seqlen_new
+    room = (f"block_table's {table.shape[1]} pages of {rows_per_seq} positions" if table is not None
+            else f"the cache's {capacity} positions per sequence")
     checks = [((seqlens < 0) | (ends > capacity), lambda: f"cache_seqlens {values(seqlens)} + {seqlen_new} new "
-               f"tokens must fit the cache's {capacity} positions per sequence")]
+               f"tokens must fit {room}")]
     if leftpad is not None:
         checks.append(((leftpad < 0) | (leftpad > seqlens),
                        lambda: f"cache_leftpad {leftpad.tolist()} must lie in [0, cache_seqlens]"))
@@ -214,8 +197,7 @@ def _check_values(seqlens, seqlen_new, capacity, leftpad, rows, cache_rows, tabl
                        lambda: f"block_table points outside the {cache_rows} cache blocks"))
     if rotary_cos is not None:
         # the largest rotary position used, plus one
-        needed = (seqlens if leftpad is None else seqlens - leftpad)
-        needed = (needed.max() if isinstance(needed, torch.Tensor) else needed) + query_span
+        needed = (seqlens.max() if isinstance(seqlens, torch.Tensor) else seqlens) + query_span
         checks.append((needed > rotary_cos.shape[0],
                        lambda: f"rotary_cos has {rotary_cos.shape[0]} positions; {int(needed)} are needed"))
     on_device = [cond.any() for cond, _ in checks if isinstance(cond, torch.Tensor)]

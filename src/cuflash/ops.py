@@ -77,19 +77,27 @@ def _backend(device: torch.device, dtype: torch.dtype):
     return cpu
 
 
+def _backward_backend(q: torch.Tensor, params: AttentionParams):
+    """The backend of a backward, which no paged (block_table) call has (flash-attn has none either)."""
+    if params.block_table is not None:
+        fail(ErrorCode.UNSUPPORTED_FEATURE, "no backward through paged K/V (block_table): flash_attn_varlen_func "
+             "with block_table is forward only; pass contiguous k and v (total_k, nheads_k, headdim) to train")
+    return _backend(q.device, q.dtype)
+
+
 @torch.library.custom_op("cuflash::fwd", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                       window_left: int, window_right: int, bottom_right: bool, softcap: float,
                       alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], dropout_p: float,
                       rng_seed: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                       cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      deterministic: bool, block_table: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Nq, H, D), k and v (B, Nk, Hk, D) (varlen: (total, H, D)) -> out shaped like q and
     softmax_lse (B, H, Nq) (varlen: (H, total_q)), fp32. The other arguments are the fields of
     AttentionParams, in order; forward() and backward() below take the dataclass."""
     params = AttentionParams(softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
                              attn_mask, dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             deterministic)
+                             deterministic, block_table)
     return _backend(q.device, q.dtype).attention_forward(q, k, v, params)
 
 
@@ -106,12 +114,13 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], dropout_p: float,
                        rng_seed: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                        cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                       deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       deterministic: bool,
+                       block_table: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention_forward, shaped like q, k, v."""
     params = AttentionParams(softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
                              attn_mask, dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             deterministic)
-    return _backend(q.device, q.dtype).attention_backward(dout, q, k, v, out, softmax_lse, params)
+                             deterministic, block_table)
+    return _backward_backend(q, params).attention_backward(dout, q, k, v, out, softmax_lse, params)
 
 
 @attention_backward.register_fake
@@ -152,8 +161,8 @@ class _Attention(torch.autograd.Function):
             return None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():
-            grads = _backend(q.device, q.dtype).attention_backward(_contiguous_last(dout), q, k, v, out, lse,
-                                                                   ctx.params)
+            grads = _backward_backend(q, ctx.params).attention_backward(_contiguous_last(dout), q, k, v, out, lse,
+                                                                        ctx.params)
         if torch.is_grad_enabled():
             # create_graph=True: the gradients get a node that raises if they are differentiated
             # again (the kernels' gradients have no gradient), rather than counting as constants.
@@ -174,7 +183,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
 def backward(dout, q, k, v, out, softmax_lse, params: AttentionParams):
     """(dq, dk, dv)."""
     if _direct(q):
-        return _backend(q.device, q.dtype).attention_backward(dout, q, k, v, out, softmax_lse, params)
+        return _backward_backend(q, params).attention_backward(dout, q, k, v, out, softmax_lse, params)
     return attention_backward(dout, q, k, v, out, softmax_lse, *params.as_args())
 
 

@@ -30,6 +30,11 @@ class AttentionParams:
     (two int64 words in [0, 2^31), on the device of q), and scales the rest by 1 / (1 - dropout_p).
     deterministic asks for a backward that is bitwise reproducible run to run (otherwise the
     fastest one, which may add dQ in a varying order).
+
+    Paged varlen (forward only): with block_table (batch, max_blocks_per_seq) int32, k and v are
+    caches of pages (num_blocks, page_block_size, nheads_k, headdim); key j of sequence b is row
+    j % page_block_size of page block_table[b, j // page_block_size], and cu_seqlens_k gives each
+    sequence's key count (it indexes no rows of k).
     """
 
     softmax_scale: float
@@ -46,6 +51,7 @@ class AttentionParams:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     deterministic: bool = False
+    block_table: torch.Tensor | None = None
 
     @property
     def varlen(self) -> bool:
@@ -61,7 +67,18 @@ class AttentionParams:
         slopes = self.alibi_slopes
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[b:b + 1]
-        return dataclasses.replace(self, alibi_slopes=slopes, cu_seqlens_q=None, cu_seqlens_k=None)
+        return dataclasses.replace(self, alibi_slopes=slopes, cu_seqlens_q=None, cu_seqlens_k=None,
+                                   block_table=None)
+
+    def sequence_keys(self, t: torch.Tensor, b: int, start: int, end: int) -> torch.Tensor:
+        """The keys (or values) of sequence b of a varlen batch, whose prefix sums put them at rows
+        start:end: those rows of t, or with block_table the first end - start rows of its pages
+        (a gather, for the CPU path and return_attn_probs; the kernels read pages in place)."""
+        if self.block_table is None:
+            return t[start:end]
+        page = t.shape[1]
+        pages = self.block_table[b, :-(-(end - start) // page)].long()
+        return t[pages].flatten(0, 1)[:end - start]
 
     def lse_shape(self, q: torch.Tensor) -> tuple:
         """softmax_lse's shape for q: (batch, nheads, seqlen_q), varlen (nheads, total_q)."""
@@ -78,7 +95,7 @@ class AttentionParams:
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))
-_TENSOR_NAMES = ("alibi_slopes", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k")
+_TENSOR_NAMES = ("alibi_slopes", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k", "block_table")
 # Positions of the tensor fields among FIELD_NAMES (autograd saves those with save_for_backward).
 TENSOR_FIELDS = tuple(i for i, name in enumerate(FIELD_NAMES) if name in _TENSOR_NAMES)
 # key()'s field getters, in C (a Python loop over the fields costs microseconds per launch).

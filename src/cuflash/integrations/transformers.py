@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
+from ..bert_padding import pad_input, unpad_input
 from ..interface import flash_attn_func, flash_attn_varlen_func
 
 NAME = "cuflash"
@@ -56,15 +56,6 @@ def _serve_flash_imports(name: str) -> None:
     fa_utils._lazy_imports = _lazy_imports
 
 
-def _unpad(x: torch.Tensor, mask: torch.Tensor):
-    """x (B, N, H, D) and a (B, N) bool mask -> (tokens (total, H, D), their flat indices,
-    cu_seqlens (B + 1,) int32, the longest length)."""
-    lengths = mask.sum(-1, dtype=torch.int32)
-    indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
-    cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    return x.reshape(-1, *x.shape[2:])[indices], indices, cu_seqlens, int(lengths.max().item())
-
-
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
@@ -92,10 +83,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     batch, seqlen_q = q.shape[:2]
     mask = attention_mask.bool()
     k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]  # a static cache's mask covers the filled part
-    k_tokens, k_indices, cu_seqlens_k, max_seqlen_k = _unpad(k, mask)
+    k_tokens, k_indices, cu_seqlens_k, max_seqlen_k, _ = unpad_input(k, mask)
     v_tokens = v.reshape(-1, *v.shape[2:])[k_indices]
-    q_tokens, q_indices, cu_seqlens_q, max_seqlen_q = _unpad(q, mask[:, -seqlen_q:])
+    q_tokens, q_indices, cu_seqlens_q, max_seqlen_q, _ = unpad_input(q, mask[:, -seqlen_q:])
     out_tokens = flash_attn_varlen_func(q_tokens, k_tokens, v_tokens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, **options)
-    out = out_tokens.new_zeros(batch * seqlen_q, *out_tokens.shape[1:]).index_copy(0, q_indices, out_tokens)
-    return out.view(batch, seqlen_q, *out_tokens.shape[1:]), None
+    return pad_input(out_tokens, q_indices, batch, seqlen_q), None

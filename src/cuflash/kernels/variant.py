@@ -50,6 +50,8 @@ class Problem:
 
 def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> Problem:
     if p.varlen:
+        if p.block_table is not None:  # pages (num_blocks, page, Hk, D): one page's rows stand for the keys
+            k, v = k[0], v[0]
         return Problem(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), p.cu_seqlens_q.numel() - 1,
                        p.max_seqlen_q, p.max_seqlen_k, True)
     return Problem(q, k, v, q.shape[0], q.shape[1], k.shape[1], False)

@@ -1,0 +1,100 @@
+"""Rotary position embedding (RoPE), flash-attn compatible: `apply_rotary_emb` as in
+`flash_attn.layers.rotary`, and `rotate`, the one implementation that it and
+flash_attn_with_kvcache share.
+
+The rotation runs in fp32 whatever the input dtype and is rounded once to it. It is made of
+torch ops, so the same code runs on the GPU and the CPU and autograd differentiates it (the
+gradient of a rotation is the rotation by the opposite angle).
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import ErrorCode, check_cu_seqlens, check_tensor, fail
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+           interleaved: bool) -> torch.Tensor:
+    """x (..., nheads, headdim) rotated on its first 2 * cos.shape[1] dims at `positions` (long,
+    shaped like x.shape[:-2]): pairs (2i, 2i + 1) when interleaved (GPT-J), halves
+    (i, i + rotary_dim / 2) otherwise (GPT-NeoX). cos, sin: (seqlen_ro, rotary_dim / 2). A position
+    past seqlen_ro is left unrotated (cos 1, sin 0), as flash-attn's kernel does."""
+    seqlen_ro, half = cos.shape
+    inside = (positions < seqlen_ro)[..., None, None]
+    at = positions.clamp(max=seqlen_ro - 1)
+    c = torch.where(inside, cos.float()[at][..., None, :], 1.0)  # (..., 1, half)
+    s = torch.where(inside, sin.float()[at][..., None, :], 0.0)
+    rot = x[..., :2 * half].float()
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def check_cos_sin(cos, sin, head_dim: int, device: torch.device, names=("cos", "sin")) -> None:
+    """cos and sin: equal shapes (seqlen_ro, rotary_dim / 2), 2 * (rotary_dim / 2) <= head_dim."""
+    for name, t in zip(names, (cos, sin)):
+        check_tensor(name, t, 2, "(seqlen_ro, rotary_dim / 2)")
+        if t.device != device:
+            fail(ErrorCode.DEVICE_MISMATCH, f"{name} is on {t.device} but x is on {device}")
+    if cos.shape != sin.shape or 2 * cos.shape[1] > head_dim:
+        fail(ErrorCode.SHAPE_MISMATCH, f"{names[0]} {tuple(cos.shape)} and {names[1]} {tuple(sin.shape)} must "
+             f"have the same shape (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim {head_dim}")
+
+
+def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                     max_seqlen=None):
+    """Rotary embedding of x, flash-attn compatible (`flash_attn.layers.rotary.apply_rotary_emb`).
+
+    Args:
+        x: (batch, seqlen, nheads, headdim), or (total_seqlen, nheads, headdim) with cu_seqlens.
+        cos, sin: (seqlen_ro, rotary_dim / 2): row p rotates position p. Only the first rotary_dim
+            dims of each head are rotated; the rest pass through.
+        interleaved: rotate pairs (0, 1), (2, 3), ... (GPT-J) instead of the halves
+            (0, rotary_dim / 2), (1, rotary_dim / 2 + 1), ... (GPT-NeoX).
+        inplace: write the result into x and return x.
+        seqlen_offsets: int or (batch,) int32/int64 tensor: token i of sequence b sits at position
+            i + seqlen_offsets[b] (decoding after a KV cache); positions past seqlen_ro stay unrotated.
+        cu_seqlens: (batch + 1,) int32 prefix sums of a varlen batch (positions count from each
+            sequence's start); max_seqlen: its longest sequence.
+    Returns:
+        x rotated, with x's shape and dtype (computed in fp32). Differentiable in x.
+    """
+    if cu_seqlens is None:
+        check_tensor("x", x, 4, "(batch, seqlen, nheads, headdim)")
+        batch, seqlen = x.shape[:2]
+    else:
+        check_tensor("x", x, 3, "(total_seqlen, nheads, headdim) with cu_seqlens")
+        if max_seqlen is None:
+            fail(ErrorCode.INVALID_ARGUMENT, "max_seqlen must be given with cu_seqlens")
+        batch = check_cu_seqlens("cu_seqlens", cu_seqlens, "max_seqlen", max_seqlen, x.shape[0], "x", x.device)
+        seqlen = max_seqlen
+    check_cos_sin(cos, sin, x.shape[-1], x.device)
+    if seqlen > cos.shape[0]:
+        fail(ErrorCode.SHAPE_MISMATCH, f"cos has {cos.shape[0]} positions (seqlen_ro) but x has sequences of "
+             f"{seqlen} tokens; seqlen_ro must be >= seqlen")
+    if isinstance(seqlen_offsets, torch.Tensor):
+        if seqlen_offsets.dtype not in (torch.int32, torch.int64) or tuple(seqlen_offsets.shape) != (batch,):
+            fail(ErrorCode.INVALID_ARGUMENT, f"seqlen_offsets must be an int or an int32/int64 tensor of shape "
+                 f"(batch,) = ({batch},), got {seqlen_offsets.dtype} {tuple(seqlen_offsets.shape)}")
+        if seqlen_offsets.device != x.device:
+            fail(ErrorCode.DEVICE_MISMATCH, f"seqlen_offsets is on {seqlen_offsets.device} but x is on {x.device}")
+        offsets = seqlen_offsets.long()
+    elif isinstance(seqlen_offsets, int) and not isinstance(seqlen_offsets, bool) and seqlen_offsets >= 0:
+        offsets = torch.full((batch,), seqlen_offsets, dtype=torch.long, device=x.device)
+    else:
+        fail(ErrorCode.INVALID_ARGUMENT, f"seqlen_offsets must be an int >= 0 or a (batch,) integer tensor, "
+             f"got {seqlen_offsets!r}")
+    if cu_seqlens is None:
+        positions = offsets[:, None] + torch.arange(seqlen, device=x.device)
+    else:
+        starts = cu_seqlens.long()
+        owner = torch.repeat_interleave(torch.arange(batch, device=x.device), starts.diff(), output_size=x.shape[0])
+        positions = torch.arange(x.shape[0], device=x.device) - starts[owner] + offsets[owner]
+    out = rotate(x, cos, sin, positions, interleaved)
+    if inplace:
+        return x.copy_(out)
+    return out

@@ -1,0 +1,73 @@
+"""cuflash.bert_padding: unpad_input / pad_input with flash-attn 2.8's return values, values
+checked token by token, gradients, and the round trip through the varlen attention."""
+import pytest
+import torch
+
+import cuflash
+from attn_testing import rel_err
+from cuflash.bert_padding import pad_input, unpad_input
+from cuflash.reference import attention_reference
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unpad_returns_the_kept_tokens_in_order(device):
+    torch.manual_seed(0)
+    x = torch.randn(3, 6, 2, 4, device=device)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0]], device=device)
+    tokens, indices, cu_seqlens, max_seqlen, used = unpad_input(x, mask)
+    expected = [(b, i) for b in range(3) for i in range(6) if mask[b, i]]
+    assert indices.tolist() == [b * 6 + i for b, i in expected]
+    assert torch.equal(tokens, torch.stack([x[b, i] for b, i in expected]))
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == [0, 3, 9, 11]
+    assert max_seqlen == 6 and isinstance(max_seqlen, int)
+    assert used.dtype == torch.int32 and used.tolist() == [3, 6, 2]
+
+
+def test_unused_mask_counts_in_cu_seqlens_not_in_used_seqlens():
+    x = torch.randn(2, 5, 3)
+    mask = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
+    unused = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 0, 0, 0]])
+    tokens, indices, cu_seqlens, max_seqlen, used = unpad_input(x, mask, unused)
+    assert indices.tolist() == [0, 1, 2, 3, 5, 6]
+    assert cu_seqlens.tolist() == [0, 4, 6] and max_seqlen == 4 and used.tolist() == [2, 1]
+    assert torch.equal(tokens, x.reshape(10, 3)[indices])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pad_inverts_unpad_with_gradients(device):
+    torch.manual_seed(1)
+    x = torch.randn(2, 7, 3, device=device, requires_grad=True)
+    mask = torch.rand(2, 7, device=device) > 0.4
+    mask[:, 0] = True
+    tokens, indices, *_ = unpad_input(x, mask)
+    back = pad_input(tokens, indices, 2, 7)
+    assert torch.equal(back, torch.where(mask[..., None], x, 0.0))
+    back.backward(torch.ones_like(back))
+    assert torch.equal(x.grad, mask[..., None].expand_as(x).float())
+
+
+def test_varlen_attention_through_the_helpers():
+    """A padded batch, unpadded, attended with flash_attn_varlen_func and padded back, equals each
+    sequence's own attention (float64 oracle) and zero on the padding."""
+    torch.manual_seed(2)
+    batch, seqlen, nheads, d = 3, 9, 2, 16
+    q, k, v = (torch.randn(batch, seqlen, nheads, d) for _ in range(3))
+    lengths = [9, 4, 1]
+    mask = torch.arange(seqlen)[None] < torch.tensor(lengths)[:, None]
+    (q_u, idx, cu, max_len, _), (k_u, *_), (v_u, *_) = (unpad_input(t, mask) for t in (q, k, v))
+    out = pad_input(cuflash.flash_attn_varlen_func(q_u, k_u, v_u, cu, cu, max_len, max_len, causal=True),
+                    idx, batch, seqlen)
+    for b, n in enumerate(lengths):
+        ref, _ = attention_reference(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], causal=True)
+        assert rel_err(out[b:b + 1, :n], ref) < 1e-5
+        assert (out[b, n:] == 0).all()
+
+
+def test_bad_mask_names_the_argument():
+    with pytest.raises(cuflash.FlashAttentionError, match="attention_mask"):
+        unpad_input(torch.randn(2, 5, 3), torch.ones(2, 4))
+    with pytest.raises(cuflash.FlashAttentionError, match="unused_mask"):
+        unpad_input(torch.randn(2, 5, 3), torch.ones(2, 5), torch.ones(5))

@@ -1,0 +1,93 @@
+"""cuflash.apply_rotary_emb (flash-attn's signature and semantics) against a float64 oracle written
+with complex numbers: both layouts, partial rotary dims, int and per-sequence offsets, varlen,
+in place, positions past the table, gradients, every dtype; on the CPU and on the GPU."""
+import pytest
+import torch
+
+import cuflash
+from attn_testing import rel_err, rotary_reference
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _table(seqlen_ro, rotary_dim, device):
+    angles = torch.rand(seqlen_ro, rotary_dim // 2, device=device) * 6.28
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("offsets", ["zero", "int", "tensor"])
+def test_dense_against_oracle(device, dtype, interleaved, offsets):
+    torch.manual_seed(7 * interleaved + len(offsets))
+    batch, seqlen, nheads, head_dim, rotary_dim = 3, 17, 2, 40, 24
+    x = torch.randn(batch, seqlen, nheads, head_dim, device=device).to(dtype)
+    cos, sin = _table(64, rotary_dim, device)
+    seqlen_offsets = {"zero": 0, "int": 5, "tensor": torch.tensor([0, 9, 40], device=device)}[offsets]
+    out = cuflash.apply_rotary_emb(x, cos, sin, interleaved=interleaved, seqlen_offsets=seqlen_offsets)
+    starts = torch.as_tensor(seqlen_offsets, device=device).expand(batch)
+    positions = starts[:, None] + torch.arange(seqlen, device=device)
+    ref = rotary_reference(x, cos, sin, positions, interleaved)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert rel_err(out, ref) < TOL[dtype]
+    assert torch.equal(out[..., rotary_dim:], x[..., rotary_dim:])  # the other dims pass through
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_varlen_positions_count_per_sequence(device, interleaved):
+    torch.manual_seed(3)
+    lengths, nheads, head_dim = [5, 1, 12], 3, 16
+    cu_seqlens = torch.tensor([0, 5, 6, 18], dtype=torch.int32, device=device)
+    x = torch.randn(sum(lengths), nheads, head_dim, device=device)
+    cos, sin = _table(20, head_dim, device)
+    offsets = torch.tensor([2, 0, 7], device=device)
+    out = cuflash.apply_rotary_emb(x, cos, sin, interleaved, seqlen_offsets=offsets, cu_seqlens=cu_seqlens,
+                                   max_seqlen=12)
+    positions = torch.cat([torch.arange(n, device=device) + int(o) for n, o in zip(lengths, offsets)])
+    assert rel_err(out, rotary_reference(x, cos, sin, positions, interleaved)) < 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_is_the_inverse_rotation(device):
+    torch.manual_seed(4)
+    x = torch.randn(2, 9, 2, 32, device=device, dtype=torch.float64 if device == "cpu" else torch.float32,
+                    requires_grad=True)
+    cos, sin = _table(9, 32, device)
+    dout = torch.randn_like(x)
+    cuflash.apply_rotary_emb(x, cos, sin).backward(dout)
+    positions = torch.arange(9, device=device).expand(2, 9)
+    expected = rotary_reference(dout, cos, -sin, positions, False)  # rotation by the opposite angle
+    assert rel_err(x.grad, expected) < 1e-6
+
+
+def test_inplace_and_positions_past_the_table():
+    torch.manual_seed(5)
+    x = torch.randn(1, 6, 1, 8)
+    cos, sin = _table(8, 8, "cpu")
+    expected = rotary_reference(x, cos, sin, torch.arange(4, 10)[None].clamp(max=7), False)
+    expected[:, 4:] = x[:, 4:].double()  # positions 8 and 9 are past the table: left as they are
+    y = x.clone()
+    result = cuflash.apply_rotary_emb(y, cos, sin, inplace=True, seqlen_offsets=torch.tensor([4]))
+    assert result.data_ptr() == y.data_ptr()
+    assert rel_err(y, expected) < 1e-6
+
+
+@pytest.mark.parametrize("kwargs,word", [
+    (dict(x=torch.randn(2, 4, 1, 8), cos=torch.ones(3, 4), sin=torch.zeros(3, 4)), "seqlen_ro"),
+    (dict(x=torch.randn(2, 4, 1, 8), cos=torch.ones(8, 5), sin=torch.zeros(8, 5)), "rotary_dim"),
+    (dict(x=torch.randn(2, 4, 1, 8), cos=torch.ones(8, 4), sin=torch.zeros(8, 2)), "sin"),
+    (dict(x=torch.randn(2, 4, 1, 8), cos=torch.ones(8, 4), sin=torch.zeros(8, 4), seqlen_offsets=-1),
+     "seqlen_offsets"),
+    (dict(x=torch.randn(2, 4, 1, 8), cos=torch.ones(8, 4), sin=torch.zeros(8, 4),
+          seqlen_offsets=torch.tensor([1, 2, 3])), "seqlen_offsets"),
+    (dict(x=torch.randn(8, 1, 8), cos=torch.ones(8, 4), sin=torch.zeros(8, 4),
+          cu_seqlens=torch.tensor([0, 8], dtype=torch.int32)), "max_seqlen"),
+    (dict(x=torch.randn(2, 4, 8), cos=torch.ones(8, 4), sin=torch.zeros(8, 4)), "x"),
+])
+def test_bad_input_names_the_argument(kwargs, word):
+    with pytest.raises(cuflash.FlashAttentionError, match=word):
+        cuflash.apply_rotary_emb(**kwargs)
