@@ -2,6 +2,7 @@
 import csv
 
 import pytest
+import torch
 
 from cuflash.bench.__main__ import main
 
@@ -78,3 +79,19 @@ def test_cpu_bench_host_column(tmp_path):
     assert rc == 0
     table = (tmp_path / "results.md").read_text()
     assert "| cuflash err | cuflash host us |" in table and table.rstrip().endswith("| n/a |")
+
+
+def test_bench_without_a_gpu_picks_the_cpu_and_says_so(monkeypatch, capsys, tmp_path):
+    """No GPU and no --device: the CPU path, the providers that run there (sdpa-cudnn and
+    sdpa-efficient are CUDA-only), fp32 and a short sweep, each choice printed; --dtype takes either name."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--seqlens", "64", "--modes", "fwd", "--causal", "false", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "cuflash bench on cpu:" in err and "dtype fp32" in err and "providers cuflash,sdpa-flash,sdpa" in err
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert [r["provider"] for r in rows] == ["cuflash", "sdpa-flash", "sdpa"] and all(r["tflops"] for r in rows)
+    assert main(["--device", "cpu", "--providers", "cuflash,sdpa-cudnn", "--dtype", "float32",
+                       "--seqlens", "64", "--modes", "fwd", "--causal", "false"]) == 0
+    assert "sdpa-cudnn run on CUDA only: left out" in capsys.readouterr().err
+    assert main(["--device", "cuda"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

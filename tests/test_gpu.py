@@ -43,6 +43,18 @@ def test_against_oracle(dtype, causal, head_dim, seqlen):
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
+@pytest.mark.parametrize("seqlen", [256, 512, 1024, 2048])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_length_class_on_gpu(causal, head_dim, seqlen):
+    """The table's launches of the length classes test_against_oracle's lengths leave out (129-256,
+    257-512, 513-1024, 1025-2048 keys; Gluon or Triton, as the table picks on this GPU) compile and
+    match the oracle, forward and backward, in bf16."""
+    torch.manual_seed(seed_of(causal, head_dim, seqlen))
+    q, k, v = make_qkv(1, seqlen, seqlen, 2, 2, head_dim, torch.bfloat16, "cuda")
+    check_against_oracle(_flash(causal), q, k, v, causal)
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1000), (17, 128), (1000, 17), (128, 4096), (4096, 1000)])
 @pytest.mark.parametrize("nheads,nheads_k", [(8, 2), (6, 1)])
 @pytest.mark.parametrize("causal", [False, True])

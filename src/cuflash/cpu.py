@@ -15,7 +15,7 @@ from .dropout import head_ids, keep_mask
 from .errors import lse_dtype
 from .params import AttentionParams
 
-BLOCK_M = 256
+BLOCK_M = 256  # query rows and keys per tile where the call asks for none (AttentionParams.block_m/_n)
 BLOCK_N = 512
 
 
@@ -41,6 +41,7 @@ class _Tiles:
         self.seqlen_k, self.nheads_k = k.shape[1], k.shape[2]
         self.group = self.nheads // self.nheads_k
         self.p = p
+        self.block_m, self.block_n = p.block_m or BLOCK_M, p.block_n or BLOCK_N
         self.offset = self.seqlen_k - self.seqlen_q if p.bottom_right else 0
         self.dtype = lse_dtype(q.dtype)
         grouped = (self.batch, self.nheads_k, self.group)
@@ -70,8 +71,8 @@ class _Tiles:
         full_lo = min(max(full_lo, lo), hi)
         full_hi = min(max(full_hi, full_lo), hi)
         for start, end, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
-            for n0 in range(start, end, BLOCK_N):
-                yield n0, min(n0 + BLOCK_N, end), masked
+            for n0 in range(start, end, self.block_n):
+                yield n0, min(n0 + self.block_n, end), masked
 
     def logits(self, qk: torch.Tensor) -> torch.Tensor:
         """softcap * tanh(x / softcap) of the scaled logits x, in place."""
@@ -154,8 +155,8 @@ def _forward(q, k, v, p: AttentionParams, first_batch: int = 0):
     vg = v.to(dtype).transpose(1, 2).contiguous()
     out = torch.empty(batch, nheads_k, group, seqlen_q, head_dim, dtype=dtype, device=q.device)
     lse = torch.empty(batch, nheads_k, group, seqlen_q, dtype=lse_dtype(q.dtype), device=q.device)
-    for m0 in range(0, seqlen_q, BLOCK_M):
-        m1 = min(m0 + BLOCK_M, seqlen_q)
+    for m0 in range(0, seqlen_q, tiles.block_m):
+        m1 = min(m0 + tiles.block_m, seqlen_q)
         q_blk = _rows(qg, m0, m1) * p.softmax_scale
         rows = q_blk.shape[2]
         m_i = torch.full((batch, nheads_k, rows), float("-inf"), dtype=dtype, device=q.device)
@@ -194,8 +195,8 @@ def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0)
     dq = torch.empty(batch, nheads_k, group, seqlen_q, head_dim, dtype=dtype, device=q.device)
     dk = torch.zeros(batch, nheads_k, seqlen_k, head_dim, dtype=dtype, device=q.device)
     dv = torch.zeros_like(dk)
-    for m0 in range(0, seqlen_q, BLOCK_M):
-        m1 = min(m0 + BLOCK_M, seqlen_q)
+    for m0 in range(0, seqlen_q, tiles.block_m):
+        m1 = min(m0 + tiles.block_m, seqlen_q)
         q_blk, do_blk = _rows(qg, m0, m1), _rows(dog, m0, m1)
         lse_blk, delta_blk = _rows(lseg, m0, m1), _rows(delta, m0, m1)
         dq_blk = torch.zeros_like(q_blk)

@@ -1,17 +1,26 @@
 """Problems on disk for `cuflash generate` and `cuflash run`: a folder B{b}_H{h}_S{s}_D{d}/ holding
 Q.bin, K.bin, V.bin (and dO.bin, outputs) as raw little-endian row-major (B, H, N, D) arrays,
-plus meta.json with the shape, dtype and seed."""
+plus meta.json with the shape, dtype and seed.
+
+Every file derived from the inputs (dO.bin drawn from the seed, the outputs of `run`) is recorded
+in meta.json's "files" with a digest of the Q, K, V it belongs to, so that nothing computed for
+other inputs is ever reused; `generate` removes the derived files of the problem it replaces."""
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from .dtypes import ALIASES, DTYPES
+from .errors import MAX_HEAD_DIM
+
 INPUTS = ("Q", "K", "V")
+# Files computed from the inputs: dO.bin (drawn from the seed unless the user wrote it) and run's outputs.
+DERIVED = ("dO.bin", "O.bin", "logsumexp.bin", "dQ.bin", "dK.bin", "dV.bin")
 
 
 class DataError(Exception):
@@ -74,14 +83,41 @@ def random_tensor(shape: tuple, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
 
 
-def generate(meta: Meta, output_dir: Path) -> Path:
-    """Writes Q, K, V (seeds seed, seed+1, seed+2) and meta.json; returns the folder."""
+def generate(meta: Meta, output_dir: Path) -> tuple[Path, list[str]]:
+    """Writes Q, K, V (seeds seed, seed+1, seed+2) and meta.json, and removes the derived files of a
+    problem this one replaces; returns the folder and the names removed."""
     folder = output_dir / folder_name(meta)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"cannot create {folder}: {exc.strerror or exc}") from None
+    removed = [name for name in DERIVED if (folder / name).exists()]
+    for name in removed:
+        (folder / name).unlink()
     for i, name in enumerate(INPUTS):
         write_tensor(folder / f"{name}.bin", random_tensor(meta.shape, DTYPES[meta.dtype], meta.seed + i))
-    (folder / "meta.json").write_text(json.dumps(asdict(meta), indent=2) + "\n")
-    return folder
+    (folder / "meta.json").write_text(json.dumps(dict(asdict(meta), files={}), indent=2) + "\n")
+    return folder, removed
+
+
+def inputs_digest(inputs: dict[str, torch.Tensor]) -> str:
+    """A digest of Q, K and V: what a derived file's record ties it to."""
+    h = hashlib.sha256()
+    for name in INPUTS:
+        h.update(_to_bytes(inputs[name]))
+    return h.hexdigest()[:16]
+
+
+def file_records(folder: Path) -> dict:
+    """meta.json's records of the derived files: {name: {"inputs": digest, ...}}."""
+    return json.loads((folder / "meta.json").read_text()).get("files", {})
+
+
+def record_files(folder: Path, records: dict) -> None:
+    """Adds (or replaces) records of derived files in meta.json."""
+    raw = json.loads((folder / "meta.json").read_text())
+    raw["files"] = {**raw.get("files", {}), **records}
+    (folder / "meta.json").write_text(json.dumps(raw, indent=2) + "\n")
 
 
 def read_meta(folder: Path) -> Meta:
@@ -101,8 +137,11 @@ def read_meta(folder: Path) -> Meta:
         value = getattr(meta, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise DataError(f"{path}: {key} must be a positive integer, got {value!r}")
+    meta = replace(meta, dtype=ALIASES.get(meta.dtype, meta.dtype))
     if meta.dtype not in DTYPES:
         raise DataError(f"{path}: dtype {meta.dtype!r} is not one of {', '.join(DTYPES)}")
+    if meta.head_dim > MAX_HEAD_DIM:
+        raise DataError(f"{path}: head_dim {meta.head_dim}; supported: 1 to {MAX_HEAD_DIM}")
     if meta.layout != "BHND" or meta.byte_order != "little":
         raise DataError(f"{path}: layout {meta.layout!r} / byte order {meta.byte_order!r}; supported: BHND, little")
     return meta

@@ -163,6 +163,21 @@ def check_window(window_size) -> tuple[int, int]:
     return bounds
 
 
+BLOCK_SIZES = (16, 32, 64, 128)
+
+
+def check_blocks(block_m, block_n) -> tuple[int, int]:
+    """Tile sizes asked for by the user (the seed's Br, Bc): None for the tuned table's (0), or
+    powers of two from 16 to 128, both given or neither."""
+    if block_m is None and block_n is None:
+        return 0, 0
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if isinstance(value, bool) or value not in BLOCK_SIZES:
+            fail(ErrorCode.INVALID_ARGUMENT, f"{name} must be one of {', '.join(map(str, BLOCK_SIZES))} (or both "
+                 f"None for the tuned tiles), got {value!r}")
+    return block_m, block_n
+
+
 def check_softcap(softcap) -> float:
     if (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap)
             or softcap < 0):

@@ -7,7 +7,7 @@ import torch
 from . import ops
 from .dropout import draw_seed, head_ids, keep_mask
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_attn_mask, check_cu_seqlens,
-                     check_block_table, check_dropout, check_same, check_softcap, check_tensor, check_window, fail,
+                     check_block_table, check_blocks, check_dropout, check_same, check_softcap, check_tensor, check_window, fail,
                      lse_dtype, resolve_scale)
 from .params import AttentionParams
 from .reference import attention_probs
@@ -237,28 +237,35 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return out if query.ndim == 4 else out.reshape(query.shape)
 
 
-def _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+def _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, block_m, block_n,
                      deterministic=False) -> AttentionParams:
     check_attention_inputs(q, k, v)
     _check_device(q)
-    return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0, deterministic)
+    block_m, block_n = check_blocks(block_m, block_n)
+    return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0, deterministic,
+                   block_m=block_m, block_n=block_n)
 
 
-def forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+def forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+            block_m=None, block_n=None):
     """The explicit forward pass, no autograd: q (batch, seqlen_q, nheads, headdim), k, v
     (batch, seqlen_k, nheads_k, headdim) -> (out like q, softmax_lse (batch, nheads, seqlen_q) fp32).
-    The options are flash_attn_func's."""
-    p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    The options are flash_attn_func's. block_m, block_n: the tiles of query rows and keys (the
+    seed's Br and Bc), powers of two from 16 to 128, both or neither (default: the tuned tiles);
+    the CPU path and the Triton kernels honour them (the Hopper kernels have fixed tiles: a call
+    with blocks runs the Triton kernel)."""
+    p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, block_m, block_n)
     with torch.no_grad():
         return ops.forward(q, k, v, p)
 
 
 def backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-             softcap=0.0, alibi_slopes=None, deterministic=False):
+             softcap=0.0, alibi_slopes=None, deterministic=False, block_m=None, block_n=None):
     """The explicit backward pass: gradients (dq, dk, dv) shaped like q, k, v, from the forward's
     out and softmax_lse (batch, nheads, seqlen_q), with the forward's options; deterministic as in
-    flash_attn_func."""
-    p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+    flash_attn_func; block_m, block_n as in forward."""
+    p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, block_m, block_n,
+                         deterministic)
     check_same("dout", dout, q, "q")
     check_same("out", out, q, "q")
     check_same("softmax_lse", softmax_lse, q, "q", shape=(q.shape[0], q.shape[2], q.shape[1]))

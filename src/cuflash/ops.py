@@ -91,13 +91,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax
                       alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], dropout_p: float,
                       rng_seed: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                       cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                      deterministic: bool, block_table: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                      deterministic: bool, block_table: Optional[torch.Tensor], block_m: int,
+                      block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Nq, H, D), k and v (B, Nk, Hk, D) (varlen: (total, H, D)) -> out shaped like q and
     softmax_lse (B, H, Nq) (varlen: (H, total_q)), fp32. The other arguments are the fields of
     AttentionParams, in order; forward() and backward() below take the dataclass."""
     params = AttentionParams(softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
                              attn_mask, dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             deterministic, block_table)
+                             deterministic, block_table, block_m, block_n)
     return _backend(q.device, q.dtype).attention_forward(q, k, v, params)
 
 
@@ -114,12 +115,12 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], dropout_p: float,
                        rng_seed: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                        cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                       deterministic: bool,
-                       block_table: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       deterministic: bool, block_table: Optional[torch.Tensor], block_m: int,
+                       block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention_forward, shaped like q, k, v."""
     params = AttentionParams(softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
                              attn_mask, dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             deterministic, block_table)
+                             deterministic, block_table, block_m, block_n)
     return _backward_backend(q, params).attention_backward(dout, q, k, v, out, softmax_lse, params)
 
 

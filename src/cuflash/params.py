@@ -35,6 +35,9 @@ class AttentionParams:
     caches of pages (num_blocks, page_block_size, nheads_k, headdim); key j of sequence b is row
     j % page_block_size of page block_table[b, j // page_block_size], and cu_seqlens_k gives each
     sequence's key count (it indexes no rows of k).
+
+    block_m, block_n: the tiles of query rows and keys (the seed's Br and Bc) the call asks for,
+    honoured by the CPU path and the Triton kernels; 0: the tuned table's.
     """
 
     softmax_scale: float
@@ -52,6 +55,8 @@ class AttentionParams:
     max_seqlen_k: int = 0
     deterministic: bool = False
     block_table: torch.Tensor | None = None
+    block_m: int = 0
+    block_n: int = 0
 
     @property
     def varlen(self) -> bool:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
+from ..dtypes import DTYPES, dtype_name
 from ..ops import triton_version
-from .harness import PROVIDERS, VARIANTS, Case, run_case
+from .harness import CUDA_ONLY, PROVIDERS, VARIANTS, Case, run_case
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def main(argv=None) -> int:
@@ -29,7 +29,7 @@ def main(argv=None) -> int:
                    help="a few minutes' subset: seqlens 2048,8192, head dims 64,128, fwd and bwd")
     p.add_argument("--seqlens", default=None, help="default 512,1024,2048,4096,8192,16384")
     p.add_argument("--hdims", default=None, help="default 64,128,256")
-    p.add_argument("--dtype", default="bf16", choices=DTYPES)
+    p.add_argument("--dtype", default=None, type=dtype_name, help="fp16, bf16 or fp32 (default bf16; fp32 on the CPU)")
     p.add_argument("--causal", default="both", choices=["both", "true", "false"])
     p.add_argument("--modes", default=None, help="from fwd,bwd,fwd+bwd (default all)")
     p.add_argument("--variants", default="none",
@@ -38,8 +38,9 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=2048, help="nheads * head_dim")
     p.add_argument("--batch", type=int, default=None, help="fixed batch (overrides --tokens)")
     p.add_argument("--nheads", type=int, default=None, help="fixed nheads (overrides --hidden)")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"],
+                   help="default: cuda where there is a GPU, else cpu with a one-minute default sweep")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per case (default 30, 3 on the CPU)")
     p.add_argument("--out", default=None, help="folder for results.csv and results.md")
     p.add_argument("--seqlen-experiment", action="store_true",
                    help="naive vs fa1 vs fa2 (cuflash): batch 4, 8 heads, D 64, seqlen 128 to 4096, fwd and fwd+bwd")
@@ -51,15 +52,42 @@ def main(argv=None) -> int:
         args.batch, args.nheads = args.batch or 4, args.nheads or 8
         if args.providers == p.get_default("providers"):
             args.providers = "naive,fa1,cuflash"
-    args.seqlens, args.hdims, args.modes = (given or default for given, default in
-                                            zip((args.seqlens, args.hdims, args.modes), defaults))
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA GPU here; pass --device cpu to time the CPU path", file=sys.stderr)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if args.device == "cpu":  # a sweep that finishes in about a minute on a few cores
+            defaults = ("256,1024,4096", "64", "fwd,fwd+bwd")
+            args.batch, args.nheads = args.batch or 1, args.nheads or 8
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        print("cuflash bench: error: --device cuda, but torch sees no CUDA GPU here (use --device cpu)",
+              file=sys.stderr)
         return 2
+    chosen = {}
+    for name, given, default in zip(("seqlens", "hdims", "modes"), (args.seqlens, args.hdims, args.modes), defaults):
+        setattr(args, name, given or default)
+        if not given:
+            chosen[name] = default
+    if args.dtype is None:
+        args.dtype = chosen["dtype"] = "fp32" if args.device == "cpu" else "bf16"
+    if args.iters is None:
+        args.iters = chosen["iters"] = 3 if args.device == "cpu" else 30
     providers = args.providers.split(",")
     for name in providers:
         if name not in PROVIDERS:
             p.error(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
+    if args.device == "cpu":
+        dropped = [name for name in providers if name in CUDA_ONLY]
+        providers = [name for name in providers if name not in CUDA_ONLY]
+        if args.providers == p.get_default("providers"):
+            providers.append("sdpa")  # torch's own choice on the CPU (its flash kernel)
+        elif dropped:
+            print(f"cuflash bench: {', '.join(dropped)} run on CUDA only: left out", file=sys.stderr)
+        if not providers:
+            print("cuflash bench: error: none of the providers runs on the CPU", file=sys.stderr)
+            return 2
+        chosen["providers"] = ",".join(providers)
+    if chosen:
+        print(f"cuflash bench on {args.device}: " + "; ".join(f"{k} {v}" for k, v in chosen.items())
+              + (f"; batch {args.batch}, {args.nheads} heads" if args.device == "cpu" else ""), file=sys.stderr)
     for name in args.variants.split(","):
         if name not in VARIANTS:
             p.error(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 
 import cuflash
 
+from ..dtypes import DTYPES, dtype_name
 from .harness import _SDPA_BACKENDS, _median_ms
 
 GRAPH_BYTES = 2**30
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--nheads", type=int, default=32)
     p.add_argument("--nheads-k", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bf16", choices=DTYPES)
+    p.add_argument("--dtype", default="bf16", type=dtype_name, help="fp16, bf16 or fp32")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=None, help="folder for decode.csv and decode.md")

@@ -32,6 +32,7 @@ _SDPA_BACKENDS = {
 }
 # naive and fa1 (cuflash.methods) time the algorithms FlashAttention-2 replaced; plain attention only.
 PROVIDERS = ("cuflash", "naive", "fa1") + tuple(_SDPA_BACKENDS)
+CUDA_ONLY = ("sdpa-cudnn", "sdpa-efficient")  # torch has no CPU kernel of these
 
 
 # Variants (issue 4): cuflash's option against the same computation in torch SDPA where SDPA can

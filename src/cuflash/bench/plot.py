@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 
-def plot(csv_path: Path, png_path: Path, title: str = "") -> Path:
+def plot(csv_path: Path, png_path: Path, title: str = "", metric: str = "tflops") -> Path:
+    """metric: "tflops" (the y axis from 0) or "ms" (time per call, log scale: providers far apart,
+    as the CPU and GPU of `cuflash experiment`)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -19,13 +21,16 @@ def plot(csv_path: Path, png_path: Path, title: str = "") -> Path:
     cols = min(4, len(panels))
     nrows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
-    unit = "TFLOP/s" if any(float(r["tflops"]) > 1 for r in rows) else "GFLOP/s"
-    scale = 1.0 if unit == "TFLOP/s" else 1e3
+    if metric == "ms":
+        unit, scale = "ms per call", 1.0
+    else:
+        unit = "TFLOP/s" if any(float(r["tflops"]) > 1 for r in rows) else "GFLOP/s"
+        scale = 1.0 if unit == "TFLOP/s" else 1e3
     for ax, panel in zip(axes.flat, panels):
         variant, mode, head_dim, causal = panel
         mine = [r for r in rows if (r.get("variant", "none"), r["mode"], r["head_dim"], r["causal"]) == panel]
         for provider in dict.fromkeys(r["provider"] for r in mine):
-            pts = sorted((int(r["seqlen"]), float(r["tflops"]) * scale) for r in mine if r["provider"] == provider)
+            pts = sorted((int(r["seqlen"]), float(r[metric]) * scale) for r in mine if r["provider"] == provider)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                     linewidth=2.5 if provider == "cuflash" else 1.2, label=provider)
         ax.set_xscale("log", base=2)
@@ -33,7 +38,10 @@ def plot(csv_path: Path, png_path: Path, title: str = "") -> Path:
         ax.set_title(f"{name}{mode}, D={head_dim}, {'causal' if causal == 'True' else 'non-causal'}", fontsize=10)
         ax.set_xlabel("seqlen")
         ax.set_ylabel(unit)
-        ax.set_ylim(bottom=0)
+        if metric == "ms":
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")

@@ -22,7 +22,7 @@ import triton.language as tl
 from ..params import AttentionParams
 from .common import LOG2E, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, query_tile, \
     row_source, score_tile, sequence, softcap_grad, store_tile, tile_ptrs
-from .config import Launch, backward_configs, cdiv, tf32, use_tma
+from .config import Launch, backward_configs, cdiv, tf32, use_tma, with_user_tiles
 from .launch import launch
 from .variant import lse_strides, problem, variant_args, variant_tensors
 
@@ -348,8 +348,8 @@ def _launches(t: dict, params: AttentionParams, configs: tuple[Launch, Launch] |
     """delta, then dK/dV, then dQ."""
     q, k, v, dout = t["Q"], t["K"], t["V"], t["DO"]
     prob = problem(q, k, v, params)
-    dkdv_cfg, dq_cfg = configs or backward_configs(q, prob.block_d, max(prob.seqlen_q, prob.seqlen_k),
-                                                   params.banded)
+    dkdv_cfg, dq_cfg = configs or (with_user_tiles(c, params.block_m, params.block_n) for c in backward_configs(
+        q, prob.block_d, max(prob.seqlen_q, prob.seqlen_k), params.banded))
     # Warp specialization is asked for only with tensor descriptors (Triton 3.6 cannot compile it
     # for pointer loads on Hopper), so it falls back with them to plain loads.
     seqlens = (prob.seqlen_q, prob.seqlen_k)

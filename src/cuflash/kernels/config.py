@@ -34,6 +34,15 @@ class Launch:
     fuse_dq: bool = False
 
 
+def with_user_tiles(cfg: Launch, block_m: int, block_n: int) -> Launch:
+    """The table's launch with the tiles a call asks for (AttentionParams.block_m/_n; 0: the table's),
+    on the Triton kernel with pointer loads: the Gluon kernels and tensor descriptors keep their own tiles."""
+    if not block_m:
+        return cfg
+    return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, num_warps=4, num_stages=2, tma=False,
+                               warp_specialize=False, gluon=False, fuse_dq=False)
+
+
 def scratch(size: int, alignment: int, stream) -> torch.Tensor:
     # Global memory where the kernels write their tensor descriptors (128 bytes each, per program).
     return torch.empty(size, dtype=torch.int8, device="cuda")

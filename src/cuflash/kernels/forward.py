@@ -12,7 +12,7 @@ import triton.language as tl
 from ..params import AttentionParams
 from .common import LN2, NO_MASK, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, \
     query_tile, row_source, score_tile, sequence, softmax_step, store_tile, tile_ptrs
-from .config import Launch, cdiv, forward_config, tf32, use_tma
+from .config import Launch, cdiv, forward_config, tf32, use_tma, with_user_tiles
 from .launch import launch
 from .variant import lse_strides, problem, variant_args, variant_tensors
 
@@ -168,7 +168,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
 def _launch(tensors: dict, params: AttentionParams, config: Launch | None):
     q, k, v, out = tensors["Q"], tensors["K"], tensors["V"], tensors["Out"]
     prob = problem(q, k, v, params)
-    cfg = config or forward_config(q, prob.block_d, max(prob.seqlen_q, prob.seqlen_k), params.banded)
+    cfg = config or with_user_tiles(forward_config(q, prob.block_d, max(prob.seqlen_q, prob.seqlen_k),
+                                                   params.banded), params.block_m, params.block_n)
     if cfg.gluon and hopper_forward is not None and hopper_forward.accepts(prob, params):
         return hopper_forward.launch_args(tensors, prob, params, cfg)
     paged = params.block_table is not None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..errors import ErrorCode, check_attention_inputs, fail, resolve_scale
+from ..errors import ErrorCode, check_attention_inputs, check_blocks, fail, resolve_scale
 from ..params import AttentionParams
 
 METHODS = ("naive", "fa1", "fa2")
@@ -34,32 +34,41 @@ def _implementation(method: str, device: torch.device):
     return {"naive": naive, "fa1": fa1}[method]
 
 
-def _check(method, q, k, v):
+def _check(method, q, k, v, block_m, block_n) -> tuple[int, int]:
+    """Checks the inputs; returns the blocks asked for (fa2 only: (0, 0) for the tuned ones)."""
     check_attention_inputs(q, k, v)
     if method != "fa2" and q.shape[2] != k.shape[2]:
         fail(ErrorCode.SHAPE_MISMATCH, f"the {method} method takes as many heads in k as in q "
              f"(got {q.shape[2]} and {k.shape[2]}); fa2 handles MQA/GQA")
+    if method != "fa2" and (block_m is not None or block_n is not None):
+        fail(ErrorCode.INVALID_ARGUMENT, f"block_m and block_n choose fa2's tiles; the {method} method has its own")
+    return check_blocks(block_m, block_n)
 
 
-def forward(method: str, q, k, v, causal: bool = False, softmax_scale=None):
-    """(out, softmax_lse) by `method`, without autograd."""
-    _check(method, q, k, v)
+def _params(scale: float, causal: bool, blocks: tuple[int, int]) -> AttentionParams:
+    return AttentionParams(scale, window_right=0 if causal else -1, block_m=blocks[0], block_n=blocks[1])
+
+
+def forward(method: str, q, k, v, causal: bool = False, softmax_scale=None, block_m=None, block_n=None):
+    """(out, softmax_lse) by `method`, without autograd; fa2 takes block sizes as cuflash.forward."""
+    blocks = _check(method, q, k, v, block_m, block_n)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     impl = _implementation(method, q.device)
     with torch.no_grad():
         if impl is None:
-            return ops.forward(q, k, v, AttentionParams(scale, window_right=0 if causal else -1))
+            return ops.forward(q, k, v, _params(scale, causal, blocks))
         return impl.attention_forward(q, k, v, scale, causal)
 
 
-def backward(method: str, dout, q, k, v, out, lse, causal: bool = False, softmax_scale=None):
+def backward(method: str, dout, q, k, v, out, lse, causal: bool = False, softmax_scale=None, block_m=None,
+             block_n=None):
     """(dq, dk, dv) by `method`, from the forward's out and softmax_lse."""
-    _check(method, q, k, v)
+    blocks = _check(method, q, k, v, block_m, block_n)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     impl = _implementation(method, q.device)
     with torch.no_grad():
         if impl is None:
-            return ops.backward(dout, q, k, v, out, lse, AttentionParams(scale, window_right=0 if causal else -1))
+            return ops.backward(dout, q, k, v, out, lse, _params(scale, causal, blocks))
         return impl.attention_backward(dout, q, k, v, out, lse, scale, causal)
 
 
