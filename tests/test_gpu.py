@@ -10,6 +10,7 @@ from attn_testing import BOUNDS, check_against_oracle, check_tile_loads, make_qk
     run_and_grad, seed_of, varlen_batch, varlen_reference
 from cuflash.kernels.config import Launch, backward_configs, forward_config, use_tma
 from cuflash.params import AttentionParams
+from cuflash.reference import attention_reference
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -41,6 +42,30 @@ def test_against_oracle(dtype, causal, head_dim, seqlen):
     batch, nheads = (1, 2) if seqlen >= 1000 else (2, 4)
     q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads, head_dim, dtype, "cuda")
     check_against_oracle(_flash(causal), q, k, v, causal)
+
+
+@pytest.mark.parametrize("blocks", [(16, 16), (64, 32), (128, 128)])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_explicit_block_sizes_on_gpu(dtype, head_dim, blocks):
+    """block_m / block_n on the explicit passes: exact where the tiles fit the GPU, otherwise a
+    FlashAttentionError naming them (never a compiler traceback)."""
+    torch.manual_seed(seed_of(str(dtype), head_dim, blocks))
+    q, k, v = make_qkv(2, 300, 517, 4, 2, head_dim, dtype, "cuda")
+    block_m, block_n = blocks
+    try:
+        out, lse = cuflash.forward(q, k, v, causal=True, block_m=block_m, block_n=block_n)
+        dout = torch.randn_like(out)
+        grads = cuflash.backward(dout, q, k, v, out, lse, causal=True, block_m=block_m, block_n=block_n)
+    except cuflash.FlashAttentionError as exc:
+        # (which tiles fit depends on the GPU, head dim and dtype; the smallest always do)
+        assert "block_m" in str(exc) and "smaller blocks" in str(exc)
+        assert blocks != (16, 16), f"{blocks} should fit: {exc}"
+        return
+    ref = run_and_grad(lambda a, b, c: attention_reference(a, b, c, causal=True)[0],
+                       q.double(), k.double(), v.double(), dout.double())
+    for name, x, r in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
+        assert rel_err(x, r) < BOUNDS[dtype], name
 
 
 @pytest.mark.parametrize("seqlen", [256, 512, 1024, 2048])
@@ -88,7 +113,6 @@ def test_tf32_only_when_allowed():
     pass per dot, with an error no more than 2x that of torch's own attention with TF32 matmuls."""
     torch.manual_seed(1)
     q, k, v = make_qkv(1, 512, 512, 2, 2, 64, torch.float32, "cuda")
-    from cuflash.reference import attention_reference
     ref, _ = attention_reference(q, k, v)
     exact = cuflash.flash_attn_func(q, k, v)
     old = torch.backends.cuda.matmul.allow_tf32
@@ -512,7 +536,7 @@ def test_cli_run_and_check_on_gpu(tmp_path, capsys):
                      "--data", str(tmp_path / "B2_H4_S1000_D64")]) == 0
     assert "on cuda" in capsys.readouterr().out
     assert main(["check"]) == 0
-    assert "all within bounds" in capsys.readouterr().out
+    assert "30 of 30 cases within the bounds" in capsys.readouterr().out
 
 
 # --- KV cache (issue 5): the split-KV decode kernel ---
@@ -540,7 +564,6 @@ def _cached(cache, table, b, n):
 def test_kvcache_on_gpu(dtype, seqlen_q, layout, num_splits):
     """Appending seqlen_q tokens per sequence and attending (GQA 32/8, D=128) equals attention over
     the updated cache, output and softmax_lse, for every split count."""
-    from cuflash.reference import attention_reference
     torch.manual_seed(24)
     batch, nheads, nheads_k, d = 4, 32, 8, 128
     seqlens = torch.tensor([0, 700, 4096 - seqlen_q, 255], dtype=torch.int32, device="cuda")
@@ -568,7 +591,6 @@ def test_kvcache_on_gpu(dtype, seqlen_q, layout, num_splits):
 def test_kvcache_launches_on_gpu(batch, nheads, nheads_k, d, dtype, layout):
     """Each launch configuration of the decode kernel (tile per head dim, dtype, layout, grid size)
     against the oracle, on sequences of random lengths."""
-    from cuflash.reference import attention_reference
     torch.manual_seed(batch + d)
     k_cache, v_cache, table = _kv_caches(layout, batch, 1024, nheads_k, d, dtype)
     seqlens = torch.randint(1, 1025, (batch,), dtype=torch.int32, device="cuda")

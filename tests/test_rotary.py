@@ -1,11 +1,13 @@
 """cuflash.apply_rotary_emb (flash-attn's signature and semantics) against a float64 oracle written
 with complex numbers: both layouts, partial rotary dims, int and per-sequence offsets, varlen,
-in place, positions past the table, gradients, every dtype; on the CPU and on the GPU."""
+in place, positions past the table, gradients, every dtype; the torch path and the Triton kernel
+(through the interpreter on the CPU), and both on the GPU."""
 import pytest
 import torch
 
 import cuflash
 from attn_testing import rel_err, rotary_reference
+from cuflash.rotary import _kernel
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
@@ -21,10 +23,11 @@ def _table(seqlen_ro, rotary_dim, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("offsets", ["zero", "int", "tensor"])
-def test_dense_against_oracle(device, dtype, interleaved, offsets):
+def test_dense_against_oracle(backend, device, dtype, interleaved, offsets):
     torch.manual_seed(7 * interleaved + len(offsets))
     batch, seqlen, nheads, head_dim, rotary_dim = 3, 17, 2, 40, 24
     x = torch.randn(batch, seqlen, nheads, head_dim, device=device).to(dtype)
+    assert _kernel(x) == (backend == "triton")  # the path under test is the one that runs
     cos, sin = _table(64, rotary_dim, device)
     seqlen_offsets = {"zero": 0, "int": 5, "tensor": torch.tensor([0, 9, 40], device=device)}[offsets]
     out = cuflash.apply_rotary_emb(x, cos, sin, interleaved=interleaved, seqlen_offsets=seqlen_offsets)
@@ -38,7 +41,7 @@ def test_dense_against_oracle(device, dtype, interleaved, offsets):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_varlen_positions_count_per_sequence(device, interleaved):
+def test_varlen_positions_count_per_sequence(backend, device, interleaved):
     torch.manual_seed(3)
     lengths, nheads, head_dim = [5, 1, 12], 3, 16
     cu_seqlens = torch.tensor([0, 5, 6, 18], dtype=torch.int32, device=device)
@@ -52,10 +55,9 @@ def test_varlen_positions_count_per_sequence(device, interleaved):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gradient_is_the_inverse_rotation(device):
+def test_gradient_is_the_inverse_rotation(backend, device):
     torch.manual_seed(4)
-    x = torch.randn(2, 9, 2, 32, device=device, dtype=torch.float64 if device == "cpu" else torch.float32,
-                    requires_grad=True)
+    x = torch.randn(2, 9, 2, 32, device=device, requires_grad=True)
     cos, sin = _table(9, 32, device)
     dout = torch.randn_like(x)
     cuflash.apply_rotary_emb(x, cos, sin).backward(dout)
@@ -64,7 +66,7 @@ def test_gradient_is_the_inverse_rotation(device):
     assert rel_err(x.grad, expected) < 1e-6
 
 
-def test_inplace_and_positions_past_the_table():
+def test_inplace_and_positions_past_the_table(backend):
     torch.manual_seed(5)
     x = torch.randn(1, 6, 1, 8)
     cos, sin = _table(8, 8, "cpu")

@@ -2,23 +2,66 @@
 `flash_attn.layers.rotary`, and `rotate`, the one implementation that it and
 flash_attn_with_kvcache share.
 
-The rotation runs in fp32 whatever the input dtype and is rounded once to it. It is made of
-torch ops, so the same code runs on the GPU and the CPU and autograd differentiates it (the
-gradient of a rotation is the rotation by the opposite angle).
+The rotation runs in fp32 whatever the input dtype and is rounded once to it: on the GPU one
+Triton kernel (kernels/rotary.py; its gradient is the rotation by the opposite angle), on the CPU
+torch ops of the same arithmetic, which autograd differentiates.
 """
 from __future__ import annotations
 
 import torch
 
-from .errors import ErrorCode, check_cu_seqlens, check_tensor, fail
+from . import ops
+from .errors import KERNEL_DTYPES, ErrorCode, FlashAttentionError, check_cu_seqlens, check_tensor, fail
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-           interleaved: bool) -> torch.Tensor:
+           interleaved: bool, inplace: bool = False) -> torch.Tensor:
     """x (..., nheads, headdim) rotated on its first 2 * cos.shape[1] dims at `positions` (long,
     shaped like x.shape[:-2]): pairs (2i, 2i + 1) when interleaved (GPT-J), halves
     (i, i + rotary_dim / 2) otherwise (GPT-NeoX). cos, sin: (seqlen_ro, rotary_dim / 2). A position
-    past seqlen_ro is left unrotated (cos 1, sin 0), as flash-attn's kernel does."""
+    past seqlen_ro is left unrotated (cos 1, sin 0), as flash-attn's kernel does. inplace: into x.
+    With the Triton backend (x on the GPU) one kernel rotates; otherwise torch ops do."""
+    if _kernel(x):
+        return _Rotate.apply(x, cos, sin, positions, interleaved, inplace)
+    out = _rotated(x, cos, sin, positions, interleaved)
+    return x.copy_(out) if inplace else out
+
+
+def _kernel(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel rotates x: the Triton backend runs its dtype and device (not under
+    torch.compile, which traces the torch ops) and x is at most 4-D."""
+    if torch.compiler.is_compiling() or x.dim() > 4 or x.dtype not in KERNEL_DTYPES:
+        return False
+    try:
+        return ops.backend_name(x.device, x.dtype) == "triton"
+    except FlashAttentionError:  # no Triton here: the torch ops compute it
+        return False
+
+
+class _Rotate(torch.autograd.Function):
+    """The kernel's rotation with its gradient: dout rotated by the opposite angles."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, positions, interleaved, inplace):
+        from .kernels.rotary import rotate_inplace
+        ctx.save_for_backward(cos, sin, positions)
+        ctx.interleaved = interleaved
+        if inplace:
+            ctx.mark_dirty(x)
+            return rotate_inplace(x, cos, sin, positions, interleaved)
+        return rotate_inplace(x.clone(), cos, sin, positions, interleaved)
+
+    @staticmethod
+    def backward(ctx, dout):
+        from .kernels.rotary import rotate_inplace
+        cos, sin, positions = ctx.saved_tensors
+        dout = dout.clone() if dout.stride(-1) == 1 else dout.contiguous()
+        return rotate_inplace(dout, cos, sin, positions, ctx.interleaved, inverse=True), None, None, None, None, None
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+             interleaved: bool) -> torch.Tensor:
+    """rotate() in torch ops (differentiable by autograd)."""
     seqlen_ro, half = cos.shape
     inside = (positions < seqlen_ro)[..., None, None]
     at = positions.clamp(max=seqlen_ro - 1)
@@ -94,7 +137,4 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         starts = cu_seqlens.long()
         owner = torch.repeat_interleave(torch.arange(batch, device=x.device), starts.diff(), output_size=x.shape[0])
         positions = torch.arange(x.shape[0], device=x.device) - starts[owner] + offsets[owner]
-    out = rotate(x, cos, sin, positions, interleaved)
-    if inplace:
-        return x.copy_(out)
-    return out
+    return rotate(x, cos, sin, positions, interleaved, inplace)

@@ -22,7 +22,7 @@ import triton.language as tl
 from ..params import AttentionParams
 from .common import LOG2E, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, query_tile, \
     row_source, score_tile, sequence, softcap_grad, store_tile, tile_ptrs
-from .config import Launch, backward_configs, cdiv, tf32, use_tma, with_user_tiles
+from .config import Launch, backward_configs, cdiv, tf32, use_tma, user_tiles_checked, with_user_tiles
 from .launch import launch
 from .variant import lse_strides, problem, variant_args, variant_tensors
 
@@ -340,7 +340,9 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams,
                    DQ=torch.empty_like(q, memory_format=torch.contiguous_format),
                    DK=torch.empty_like(k, memory_format=torch.contiguous_format),
                    DV=torch.empty_like(v, memory_format=torch.contiguous_format), **variant_tensors(params))
-    launch((attention_backward, params.key(), configs, tf32(q)), tensors, lambda: _launches(tensors, params, configs))
+    with user_tiles_checked(params.block_m, params.block_n, q.shape[-1], q.dtype):
+        launch((attention_backward, params.key(), configs, tf32(q)), tensors,
+               lambda: _launches(tensors, params, configs))
     return tensors["DQ"], tensors["DK"], tensors["DV"]
 
 

@@ -2,11 +2,15 @@
 architecture: no autotuning at run time, so the first call on a new shape only compiles."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
+
+from ..errors import ErrorCode, fail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +45,19 @@ def with_user_tiles(cfg: Launch, block_m: int, block_n: int) -> Launch:
         return cfg
     return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, num_warps=4, num_stages=2, tma=False,
                                warp_specialize=False, gluon=False, fuse_dq=False)
+
+
+@contextlib.contextmanager
+def user_tiles_checked(block_m: int, block_n: int, head_dim: int, dtype: torch.dtype):
+    """Turns a launch that the tiles a call asks for cannot fit (shared memory, registers) into a
+    FlashAttentionError naming them; the table's own launches all fit, so anything else propagates."""
+    try:
+        yield
+    except OutOfResources as exc:
+        if not block_m:
+            raise
+        fail(ErrorCode.INVALID_ARGUMENT, f"block_m={block_m}, block_n={block_n} do not fit this GPU at head dim "
+             f"{head_dim} in {str(dtype).replace('torch.', '')} ({exc}); take smaller blocks")
 
 
 def scratch(size: int, alignment: int, stream) -> torch.Tensor:

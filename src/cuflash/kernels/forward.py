@@ -12,7 +12,7 @@ import triton.language as tl
 from ..params import AttentionParams
 from .common import LN2, NO_MASK, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, \
     query_tile, row_source, score_tile, sequence, softmax_step, store_tile, tile_ptrs
-from .config import Launch, cdiv, forward_config, tf32, use_tma, with_user_tiles
+from .config import Launch, cdiv, forward_config, tf32, use_tma, user_tiles_checked, with_user_tiles
 from .launch import launch
 from .variant import lse_strides, problem, variant_args, variant_tensors
 
@@ -161,7 +161,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     tensors = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **variant_tensors(params))
     if params.block_table is not None:
         tensors["BlockTable"] = params.block_table
-    launch((attention_forward, params.key(), config, tf32(q)), tensors, lambda: [_launch(tensors, params, config)])
+    with user_tiles_checked(params.block_m, params.block_n, q.shape[-1], q.dtype):
+        launch((attention_forward, params.key(), config, tf32(q)), tensors, lambda: [_launch(tensors, params, config)])
     return out, lse
 
 
