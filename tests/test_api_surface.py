@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import cuflash
-from cuflash import bert_padding
 
 _REQUIRED = inspect.Parameter.empty
 _OPTIONS = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),

@@ -219,11 +219,12 @@ LENGTH_CLASS_KEYS = (128, 256, 512, 1024, 2048, 4096)  # the longest (or a long)
 @pytest.mark.parametrize("arch", [80, 90, 100])
 def test_every_table_launch_is_accepted_by_its_kernel(arch):
     """Every launch of the table (each head dim class, length class, causal or not, dtype) is one
-    its kernel takes: power-of-two tiles the Triton kernels compile (16 to 256 rows, 1-8 warps);
-    Gluon launches only on Hopper for 16-bit inputs, and at D=64/128/256 (what the Gluon kernels take)
-    with consumers, key tiles and buffers that fit their shared memory (launch_args validates them); tensor descriptors only with tiles of at least 16-byte rows. Which launch wins
-    where is measured, not restated here (docs/perf-notes.md); that each compiles and computes the
-    right thing is tests/test_gpu.py's test_every_length_class_on_gpu."""
+    its kernel takes: power-of-two tiles of 16 to 256 rows, 1-8 warps, warp specialization only with
+    tensor descriptors; Gluon launches only on Hopper for 16-bit inputs, and at D=64/128/256 (what the
+    Gluon kernels take) with consumers, key tiles and buffers that fit their shared memory
+    (launch_args validates them); dQ fused only into the Gluon dK/dV. Which launch wins where is
+    measured, not restated here (docs/perf-notes.md); that each compiles and computes the right
+    thing is tests/test_gpu.py's test_every_length_class_on_gpu."""
     from cuflash.kernels import hopper_backward, hopper_forward
     from cuflash.kernels.config import _launches, _length
     from cuflash.kernels.variant import problem

@@ -207,7 +207,8 @@ def _varlen(**overrides):
     (dict(max_seqlen_k=0), ErrorCode.INVALID_ARGUMENT, ["max_seqlen_k"]),
     (dict(q=torch.randn(2, 8, 2, 16)), ErrorCode.INVALID_DIMENSION, ["q", "(total_q, nheads, headdim)"]),
     (dict(k=torch.randn(10, 3, 16), v=torch.randn(10, 3, 16)), ErrorCode.SHAPE_MISMATCH, ["heads"]),
-    (dict(block_table=torch.zeros(3, 1, dtype=torch.int32)), ErrorCode.INVALID_DIMENSION, ["k", "block_table", "4 dimensions"]),
+    (dict(block_table=torch.zeros(3, 1, dtype=torch.int32)), ErrorCode.INVALID_DIMENSION,
+     ["k", "block_table", "4 dimensions"]),
 ])
 def test_bad_varlen_arguments(overrides, code, words):
     with raises(code, *words):

@@ -229,6 +229,17 @@ def test_bad_input_leaves_the_cache_untouched(overrides, code, word):
     assert err.code.name == code and word in str(err), str(err)
 
 
+def test_outgrowing_the_block_table_raises_runtime_error_naming_it():
+    """flash-attn's paged-cache test expects a RuntimeError matching "block_table" when a sequence
+    outgrows its block table; code written for it catches that."""
+    k_cache, v_cache = (torch.randn(6, 16, 2, 16) for _ in range(2))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)  # 32 positions per sequence
+    with pytest.raises(RuntimeError, match="block_table"):
+        cuflash.flash_attn_with_kvcache(torch.randn(2, 1, 4, 16), k_cache, v_cache, torch.randn(2, 1, 2, 16),
+                                        torch.randn(2, 1, 2, 16), cache_seqlens=torch.tensor([31, 32]).int(),
+                                        block_table=table)
+
+
 def test_unused_block_table_entries_are_not_read(backend):
     """Entries past a sequence's last page may hold anything (flash-attn's contract too)."""
     torch.manual_seed(8)

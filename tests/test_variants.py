@@ -24,9 +24,10 @@ def test_sliding_window(backend, window, causal, seqlens, dtype):
                          q, k, v, causal, with_sdpa=False, window_size=window)
 
 
-WINDOW_FORMS = {"tuple": lambda l, r: (l, r), "list": lambda l, r: [l, r],
-                "tensor": lambda l, r: torch.tensor([l, r]), "int32_tensor": lambda l, r: torch.tensor([l, r]).int(),
-                "0d_tensors": lambda l, r: (torch.tensor(l), torch.tensor(r))}
+WINDOW_FORMS = {"tuple": lambda left, right: (left, right), "list": lambda left, right: [left, right],
+                "tensor": lambda left, right: torch.tensor([left, right]),
+                "int32_tensor": lambda left, right: torch.tensor([left, right]).int(),
+                "0d_tensors": lambda left, right: (torch.tensor(left), torch.tensor(right))}
 
 
 @pytest.mark.parametrize("form", WINDOW_FORMS)

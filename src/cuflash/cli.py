@@ -247,7 +247,7 @@ def check(args) -> int:
                 if finite and err <= bound:
                     continue
                 failed += 1
-                print(f"  ^ FAILED: " + (f"||err|| / ||ref|| = {err:.2e} above {bound:g}" if finite
+                print("  ^ FAILED: " + (f"||err|| / ||ref|| = {err:.2e} above {bound:g}" if finite
                                          else "non-finite values in the output"))
                 if not args.no_stop_on_failure:
                     print(f"stopped at the first failure ({total} cases run; --no-stop-on-failure runs them all)")
@@ -331,8 +331,10 @@ def main(argv=None) -> int:
     run_p.add_argument("--data", required=True, help="a folder written by `cuflash generate`")
     run_p.add_argument("--causal", action="store_true")
     run_p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    run_p.add_argument("--block-m", type=int, default=None, help="fa2's query rows per tile (Br): 16-128, with --block-n")
-    run_p.add_argument("--block-n", type=int, default=None, help="fa2's keys per tile (Bc): 16-128, with --block-m")
+    run_p.add_argument("--block-m", type=int, default=None,
+                       help="fa2's query rows per tile (Br): 16, 32, 64 or 128, with --block-n")
+    run_p.add_argument("--block-n", type=int, default=None,
+                       help="fa2's keys per tile (Bc): 16, 32, 64 or 128, with --block-m")
     chk = sub.add_parser("check", help="random problems vs torch SDPA and float64: max abs, mean abs, MSE, max rel")
     chk.add_argument("--seed", type=int, default=0)
     chk.add_argument("--tolerance", type=float, default=None,

@@ -6,9 +6,9 @@ import torch
 
 from . import ops
 from .dropout import draw_seed, head_ids, keep_mask
-from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_attn_mask, check_cu_seqlens,
-                     check_block_table, check_blocks, check_dropout, check_same, check_softcap, check_tensor, check_window, fail,
-                     lse_dtype, resolve_scale)
+from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_attn_mask, check_block_table,
+                     check_blocks, check_cu_seqlens, check_dropout, check_same, check_softcap, check_tensor,
+                     check_window, fail, lse_dtype, resolve_scale)
 from .params import AttentionParams
 from .reference import attention_probs
 

@@ -126,14 +126,14 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng, Bloc
             TMA, False, PAGED)
     acc, m_i, l_i = _attn_fwd_inner(
         acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, pages, page_size, stride_kpage, stride_vpage,
-            mask_ptrs, stride_mask_m, stride_mask_n,
+        mask_ptrs, stride_mask_m, stride_mask_n,
         offs_m, offs_n, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, head_dim, offset, window_left,
         window_right, qk_scale, softcap, slope, drop_key, drop_threshold,
         BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
         TMA, WS, PAGED)
     acc, m_i, l_i = _attn_fwd_inner(
         acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, pages, page_size, stride_kpage, stride_vpage,
-            mask_ptrs, stride_mask_m, stride_mask_n,
+        mask_ptrs, stride_mask_m, stride_mask_n,
         offs_m, offs_n, offs_d, full_hi, hi, seqlen_q, seqlen_k, head_dim, offset, window_left,
         window_right, qk_scale, softcap, slope, drop_key, drop_threshold,
         BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
