@@ -48,12 +48,12 @@ def demo(args) -> int:
 
 def info(args) -> int:
     from . import __version__
-    from .ops import backend_name, triton_version
+    from .ops import backend_name, gluon_kernels, triton_version
     print(f"cuflash {__version__}, python {platform.python_version()}, torch {torch.__version__}")
     print(f"triton {triton_version()}" if triton_version() else "triton not installed: the CPU path only")
     for device in (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]:
         name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-        hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0) and _gluon_kernels()
+        hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0) and gluon_kernels()
         print(f"{device}: {name}; backend: {backend_name(torch.device(device), torch.float32)}"
               + ("; long 16-bit attention at head dim 64/128: the Gluon kernels for Hopper (README: Backends)"
                  if hopper else ""))
@@ -62,16 +62,6 @@ def info(args) -> int:
           "sliding window; ALiBi; softcap; dropout; SDPA attn_mask; KV cache (paged or contiguous); "
           "methods naive, fa1, fa2")
     return 0
-
-
-def _gluon_kernels() -> bool:
-    """Whether the installed Triton runs the Gluon kernels (kernels/hopper_forward.py,
-    hopper_backward.py: the same condition)."""
-    from .ops import triton_version
-    if triton_version() is None:
-        return False
-    from .kernels.forward import hopper_forward
-    return hopper_forward is not None and hopper_forward.GLUON_TRITON
 
 
 def _fail(command: str, message: str) -> int:

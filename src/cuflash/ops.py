@@ -34,6 +34,14 @@ def triton_version() -> str | None:
     return triton.__version__
 
 
+def gluon_kernels() -> bool:
+    """Whether the installed Triton runs the Gluon kernels for Hopper (kernels/compat.py)."""
+    if triton_version() is None:
+        return False
+    from .kernels.compat import GLUON_TRITON
+    return GLUON_TRITON
+
+
 def backend_name(device: torch.device, dtype: torch.dtype) -> str:
     """The backend that will run for tensors on `device`; raises FlashAttentionError when none can."""
     return _backend_name(os.environ.get("CUFLASH_BACKEND", "auto"), os.environ.get("TRITON_INTERPRET"), device,

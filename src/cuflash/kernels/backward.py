@@ -22,14 +22,12 @@ import triton.language as tl
 from ..params import AttentionParams
 from .common import LOG2E, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, query_tile, \
     row_source, score_tile, sequence, softcap_grad, store_tile, tile_ptrs
+from .compat import gluon_kernels
 from .config import Launch, backward_configs, cdiv, tf32, use_tma, user_tiles_checked, with_user_tiles
 from .launch import launch
 from .variant import lse_strides, problem, variant_args, variant_tensors
 
-try:  # the dK/dV and dQ kernels for Hopper, in Gluon (need a Triton that has it)
-    from . import hopper_backward
-except ImportError:
-    hopper_backward = None
+hopper_backward = gluon_kernels("hopper_backward")  # None where Triton has not its Gluon dialect
 
 
 @triton.jit

@@ -12,14 +12,12 @@ import triton.language as tl
 from ..params import AttentionParams
 from .common import LN2, NO_MASK, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, \
     query_tile, row_source, score_tile, sequence, softmax_step, store_tile, tile_ptrs
+from .compat import gluon_kernels
 from .config import Launch, cdiv, forward_config, tf32, use_tma, user_tiles_checked, with_user_tiles
 from .launch import launch
 from .variant import lse_strides, problem, variant_args, variant_tensors
 
-try:  # Triton's Gluon dialect: in the Tritons this was built with (3.6 on the GPU, 3.9), not in 3.2
-    from . import hopper_forward
-except ImportError:  # an older Triton: the Triton kernel for every input
-    hopper_forward = None
+hopper_forward = gluon_kernels("hopper_forward")  # None where Triton has not its Gluon dialect
 
 
 @triton.jit

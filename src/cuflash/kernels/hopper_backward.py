@@ -39,9 +39,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ..params import AttentionParams
 from .common import LOG2E
+from .compat import barrier, tma_load
 from .config import cdiv, num_sms, scratch, tma_addressable
-from .hopper_forward import ROWS, _barrier, _box_strides, _copy_out, _count, _descriptor, _item as _query_item, \
-    _load_pair, _tma_load, _work, accepts as _forward_accepts
+from .hopper_forward import ROWS, _box_strides, _copy_out, _count, _descriptor, _item as _query_item, _load_pair, \
+    _work, accepts as _forward_accepts
 from .variant import Problem, lse_strides, logit_scales
 
 
@@ -85,9 +86,9 @@ def _load_held(done, a_desc, b_desc, row0, off_b, off_h, a_smem, b_smem, ready, 
     mbarrier.expect(ready.index(kb), 4 * a_desc.block_type.nbytes)
     box: gl.constexpr = [1, ROWS, 1, a_smem.shape[2]]
     for part in gl.static_range(2):
-        _tma_load(a_desc, [off_b, row0 + part * ROWS, off_h, 0], ready.index(kb),
+        tma_load(a_desc, [off_b, row0 + part * ROWS, off_h, 0], ready.index(kb),
                   a_smem.index(2 * kb + part).reshape(box))
-        _tma_load(b_desc, [off_b, row0 + part * ROWS, off_h, 0], ready.index(kb),
+        tma_load(b_desc, [off_b, row0 + part * ROWS, off_h, 0], ready.index(kb),
                   b_smem.index(2 * kb + part).reshape(box))
 
 
@@ -119,7 +120,7 @@ def _share_ds(ds, it, fused, WG: gl.constexpr):
     mbarrier.wait(ds_free.index(buf), ((it // 2) & 1) ^ 1)
     ds_smem.index(2 * buf + WG).store(ds)
     fence_async_shared()
-    _barrier()  # every thread's part written before the one arrival
+    barrier()  # every thread's part written before the one arrival
     mbarrier.arrive(ds_ready.index(buf), count=1)
 
 
@@ -142,7 +143,7 @@ def _add_dq(it, j, fused, HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.c
                                    is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq,))
             tma.store_wait(0)
-            _barrier()  # the thread that issued the last reduction has seen it leave shared memory
+            barrier()  # the thread that issued the last reduction has seen it leave shared memory
             _copy_out(dq_desc, [off_b, j * ROWS, off_h, part * ROWS], dq_smem.index(WG), dq * softmax_scale, True)
     mbarrier.arrive(ds_free.index(buf), count=1)
 
@@ -311,7 +312,7 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
             _copy_out(dv_desc, [off_b, key0, off_hk, 0], v, dv.to(DV.dtype.element_ty))
             _copy_out(dk_desc, [off_b, key0, off_hk, 0], k, (dk * softmax_scale).to(DK.dtype.element_ty))
             tma.store_wait(0)
-            _barrier()  # the thread that issued the copies has seen them read the tiles
+            barrier()  # the thread that issued the copies has seen them read the tiles
             mbarrier.arrive(kv_free.index(kb), count=1)
             done += 1
 
@@ -449,7 +450,7 @@ def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.co
             _copy_out(dq_desc, [off_b, row0, off_h, 0], v_smem.index(end % STAGES),
                       (dq * softmax_scale).to(DQ.dtype.element_ty), PART=WG)
             tma.store_wait(0)
-            _barrier()  # the thread that issued the copy has seen it read the tile
+            barrier()  # the thread that issued the copy has seen it read the tile
             mbarrier.arrive(kv_empty.index(end % STAGES), count=1)
             it += n_tiles
             done += 1

@@ -23,35 +23,17 @@ kernel (kernels/forward.py). GPU only: Triton's interpreter does not run Gluon.
 """
 import torch
 import triton
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
 from ..params import AttentionParams
 from .common import LN2
+from .compat import GLUON_TRITON, barrier, tma_add, tma_load, tma_store
 from .config import Launch, cdiv, num_sms, scratch, tma_addressable
 from .variant import Problem, lse_strides, logit_scales
 
-# The Triton versions the Gluon kernels are for (3.6, the GPU machine's; 3.9, the CPU machine's) and
-# what differs between them: the TMA load and store and the thread barrier were renamed after 3.6; the TMA
-# reduction into global memory (the backward's dQ) has a Gluon function only after 3.6, whose IR
-# builder has the operation.
-_tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
-_tma_store = getattr(tma, "async_store", None) or getattr(tma, "async_copy_shared_to_global", None)
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-
-@builtin
-def _tma_add_36(desc, coord, src, _semantic=None):
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
-
-
-_tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
-GLUON_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M
 
 
@@ -113,11 +95,11 @@ def _copy_out(desc, coord, buffer, tile, ADD: gl.constexpr = False, PART: gl.con
         box = box.slice(PART * tile.shape[0], tile.shape[0], dim=1)
     buffer.store(tile)
     fence_async_shared()
-    _barrier()  # every thread's rows written before the copy is issued
+    barrier()  # every thread's rows written before the copy is issued
     if ADD:
-        _tma_add(desc, coord, box)
+        tma_add(desc, coord, box)
     else:
-        _tma_store(desc, coord, box)
+        tma_store(desc, coord, box)
 
 
 @gluon.jit
@@ -133,9 +115,9 @@ def _load_pair(it, a_desc, b_desc, coord, a_smem, b_smem, a_ready, b_ready, empt
     for i in gl.static_range(2):
         desc, smem, ready = (a_desc, a_smem, a_ready) if i == 0 else (b_desc, b_smem, b_ready)
         mbarrier.expect(ready.index(stage), desc.block_type.nbytes + row_bytes)
-        _tma_load(desc, coord, ready.index(stage), smem.index(stage).reshape(box))
+        tma_load(desc, coord, ready.index(stage), smem.index(stage).reshape(box))
         if rows is not None:
-            _tma_load(rows[0], [rows[2 + i], coord[1]], ready.index(stage), rows[1].index(2 * stage + i))
+            tma_load(rows[0], [rows[2 + i], coord[1]], ready.index(stage), rows[1].index(2 * stage + i))
 
 
 @gluon.jit
@@ -162,7 +144,7 @@ def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexp
             mbarrier.wait(q_empty.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)
             mbarrier.expect(q_ready.index(qb), CONSUMERS * q_desc.block_type.nbytes)
             for part in gl.static_range(CONSUMERS):
-                _tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready.index(qb),
+                tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready.index(qb),
                           q_smem.index(qb * CONSUMERS + part).reshape([1, ROWS, 1, HEAD_D]))
             for j in range(n_tiles):
                 _load_pair(it, k_desc, v_desc, [off_b, j * BLOCK_N, off_hk, 0], k_smem, v_smem, k_ready, v_ready,
@@ -246,7 +228,7 @@ def _hand_back(buffer, q_empty, kv_empty, O_IN_K: gl.constexpr):
     """Once the tensor memory accelerator has read O out of `buffer`, hands it back: the K/V buffer
     (O_IN_K) or the Q buffer of that index."""
     tma.store_wait(0)
-    _barrier()  # the thread that issued the copy has seen it read the buffer
+    barrier()  # the thread that issued the copy has seen it read the buffer
     if O_IN_K:
         mbarrier.arrive(kv_empty.index(buffer), count=1)
     else:

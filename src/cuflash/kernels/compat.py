@@ -1,0 +1,40 @@
+"""Every difference between the Triton versions cuflash runs on, in one module: 3.6 (the GPU
+machine's, which runs the kernels) and 3.9 (the CPU machine's, whose interpreter runs the Triton
+kernels and whose compiler builds the Gluon ones offline). Older Tritons have no Gluon dialect:
+there the Triton kernels take every input.
+
+Gluon's names that changed after 3.6: the TMA load and store and the thread barrier were renamed;
+the TMA reduction into global memory (the fused backward's dQ) has a Gluon function only after
+3.6, whose IR builder has the operation.
+"""
+import importlib
+
+import triton
+
+TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
+# The Gluon kernels were written against 3.6 and 3.9; Gluon's API changed between the releases
+# that have it, so older ones take the Triton kernels.
+GLUON_TRITON = TRITON_VERSION >= (3, 6)
+
+
+def gluon_kernels(name: str):
+    """The Gluon kernel module kernels.<name> where this Triton runs it, else None."""
+    return importlib.import_module(f"{__package__}.{name}") if GLUON_TRITON else None
+
+
+if GLUON_TRITON:
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+
+    tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+    tma_store = getattr(tma, "async_store", None) or getattr(tma, "async_copy_shared_to_global", None)
+    barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+    @builtin
+    def _tma_add_36(desc, coord, src, _semantic=None):
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+    tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
