@@ -639,3 +639,20 @@ def test_bench_times_the_device_not_the_host():
     ms, host_us = _device_ms_host_us(step, 10, 2, torch.device("cuda"))
     assert ms < 0.5 and host_us > 2900, (ms, host_us)
     assert _median_ms(step, 10, 2, torch.device("cuda")) > 2.5  # what the events alone would say
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(causal=True, window_size=(5, 0), softcap=8.0,
+                                                             dropout_p=0.2)], ids=["plain", "variants"])
+def test_torch_compile_fullgraph_inductor(options):
+    """A block with attention under torch.compile(fullgraph=True) with inductor: forward and
+    backward equal to eager, no recompilation (test_attention.check_compiled)."""
+    from test_attention import check_compiled
+    check_compiled("cuda", "inductor", **options)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_step_compiles_fullgraph_inductor(paged):
+    """A decode step (rotary, append, the decode custom op) under torch.compile(fullgraph=True) with
+    inductor (test_kvcache.check_decode_compiled)."""
+    from test_kvcache import check_decode_compiled
+    check_decode_compiled("cuda", "inductor", paged)

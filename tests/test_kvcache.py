@@ -249,3 +249,46 @@ def test_unused_block_table_entries_are_not_read(backend):
     out = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=10, block_table=table)
     ref, _ = attention_reference(q, k_cache[2:3, :10], v_cache[2:3, :10])
     assert rel_err(out, ref) < 1e-5
+
+
+def check_decode_compiled(device, backend, paged):
+    """A decode step (rotary, append into the cache, attend) under torch.compile(fullgraph=True):
+    no graph break, the same output and cache contents as eager, no recompilation when only the
+    values of cache_seqlens change."""
+    torch.manual_seed(12)
+    batch, nheads, nheads_k, d = 2, 4, 2, 32
+    if paged:
+        k_cache = torch.randn(8, 16, nheads_k, d, device=device)
+        table = torch.tensor([[3, 0, 5], [1, 7, 2]], dtype=torch.int32, device=device)
+    else:
+        k_cache, table = torch.randn(batch, 48, nheads_k, d, device=device), None
+    v_cache = torch.randn_like(k_cache)
+    angles = torch.rand(64, d // 2, device=device) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+
+    def step(q, k, v, k_cache, v_cache, cache_seqlens):
+        return cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                               cache_seqlens=cache_seqlens, block_table=table, causal=True,
+                                               return_softmax_lse=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    for i, lengths in enumerate(([5, 17], [30, 2], [0, 40])):
+        q = torch.randn(batch, 1, nheads, d, device=device)
+        k, v = (torch.randn(batch, 1, nheads_k, d, device=device) for _ in range(2))
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        caches = (k_cache.clone(), v_cache.clone())
+        torch.compiler.set_stance("fail_on_recompile" if i > 0 else "default")
+        try:
+            out, lse = compiled(q, k, v, *caches, seqlens)
+        finally:
+            torch.compiler.set_stance("default")
+        eager_caches = (k_cache.clone(), v_cache.clone())
+        ref, ref_lse = step(q, k, v, *eager_caches, seqlens)
+        assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
+        assert torch.equal(caches[0], eager_caches[0]) and torch.equal(caches[1], eager_caches[1])
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_step_compiles_fullgraph_cpu_path(monkeypatch, paged):
+    monkeypatch.setenv("CUFLASH_BACKEND", "cpu")
+    check_decode_compiled("cpu", "aot_eager", paged)

@@ -9,6 +9,8 @@ one gathers each sequence's keys from its pages).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .dropout import head_ids, keep_mask
@@ -222,3 +224,26 @@ def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0)
     dq = (dq * p.softmax_scale).permute(0, 3, 1, 2, 4).reshape(q.shape)
     dk = (dk * p.softmax_scale).transpose(1, 2)
     return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.transpose(1, 2).to(v.dtype).contiguous())
+
+
+def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad, cache_rows, block_table,
+                   params: AttentionParams, num_splits: int = 0):
+    """Same contract as kernels.decode_forward: each sequence's keys (cache positions leftpad[b] ..
+    cache_seqlens[b] + seqlen_new - 1) gathered into one packed tensor, attended as a varlen batch.
+    num_splits changes only the kernels' rounding: not used here."""
+    from .kvcache import cache_row, per_sequence
+    batch, seqlen_q, nheads, head_dim = q.shape
+    starts = per_sequence(0 if leftpad is None else leftpad, batch, q.device)
+    lengths = per_sequence(cache_seqlens, batch, q.device) + seqlen_new - starts
+    cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    total = int(cu_seqlens_k[-1])
+    owner = torch.repeat_interleave(torch.arange(batch, device=q.device), lengths, output_size=total)
+    positions = starts[owner] + torch.arange(total, device=q.device) - cu_seqlens_k[owner].long()
+    source = cache_row(owner, positions, k_cache.shape[1], block_table, cache_rows)
+    k_packed = k_cache.view(-1, *k_cache.shape[2:])[source]
+    v_packed = v_cache.view(-1, *v_cache.shape[2:])[source]
+    cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+    params = dataclasses.replace(params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                 max_seqlen_q=seqlen_q, max_seqlen_k=max(1, int(lengths.max())))
+    out, lse = attention_forward(q.reshape(batch * seqlen_q, nheads, head_dim), k_packed, v_packed, params)
+    return out.view(q.shape), lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()

@@ -2,14 +2,14 @@
 compatible: rotary embedding of the new tokens, in-place append into a contiguous or paged cache,
 then attention to each sequence's cached keys.
 
-With the Triton backend the attention is the decode kernel (kernels/decode.py), which reads the
-cache in place, split over its length, with the query heads of a GQA group packed together. The
-CPU path gathers each sequence's keys and runs the blocked varlen attention on them.
+The attention is ops.decode (a custom op, so a decode step compiles with torch.compile): with the
+Triton backend the decode kernel (kernels/decode.py), which reads the cache in place, split over
+its length, with the query heads of a GQA group packed together; the CPU path gathers each
+sequence's keys and runs the blocked varlen attention on them.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -66,14 +66,38 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_leftpad, cache_batch_idx and block_table are checked with one read to the host, skipped
     while a CUDA graph is being captured (its replays see other values).
     """
+    call = _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                     block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
+    q = _rotate_and_append(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved)
+    out, lse = ops.decode(q, k_cache, v_cache, call.seqlens, call.seqlen_new, call.leftpad, call.rows, call.table,
+                          call.params, num_splits)
+    return (out, lse) if return_softmax_lse else out
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A checked call: cache_seqlens stays an int when given as one, and the optional index tensors
+    None when not given, so that a plain decode step launches no kernel besides attention."""
+    seqlens: torch.Tensor | int  # tokens in each cache before the append
+    seqlen_new: int
+    leftpad: torch.Tensor | None
+    rows: torch.Tensor | None  # cache_batch_idx
+    table: torch.Tensor | None  # block_table
+    params: AttentionParams
+    shifted: bool  # query token i at position cache_seqlens + i (causal or windowed), else all at cache_seqlens
+
+
+def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+              block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits) -> _Call:
+    """Checks every argument (the values of the index tensors too, except while a CUDA graph is
+    captured or torch.compile traces) before anything is written."""
     check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, t, 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or paged "
                      "(num_blocks, page_block_size, nheads_k, headdim)")
     check_attention_inputs(q[:1, :1], k_cache[:1, :1], v_cache[:1, :1], ("q", "k_cache", "v_cache"))
-    backend = ops.backend_name(q.device, q.dtype)
+    ops.backend_name(q.device, q.dtype)  # raises where no backend runs
     batch, seqlen_q, nheads, head_dim = q.shape
-    paged = block_table is not None
     if k_cache.shape != v_cache.shape:
         fail(ErrorCode.SHAPE_MISMATCH, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
     rows_per_seq = k_cache.shape[1]
@@ -81,21 +105,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if t.stride(0) != t.shape[1] * t.stride(1):
             fail(ErrorCode.NOT_CONTIGUOUS, f"{name} must have its first two dims contiguous (rows are addressed "
                  f"in place), got strides {t.stride()}")
-    if paged:
+    table = None
+    if block_table is not None:
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
             fail(ErrorCode.INVALID_ARGUMENT, "block_table must be an int32 tensor (batch, max_blocks_per_seq)")
         table = _int_tensor("block_table", block_table, (batch, block_table.shape[1]), q.device)
-        capacity = table.shape[1] * rows_per_seq
         for name, arg in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
             if arg is not None:
                 fail(ErrorCode.UNSUPPORTED_FEATURE, f"{name} with a paged cache (block_table) is not supported")
-    else:
-        capacity = rows_per_seq
-    # cache_seqlens stays an int when given as one, and the optional index tensors None when not
-    # given, so that a plain decode step launches no kernel besides attention.
+    capacity = rows_per_seq * (1 if table is None else table.shape[1])
     rows = None if cache_batch_idx is None else \
         _int_tensor("cache_batch_idx", cache_batch_idx, (batch,), q.device, (torch.int32, torch.int64))
-    if not paged and rows is None and k_cache.shape[0] < batch:
+    if table is None and rows is None and k_cache.shape[0] < batch:
         fail(ErrorCode.SHAPE_MISMATCH, f"k_cache has {k_cache.shape[0]} cache rows for a batch of {batch}; "
              f"pass cache_batch_idx to map sequences to rows")
     if cache_seqlens is None:
@@ -122,52 +143,49 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         fail(ErrorCode.INVALID_ARGUMENT, f"num_splits must be an int >= 0, got {num_splits!r}")
     if rotary_cos is not None or rotary_sin is not None:
         check_cos_sin(rotary_cos, rotary_sin, head_dim, q.device, ("rotary_cos", "rotary_sin"))
-
-    @functools.cache
-    def bounds() -> tuple[torch.Tensor, torch.Tensor]:
-        """(cache_leftpad, cache_seqlens) as (batch,) long tensors, built once and only when needed
-        (a plain decode step with an int cache_seqlens needs neither)."""
-        def per_sequence(x):
-            return x.long() if isinstance(x, torch.Tensor) else torch.full((batch,), x, dtype=torch.long,
-                                                                          device=q.device)
-        return per_sequence(0 if leftpad is None else leftpad), per_sequence(seqlens)
-
-    # Query token i sits at position cache_seqlens + i when causal or windowed, else all at
-    # cache_seqlens (flash-attn's rotary convention).
     shifted = causal or (left, right) != (-1, -1)
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not (capturing or torch.compiler.is_compiling()):
-        _check_values(seqlens, seqlen_new, capacity, leftpad, rows, k_cache.shape[0], table if paged else None,
-                      rows_per_seq, rotary_cos, max(seqlen_new, seqlen_q if shifted else 1))
+    # (is_compiling first: torch.compile cannot trace the capture query)
+    if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_values(seqlens, seqlen_new, capacity, leftpad, rows, k_cache.shape[0], table, rows_per_seq,
+                      rotary_cos, max(seqlen_new, seqlen_q if shifted else 1))
+    return _Call(seqlens, seqlen_new, leftpad, rows, table, params, shifted)
 
-    def flat(seq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Row of the flattened cache ((blocks * page) or (batch_cache * seqlen_cache)) holding
-        position `positions` of sequence `seq` (broadcasting long tensors)."""
-        if paged:
-            return table[seq, positions // rows_per_seq].long() * rows_per_seq + positions % rows_per_seq
-        return (seq if rows is None else rows[seq].long()) * rows_per_seq + positions
 
+def _rotate_and_append(call: _Call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, interleaved):
+    """The rotary embedding of q and the new keys (flash-attn's positions: see
+    flash_attn_with_kvcache), and the new keys and values written into the cache in place.
+    Returns q as attention takes it."""
+    if rotary_cos is None and k is None:
+        return q
+    batch, seqlen_q = q.shape[:2]
+    lengths = per_sequence(call.seqlens, batch, q.device)
     if rotary_cos is not None:
-        _, lengths = bounds()
-        positions_q = lengths[:, None] + (torch.arange(seqlen_q, device=q.device)[None, :] if shifted else 0)
-        q = rotate(q, rotary_cos, rotary_sin, positions_q.expand(batch, seqlen_q), rotary_interleaved)
+        positions_q = lengths[:, None] + (torch.arange(seqlen_q, device=q.device)[None, :] if call.shifted else 0)
+        q = rotate(q, rotary_cos, rotary_sin, positions_q.expand(batch, seqlen_q), interleaved)
     if k is not None:
-        _, lengths = bounds()
-        positions_new = lengths[:, None] + torch.arange(seqlen_new, device=q.device)[None, :]
+        positions_new = lengths[:, None] + torch.arange(call.seqlen_new, device=q.device)[None, :]
         if rotary_cos is not None:
-            k = rotate(k, rotary_cos, rotary_sin, positions_new, rotary_interleaved)
-        target = flat(torch.arange(batch, device=q.device)[:, None], positions_new).flatten()
+            k = rotate(k, rotary_cos, rotary_sin, positions_new, interleaved)
+        target = cache_row(torch.arange(batch, device=q.device)[:, None], positions_new, k_cache.shape[1], call.table,
+                           call.rows).flatten()
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, target, k.reshape(-1, *k.shape[2:]))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, target, v.reshape(-1, *v.shape[2:]))
+    return q
 
-    if backend == "triton":
-        from .kernels.decode import decode_forward
-        out, lse = decode_forward(q, k_cache, v_cache, seqlens, seqlen_new, leftpad, rows, table if paged else None,
-                                  params, num_splits)
-    else:
-        starts, lengths = bounds()
-        out, lse = _gathered_attention(q, k_cache, v_cache, flat, starts, lengths + seqlen_new, params)
-    return (out, lse) if return_softmax_lse else out
+
+def per_sequence(x: torch.Tensor | int, batch: int, device: torch.device) -> torch.Tensor:
+    """A (batch,) long tensor of x, given per sequence or as one int for all."""
+    return x.long() if isinstance(x, torch.Tensor) else torch.full((batch,), x, dtype=torch.long, device=device)
+
+
+def cache_row(seq: torch.Tensor, positions: torch.Tensor, rows_per_seq: int, table: torch.Tensor | None,
+              rows: torch.Tensor | None) -> torch.Tensor:
+    """Row of the flattened cache ((num_blocks * page) or (batch_cache * seqlen_cache)) holding
+    position `positions` of sequence `seq` (broadcasting long tensors): through the page table, or
+    in the sequence's cache row (cache_batch_idx, default its batch index)."""
+    if table is not None:
+        return table[seq, positions // rows_per_seq].long() * rows_per_seq + positions % rows_per_seq
+    return (seq if rows is None else rows[seq].long()) * rows_per_seq + positions
 
 
 def _check_values(seqlens, seqlen_new, capacity, leftpad, rows, cache_rows, table, rows_per_seq, rotary_cos,
@@ -205,22 +223,3 @@ def _check_values(seqlens, seqlen_new, capacity, leftpad, rows, cache_rows, tabl
     for cond, message in checks:
         if next(read) if isinstance(cond, torch.Tensor) else cond:
             fail(ErrorCode.INVALID_ARGUMENT, message())
-
-
-def _gathered_attention(q, k_cache, v_cache, flat, leftpad, ends, params):
-    """The CPU path: each sequence's keys (positions leftpad .. ends - 1) gathered into one packed
-    tensor, attended through the varlen attention."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    lengths = ends - leftpad
-    cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    total = int(cu_seqlens_k[-1])
-    owner = torch.repeat_interleave(torch.arange(batch, device=q.device), lengths, output_size=total)
-    source = flat(owner, leftpad[owner] + torch.arange(total, device=q.device) - cu_seqlens_k[owner].long())
-    k_packed = k_cache.view(-1, *k_cache.shape[2:])[source]
-    v_packed = v_cache.view(-1, *v_cache.shape[2:])[source]
-    cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
-    params = dataclasses.replace(params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                 max_seqlen_q=seqlen_q, max_seqlen_k=max(1, int(lengths.max())))
-    with torch.no_grad():
-        out, lse = ops.forward(q.reshape(batch * seqlen_q, nheads, head_dim), k_packed, v_packed, params)
-    return out.view(q.shape), lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()

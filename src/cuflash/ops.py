@@ -1,4 +1,4 @@
-"""The custom ops (forward, backward), their fake implementations for torch.compile, the
+"""The custom ops (forward, backward, decode), their fake implementations for torch.compile, the
 autograd registration, and the single place that picks a backend.
 
 forward() and backward() go through the custom ops wherever PyTorch needs to see them (under
@@ -137,6 +137,29 @@ def _(dout, q, k, v, out, softmax_lse, *params):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
+@torch.library.custom_op("cuflash::decode", mutates_args=())
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: Optional[torch.Tensor], cache_seqlen: int, seqlen_new: int,
+                     cache_leftpad: Optional[torch.Tensor], cache_rows: Optional[torch.Tensor],
+                     block_table: Optional[torch.Tensor], num_splits: int, softmax_scale: float, window_left: int,
+                     window_right: int, softcap: float,
+                     alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (B, Sq, H, D) to each sequence's keys in a KV cache (kvcache.py appended the
+    new ones): keys cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1 (cache_seqlens None: the
+    int cache_seqlen for every sequence) of cache row cache_rows[b] (default b) or of the pages
+    block_table[b]. Returns out like q and softmax_lse (B, H, Sq) fp32."""
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap=softcap, alibi_slopes=alibi_slopes)
+    seqlens = cache_seqlen if cache_seqlens is None else cache_seqlens
+    return _backend(q.device, q.dtype).decode_forward(q, k_cache, v_cache, seqlens, seqlen_new, cache_leftpad,
+                                                      cache_rows, block_table, params, num_splits)
+
+
+@attention_decode.register_fake
+def _(q, *args):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32))
+
+
 def _direct(q: torch.Tensor) -> bool:
     """Whether a call may bypass the custom op: eager mode, plain CPU/CUDA tensors, no dispatch mode
     and no torch.func transform."""
@@ -194,6 +217,20 @@ def backward(dout, q, k, v, out, softmax_lse, params: AttentionParams):
     if _direct(q):
         return _backward_backend(q, params).attention_backward(dout, q, k, v, out, softmax_lse, params)
     return attention_backward(dout, q, k, v, out, softmax_lse, *params.as_args())
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | int,
+           seqlen_new: int, cache_leftpad: torch.Tensor | None, cache_rows: torch.Tensor | None,
+           block_table: torch.Tensor | None, params: AttentionParams, num_splits: int):
+    """(out, softmax_lse) of a decode step (attention_decode; cache_seqlens an int or (B,) int32),
+    no autograd."""
+    if _direct(q):
+        return _backend(q.device, q.dtype).decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new,
+                                                          cache_leftpad, cache_rows, block_table, params, num_splits)
+    given = isinstance(cache_seqlens, torch.Tensor)
+    return attention_decode(q, k_cache, v_cache, cache_seqlens if given else None, 0 if given else cache_seqlens,
+                            seqlen_new, cache_leftpad, cache_rows, block_table, num_splits, params.softmax_scale,
+                            params.window_left, params.window_right, params.softcap, params.alibi_slopes)
 
 
 def _setup_context(ctx, inputs, output):
