@@ -8,8 +8,8 @@ bench's `--seqlen-experiment`):
 
 Each takes q, k, v in flash layout (batch, seqlen, nheads, headdim), the same number of heads for
 q and k, causal aligned to the bottom-right corner, and returns out and softmax_lse (batch, nheads,
-seqlen_q) in fp32, then dq, dk, dv from backward. CUDA tensors run Triton kernels, CPU tensors
-PyTorch loops of the same structure.
+seqlen_q) in fp32, then dq, dk, dv from backward. CUDA tensors run Triton kernels (fa1_triton.py,
+naive_triton.py beside the PyTorch fa1.py, naive.py), CPU tensors PyTorch loops of the same structure.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def _implementation(method: str, device: torch.device):
     if method == "fa2":
         return None
     if ops.backend_name(device, torch.float32) == "triton":
-        from ..kernels import fa1 as kernel_fa1, naive as kernel_naive
-        return {"naive": kernel_naive, "fa1": kernel_fa1}[method]
+        from . import fa1_triton, naive_triton
+        return {"naive": naive_triton, "fa1": fa1_triton}[method]
     from . import fa1, naive
     return {"naive": naive, "fa1": fa1}[method]
 

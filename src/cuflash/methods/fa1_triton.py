@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, tile_ptrs
-from .config import _arch, padded_head_dim
+from ..kernels.common import LN2, LOG2E, tile_ptrs
+from ..kernels.config import _arch, padded_head_dim
 
 
 @triton.jit

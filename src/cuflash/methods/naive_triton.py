@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E
-from .config import _arch, cdiv, next_power_of_2
+from ..kernels.common import LOG2E
+from ..kernels.config import _arch, cdiv, next_power_of_2
 
 
 @triton.jit
