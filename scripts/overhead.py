@@ -1,4 +1,5 @@
-"""Host time per call of each layer of cuflash's forward, on a problem small enough that the GPU
+"""Host time per call of each layer of cuflash's forward, and of a flash_attn_with_kvcache decode
+step (one token appended, contiguous or paged cache), on problems small enough that the GPU
 finishes first (so the wall time of many back-to-back calls is the host's). Usage, on a GPU:
 PYTHONPATH=src python3 scripts/overhead.py (fastest of 5 interleaved rounds per layer)"""
 import time
@@ -41,6 +42,20 @@ def _no_grad_sdpa():
 
 
 
+# A decode step: one token of 8 heads (D=128) appended to a 256-position cache and attended.
+q1, k1, v1 = (torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+k_cache, v_cache = (torch.randn(1, 256, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+k_pages, v_pages = (torch.randn(16, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+table = torch.arange(16, device="cuda", dtype=torch.int32)[None]
+seqlens = torch.tensor([100], device="cuda", dtype=torch.int32)
+
+
+def _sdpa_flash_decode():
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q1.transpose(1, 2), k_cache[:, :101].transpose(1, 2),
+                                                                v_cache[:, :101].transpose(1, 2))
+
+
 layers = {
     "Triton JIT launch (_attn_fwd[grid](**kwargs))": lambda: kernel[grid](**kwargs),
     "launcher (kernels.attention_forward: a launch plan)": lambda: kf.attention_forward(q, k, v, p),
@@ -57,6 +72,13 @@ layers = {
     "scaled_dot_product_attention, no grad": lambda: _no_grad_sdpa(),
     "torch SDPA (flash backend choice)": lambda: torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True),
+    "decode step, contiguous, int cache_seqlens": lambda: cuflash.flash_attn_with_kvcache(
+        q1, k_cache, v_cache, k1, v1, cache_seqlens=100, causal=True),
+    "decode step, contiguous, tensor cache_seqlens": lambda: cuflash.flash_attn_with_kvcache(
+        q1, k_cache, v_cache, k1, v1, cache_seqlens=seqlens, causal=True),
+    "decode step, paged, tensor cache_seqlens": lambda: cuflash.flash_attn_with_kvcache(
+        q1, k_pages, v_pages, k1, v1, cache_seqlens=seqlens, block_table=table, causal=True),
+    "torch SDPA flash, the decode step's attention only": _sdpa_flash_decode,
 }
 print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
 # Host timings drift by up to 2x within a process (clocks, other tenants): every layer is timed in

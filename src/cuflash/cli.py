@@ -228,12 +228,12 @@ def check(args) -> int:
                                                         attn_mask=mask, enable_gqa=h != hk)
                 theirs = torch.nan_to_num(theirs.transpose(1, 2), 0.0)
                 name = f"{str(dtype)[6:]} B{batch} Nq{nq} Nk{nk} H{h}/{hk} D{d}{' causal' if causal else ''}"
-                for impl, x in (("cuflash", ours), ("sdpa", theirs)):
-                    e = _errors(x, ref)
+                errors = {impl: _errors(x, ref) for impl, x in (("cuflash", ours), ("sdpa", theirs))}
+                for impl, e in errors.items():
                     print(f"{name if impl == 'cuflash' else '':42s} {impl:8s} {e['max_abs']:9.2e} "
                           f"{e['mean_abs']:9.2e} {e['mse']:9.2e} {e['max_rel']:9.2e}")
                 finite = bool(torch.isfinite(ours).all())
-                err = _errors(ours, ref)["rel_norm"]
+                err = errors["cuflash"]["rel_norm"]
                 if finite and err <= bound:
                     continue
                 failed += 1
@@ -250,9 +250,7 @@ def check(args) -> int:
 def experiment(args) -> int:
     """naive, fa1 and fa2 (cuflash) and torch SDPA on the same problems, on the CPU and on the GPU
     when there is one: time and error per sequence length into one table, CSV and plot."""
-    import csv
-
-    from .bench.harness import Case, run_case
+    from .bench.harness import Case, run_case, write_csv
     from .dtypes import DTYPES
     try:
         seqlens = [int(n) for n in args.seqlens.split(",")]
@@ -286,10 +284,7 @@ def experiment(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return _fail("experiment", f"cannot create {out}: {exc.strerror or exc}")
-    with open(out / "experiment.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out / "experiment.csv")
     try:
         from .bench.plot import plot
         title = f"B{args.batch} H{args.nheads} D{args.head_dim} {args.dtype}{' causal' if args.causal else ''}"

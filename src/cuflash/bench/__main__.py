@@ -3,7 +3,6 @@ written as CSV/markdown."""
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import platform
 import sys
@@ -13,7 +12,7 @@ import torch
 
 from ..dtypes import DTYPES, dtype_name
 from ..ops import triton_version
-from .harness import CUDA_ONLY, PROVIDERS, VARIANTS, Case, run_case
+from .harness import CUDA_ONLY, PROVIDERS, VARIANTS, Case, run_case, write_csv
 
 
 
@@ -114,11 +113,7 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        with open(out / "results.csv", "w", newline="") as f:
-            fields = list(dict.fromkeys(k for r in rows for k in r))
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(rows, out / "results.csv")
         (out / "results.md").write_text(table + "\n")
         try:
             from .plot import plot

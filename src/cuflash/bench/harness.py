@@ -10,6 +10,7 @@ column of its own).
 from __future__ import annotations
 
 import contextlib
+import csv
 import functools
 import math
 import statistics
@@ -261,3 +262,11 @@ def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: 
         return {**row, "note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
     return {**row, "ms": ms, "tflops": case.flops() / ms / 1e9, "gbps": case.bytes() / ms / 1e6,
             "host_us": host_us, "peak_gb": peak, "rel_err": err, "note": ""}
+
+
+def write_csv(rows: list[dict], path) -> None:
+    """run_case's rows as a CSV, one column per key any row has (rows with a note lack the timings)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        writer.writeheader()
+        writer.writerows(rows)
