@@ -34,7 +34,7 @@ driver.set_active(_Hopper())
 _run = JITFunction.run
 JITFunction.run = lambda self, *args, grid, warmup, **kwargs: _run(self, *args, grid=grid, warmup=True, **kwargs)
 
-from cuflash.kernels import attention_backward, attention_forward, backward, forward  # noqa: E402 (after the stand-in)
+from cuflash.kernels import attention, attention_backward, attention_forward  # noqa: E402 (after the stand-in)
 
 
 def _compile_only(key, tensors, build):
@@ -43,8 +43,9 @@ def _compile_only(key, tensors, build):
         kernel[grid](**kwargs)
 
 
-forward.launch = backward.launch = _compile_only
-from cuflash.kernels.config import _launches, _length, padded_head_dim  # noqa: E402
+attention.launch = _compile_only
+from cuflash.kernels.device import padded_head_dim  # noqa: E402
+from cuflash.kernels.plan import Length, entry  # noqa: E402
 from cuflash.params import AttentionParams  # noqa: E402
 
 # (seqlen_q, seqlen_k, nheads, nheads_k): ones that Triton turns into constants, GQA, MQA, ragged.
@@ -73,10 +74,10 @@ def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
         k, v = (torch.randn(2, nk, hk, d, dtype=dtype) for _ in range(2))
         params = AttentionParams(d ** -0.5, **opts)
         lse = torch.zeros(2, h, nq)
-    fwd, dkdv, dq = _launches(90, padded_head_dim(d), dtype == torch.float32, False,
-                              _length(max(params.max_seqlen_q or nq, params.max_seqlen_k or nk)), params.banded)
-    for kernel, call in (("forward", lambda: attention_forward(q, k, v, params, fwd)),
-                         ("backward", lambda: attention_backward(q, q, k, v, q, lse, params, (dkdv, dq)))):
+    cell = entry(90, padded_head_dim(d), dtype == torch.float32, False,
+                 Length.of(max(params.max_seqlen_q or nq, params.max_seqlen_k or nk)), params.banded)
+    for kernel, call in (("forward", lambda: attention_forward(q, k, v, params, cell)),
+                         ("backward", lambda: attention_backward(q, q, k, v, q, lse, params, cell))):
         try:
             call()
         except Exception as exc:  # a compiler pass or ptxas failing

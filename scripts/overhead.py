@@ -9,8 +9,7 @@ import triton
 
 import cuflash
 from cuflash import ops
-from cuflash.kernels import backward as kb
-from cuflash.kernels import forward as kf
+from cuflash.kernels import attention as ka
 from cuflash.kernels.variant import variant_tensors
 from cuflash.params import AttentionParams
 
@@ -30,9 +29,9 @@ def per_call_us(fn, calls=2000):
 q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 p = AttentionParams(0.125, window_right=0)
-out, lse = kf.attention_forward(q, k, v, p)
+out, lse = ka.attention_forward(q, k, v, p)
 dout = torch.randn_like(out)
-kernel, grid, kwargs = kf._launch(dict(Q=q, K=k, V=v, Out=out, Lse=lse, **variant_tensors(p)), p, None)
+kernel, grid, kwargs = ka._forward(dict(Q=q, K=k, V=v, Out=out, Lse=lse, **variant_tensors(p)), p, None)
 
 
 def _no_grad_sdpa():
@@ -58,9 +57,9 @@ def _sdpa_flash_decode():
 
 layers = {
     "Triton JIT launch (_attn_fwd[grid](**kwargs))": lambda: kernel[grid](**kwargs),
-    "launcher (kernels.attention_forward: a launch plan)": lambda: kf.attention_forward(q, k, v, p),
+    "launcher (kernels.attention_forward: a launch plan)": lambda: ka.attention_forward(q, k, v, p),
     "backward launcher (kernels.attention_backward, 3 kernels)":
-        lambda: kb.attention_backward(dout, q, k, v, out, lse, p),
+        lambda: ka.attention_backward(dout, q, k, v, out, lse, p),
     "custom op (torch.library dispatch)": lambda: ops.attention_forward(q, k, v, *p.as_args()),
     "ops.forward (eager: autograd.Function)": lambda: ops.forward(q, k, v, p),
     "ops.forward, top-left causal (SDPA's)": lambda: ops.forward(q, k, v, AttentionParams(0.125, window_right=0,

@@ -1,5 +1,5 @@
 """Sweeps launch configurations of the kernels on the GPU at hand and prints the fastest per
-case, to fill the table in src/cuflash/kernels/config.py. Run from the source tree:
+case, to fill the table in src/cuflash/kernels/plan.py. Run from the source tree:
 PYTHONPATH=src python3 scripts/tune.py [--seqlen 4096[,...]] [--dtype bf16]
 [--table | --loads plain,tma | --loads ws | --loads triton,gluon [--kernels fwd,dkdv,dq]]"""
 import argparse
@@ -11,13 +11,26 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cuflash.kernels import attention_backward, attention_forward
-from cuflash.kernels.config import Launch, backward_configs, forward_config
+from cuflash.kernels import attention_backward, attention_forward, gluon
+from cuflash.kernels.device import arch, tf32
+from cuflash.kernels.plan import Entry, Length, entry
+from cuflash.kernels.triton import Tiles
 from cuflash.params import AttentionParams
 from cuflash.reference import attention_reference
 
+
 def _launches(*specs, **fields):
-    return [Launch(*c, **fields) for c in specs]
+    return [Tiles(*c, **fields) for c in specs]
+
+
+def _cell(q, d, n, causal) -> Entry:
+    """The table's entry for the case."""
+    return entry(arch(q.device), d, q.dtype == torch.float32, tf32(q), Length.of(n), causal)
+
+
+def _only(cell: Entry, **passes) -> Entry:
+    """The cell with these passes' candidates replaced by one configuration each."""
+    return dataclasses.replace(cell, **{name: (cfg,) for name, cfg in passes.items()})
 
 
 # Candidates (forward, dK/dV, dQ) per kind of input: 16-bit up to D=128, 16-bit D=256, fp32.
@@ -42,7 +55,7 @@ CANDIDATES = {
                        (128, 32, 8, 3), (64, 32, 4, 3))
              + _launches((64, 64, 8, 2), (128, 32, 8, 2), tma=True)),
     # fp32: three TF32 tensor-core passes per dot (tf32x3); IEEE FMA dots measured 5-25x slower
-    # (2026-11-22-h200-tma/tune_fp32.log).
+    # (docs/tuning.md).
     "fp32": (_launches((128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2),
                        (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2),
                        (32, 16, 4, 2), input_precision="tf32x3"),
@@ -112,23 +125,33 @@ def time_loads(args, dtype):
     against the Gluon one for Hopper where it applies, "gluon2"/"gluon3" the Gluon forward with 2 or
     3 consumer warpgroups, "fused" the Gluon dK/dV computing dQ too: time it as dkdv), one kernel
     changed at a time, beside torch's fastest SDPA backend (_anchor) on the same inputs."""
-    loads = {"plain": {}, "tma": {"tma": True}, "ws": {"tma": True, "warp_specialize": True},
-             "triton": {"gluon": False}, "gluon": {"gluon": True}, "fused": {"gluon": True, "fuse_dq": True},
-             "gluon2": {"gluon": True, "consumers": 2}, "gluon3": {"gluon": True, "consumers": 3}}
+    tiles = {"plain": {}, "tma": {"tma": True}, "ws": {"tma": True, "warp_specialize": True}}
+    kernels = {"gluon": dict(forward=gluon.Forward(), dkdv=gluon.Dkdv(), dq=gluon.Dq()),
+               "fused": dict(dkdv=gluon.Dkdv(fuse_dq=True)), "gluon2": dict(forward=gluon.Forward(2)),
+               "gluon3": dict(forward=gluon.Forward(3))}
+    passes = {"fwd": "forward", "dkdv": "dkdv", "dq": "dq"}
     for n, d, causal, b, h, q, k, v, do, flops, params in cases(args, dtype):
         anchor_fwd, anchor_bwd = _sdpa_ms(q, k, v, do, causal)
         print(f"== D={d} N={n} causal={causal}: {_anchor(dtype).name} fwd {flops / anchor_fwd / 1e9:6.1f}"
               f"  bwd {2.5 * flops / anchor_bwd / 1e9:6.1f} TFLOP/s", flush=True)
-        fwd0 = forward_config(q, d, n, causal)
-        dkdv0, dq0 = backward_configs(q, d, n, causal)
+        cell = _cell(q, d, n, causal)
         out, lse = attention_forward(q, k, v, params)
+
+        def changed(name, kernel):
+            """The cell with one pass changed: its Triton tiles loaded another way, or one kernel forced."""
+            field = passes[kernel]
+            triton_tiles = getattr(cell, field)[-1]
+            if name in tiles:
+                return _only(cell, **{field: dataclasses.replace(triton_tiles, **tiles[name])})
+            if name == "triton":
+                return _only(cell, **{field: triton_tiles})
+            cfg = kernels[name].get(field)
+            return dataclasses.replace(cell, **{field: (cfg, triton_tiles)}) if cfg else cell
+
         for name in args.loads.split(","):
-            change = loads[name]
-            runs = {"fwd": lambda: attention_forward(q, k, v, params, dataclasses.replace(fwd0, **change)),
-                    "dkdv": lambda: attention_backward(do, q, k, v, out, lse, params,
-                                                       (dataclasses.replace(dkdv0, **change), dq0)),
-                    "dq": lambda: attention_backward(do, q, k, v, out, lse, params,
-                                                     (dkdv0, dataclasses.replace(dq0, **change)))}
+            runs = {"fwd": lambda: attention_forward(q, k, v, params, changed(name, "fwd")),
+                    "dkdv": lambda: attention_backward(do, q, k, v, out, lse, params, changed(name, "dkdv")),
+                    "dq": lambda: attention_backward(do, q, k, v, out, lse, params, changed(name, "dq"))}
             for kernel, fn in runs.items():
                 if kernel not in args.kernels.split(","):
                     continue
@@ -155,22 +178,22 @@ def main():
         return time_loads(args, dtype)
     for n, d, causal, b, h, q, k, v, do, flops, params in cases(args, dtype):
         fwd_list, dkdv_list, dq_list = CANDIDATES[kind(dtype, d)]
-        fwd0 = forward_config(q, d, n, causal)
-        dkdv0, dq0 = backward_configs(q, d, n, causal)
+        cell = _cell(q, d, n, causal)
+        fwd0, dkdv0, dq0 = cell.forward[-1], cell.dkdv[-1], cell.dq[-1]  # the table's Triton tiles
         out, lse = attention_forward(q, k, v, params)
         wanted = args.kernels.split(",")
-        fwd = {c: bench(lambda: attention_forward(q, k, v, params, c)) for c in [fwd0] + fwd_list
+        fwd = {c: bench(lambda: attention_forward(q, k, v, params, _only(cell, forward=c))) for c in [fwd0] + fwd_list
                if "fwd" in wanted}
         dq_partner = dq_list[0]  # the dK/dV sweep runs beside the first dQ candidate
-        dkdv = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, (c, dq_partner)))
+        dkdv = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, _only(cell, dkdv=c, dq=dq_partner)))
                 for c in [dkdv0] + dkdv_list if "dkdv" in wanted}
         best_dkdv = min(dkdv, key=dkdv.get) if dkdv else dkdv0
-        dq = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, (best_dkdv, c)))
+        dq = {c: bench(lambda: attention_backward(do, q, k, v, out, lse, params, _only(cell, dkdv=best_dkdv, dq=c)))
               for c in [dq0] + dq_list if "dq" in wanted}
         anchor_fwd, anchor_bwd = _sdpa_ms(q, k, v, do, causal)
         print(f"\n== D={d} causal={causal} N={n} B={b} H={h} {args.dtype} (table: {fwd0} / {dkdv0} / {dq0})"
-              f"\n  {_anchor(dtype).name}: fwd {flops / anchor_fwd / 1e9:6.1f}  bwd {2.5 * flops / anchor_bwd / 1e9:6.1f}"
-              f" TFLOP/s")
+              f"\n  {_anchor(dtype).name}: fwd {flops / anchor_fwd / 1e9:6.1f}"
+              f"  bwd {2.5 * flops / anchor_bwd / 1e9:6.1f} TFLOP/s")
         for name, res, mult in (("fwd", fwd, 1.0), ("bwd dkdv sweep", dkdv, 2.5), ("bwd dq sweep", dq, 2.5)):
             for c, ms in sorted(res.items(), key=lambda kv: kv[1]):
                 err = "" if ms == float("inf") else f"  err {_error(c, name, dtype, d, causal):.1e}"
@@ -186,11 +209,10 @@ def _error(cfg, name, dtype, d, causal):
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(1, 1024, 4, d, dtype=dtype, device="cuda") for _ in range(4))
     params = AttentionParams(d ** -0.5, window_right=0 if causal else -1)
-    fwd0 = forward_config(q, d, 1024, causal)
-    dkdv0, dq0 = backward_configs(q, d, 1024, causal)
-    out, lse = attention_forward(q, k, v, params, cfg if name == "fwd" else fwd0)
-    configs = (cfg, dq0) if "dkdv" in name else (dkdv0, cfg) if "dq" in name else (dkdv0, dq0)
-    grads = attention_backward(do, q, k, v, out, lse, params, configs)
+    cell = _cell(q, d, 1024, causal)
+    out, lse = attention_forward(q, k, v, params, _only(cell, forward=cfg) if name == "fwd" else cell)
+    grads = attention_backward(do, q, k, v, out, lse, params, _only(cell, dkdv=cfg) if "dkdv" in name
+                               else _only(cell, dq=cfg) if "dq" in name else cell)
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
     ref, _ = attention_reference(qd, kd, vd, causal=causal)
     ref.backward(do.double())

@@ -1,18 +1,19 @@
 """Sweeps the decode kernel's launch (key tile, warps, stages) and split count on the GPU at hand:
 GB/s of the cached K/V read per call, replayed from a CUDA graph, against the device copy
-bandwidth. Fills decode_config and PROGRAMS_PER_SM in src/cuflash/kernels/. Run from the source tree:
-PYTHONPATH=src python3 scripts/tune_decode.py [--profile]  (--profile: only the kernel breakdown)"""
+bandwidth. Fills decode_tiles (kernels/plan.py) and PROGRAMS_PER_SM (kernels/triton/decode.py). Run from
+the source tree: PYTHONPATH=src python3 scripts/tune_decode.py [--profile]  (--profile: only the kernel breakdown)"""
 import sys
 
 import torch
 import triton
 
 from cuflash.bench.decode import copy_bandwidth
-from cuflash.kernels.config import Launch, num_sms
-from cuflash.kernels.decode import PROGRAMS_PER_SM, decode_forward
+from cuflash.kernels.device import num_sms
+from cuflash.kernels.triton import Tiles
+from cuflash.kernels.triton.decode import PROGRAMS_PER_SM, decode_forward
 from cuflash.params import AttentionParams
 
-CONFIGS = [Launch(64, *c) for c in [(64, 4, 3), (64, 4, 2), (128, 4, 2), (128, 4, 3), (128, 8, 3)]]
+CONFIGS = [Tiles(64, *c) for c in [(64, 4, 3), (64, 4, 2), (128, 4, 2), (128, 4, 3), (128, 8, 3)]]
 CASES = [(1, 32768, 16), (1, 131072, 256), (8, 4096, None), (8, 32768, 16), (8, 32768, 256), (64, 4096, 16),
          (64, 32768, None)]
 

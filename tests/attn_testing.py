@@ -170,12 +170,13 @@ def check_tile_loads(q, k, v, params, fwd, dkdv, dq, tol):
     warp-specialized) against the same launches with pointer loads: out, lse, dq, dk, dv agree
     within tol (relative)."""
     from cuflash.kernels import attention_backward, attention_forward
+    from cuflash.kernels.plan import Entry
 
     dout = torch.randn_like(q)
 
     def run(f, b, d):
-        out, lse = attention_forward(q, k, v, params, f)
-        return (out, lse) + attention_backward(dout, q, k, v, out, lse, params, (b, d))
+        out, lse = attention_forward(q, k, v, params, Entry((f,), (b,), (d,)))
+        return (out, lse) + attention_backward(dout, q, k, v, out, lse, params, Entry((f,), (b,), (d,)))
 
     plain = [dataclasses.replace(c, tma=False, warp_specialize=False) for c in (fwd, dkdv, dq)]
     tma = [dataclasses.replace(fwd, tma=True), dataclasses.replace(dkdv, tma=True, warp_specialize=True),

@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cuflash
 from attn_testing import check_against_oracle, check_tile_loads, interpret, make_qkv, rel_err, run_and_grad, \
     seed_of, varlen_batch
-from cuflash.kernels.config import Launch, use_tma
+from cuflash.kernels.plan import Plan
+from cuflash.kernels.triton import Tiles
 from cuflash.params import AttentionParams
 from cuflash.reference import attention_reference
 
@@ -153,13 +154,13 @@ def _tiles_used(backend, monkeypatch) -> list[tuple[int, int]]:
             return scores(self, x, m0, m1, n0, n1, masked)
         monkeypatch.setattr(cpu._Tiles, "scores", spy)
     else:
-        from cuflash.kernels import backward, forward
-        for module in (forward, backward):
-            def recording(key, tensors, build, _launch=module.launch):
-                launches = build()
-                seen.extend((kw["BLOCK_M"], kw["BLOCK_N"]) for kernel, _, kw in launches if "BLOCK_N" in kw)
-                return _launch(key, tensors, lambda: launches)
-            monkeypatch.setattr(module, "launch", recording)
+        from cuflash.kernels import attention
+
+        def recording(key, tensors, build, _launch=attention.launch):
+            launches = build()
+            seen.extend((kw["BLOCK_M"], kw["BLOCK_N"]) for kernel, _, kw in launches if "BLOCK_N" in kw)
+            return _launch(key, tensors, lambda: launches)
+        monkeypatch.setattr(attention, "launch", recording)
     return seen
 
 
@@ -201,16 +202,21 @@ def test_deterministic_backward(backend):
 
 
 def test_tensor_descriptors_only_where_they_compile():
-    tma, n = Launch(64, 64, 4, 3, tma=True), (17, 33)
+    tma, n = Tiles(64, 64, 4, 3, tma=True, warp_specialize=True), (17, 33)
     x = torch.randn(2, 17, 3, 40, dtype=torch.float16)
-    assert use_tma(tma, n, x, x[:, :, 1:])  # 80-byte rows and heads
-    assert not use_tma(Launch(64, 64, 4, 3), n, x)  # not asked for
-    assert not use_tma(tma, (1, 33), x) and not use_tma(tma, (17, 1), x)  # a length Triton makes a constant 1
-    assert not use_tma(tma, n, torch.randn(2, 17, 3, 44, dtype=torch.float16))  # 88-byte rows
+
+    def used(tiles, seqlens, *streamed):
+        return tiles.on(seqlens, *streamed).tma
+
+    assert tma.on(n, x, x[:, :, 1:]) == tma  # 80-byte rows and heads
+    assert tma.on(n) == Tiles(64, 64, 4, 3)  # nothing streamed (paged keys): pointers, no warp specialization
+    assert not used(Tiles(64, 64, 4, 3), n, x)  # not asked for
+    assert not used(tma, (1, 33), x) and not used(tma, (17, 1), x)  # a length Triton makes a constant 1
+    assert not used(tma, n, torch.randn(2, 17, 3, 44, dtype=torch.float16))  # 88-byte rows
     buf = torch.randn(x.numel() + 8, dtype=torch.float16)
-    assert use_tma(tma, n, buf[8:].view(x.shape))  # base 16 bytes in
-    assert not use_tma(tma, n, buf[4:-4].view(x.shape))  # base 8 bytes in
-    assert not use_tma(tma, n, torch.randn(1, 1, 3, 40).expand(2, 17, 3, 40))  # rows at stride 0
+    assert used(tma, n, buf[8:].view(x.shape))  # base 16 bytes in
+    assert not used(tma, n, buf[4:-4].view(x.shape))  # base 8 bytes in
+    assert not used(tma, n, torch.randn(1, 1, 3, 40).expand(2, 17, 3, 40))  # rows at stride 0
 
 
 LENGTH_CLASS_KEYS = (128, 256, 512, 1024, 2048, 4096)  # the longest (or a long) sequence of each class
@@ -218,85 +224,110 @@ LENGTH_CLASS_KEYS = (128, 256, 512, 1024, 2048, 4096)  # the longest (or a long)
 
 @pytest.mark.parametrize("arch", [80, 90, 100])
 def test_every_table_launch_is_accepted_by_its_kernel(arch):
-    """Every launch of the table (each head dim class, length class, causal or not, dtype) is one
-    its kernel takes: power-of-two tiles of 16 to 256 rows, 1-8 warps, warp specialization only with
-    tensor descriptors; Gluon launches only on Hopper for 16-bit inputs, and at D=64/128/256 (what the
-    Gluon kernels take) with consumers, key tiles and buffers that fit their shared memory
-    (launch_args validates them); dQ fused only into the Gluon dK/dV. Which launch wins where is
-    measured, not restated here (docs/perf-notes.md); that each compiles and computes the right
+    """Every candidate of the table (each head dim class, length class, causal or not, dtype) is one
+    its kernel takes: Triton tiles last (they take every call), power-of-two tiles of 16 to 256 rows,
+    1-8 warps, warp specialization only with tensor descriptors; Gluon candidates only on Hopper for
+    16-bit inputs at D=64/128/256 (what the Gluon kernels take; the backward's at 64/128), with key
+    tiles and buffers that fit their shared memory (launch_args validates them). Which candidate wins
+    where is measured, not restated here (docs/tuning.md); that each compiles and computes the right
     thing is tests/test_gpu.py's test_every_length_class_on_gpu."""
-    from cuflash.kernels import hopper_backward, hopper_forward
-    from cuflash.kernels.config import _launches, _length
+    from cuflash.kernels import gluon
+    from cuflash.kernels.gluon import forward as gluon_forward
+    from cuflash.kernels.plan import Length, entry
     from cuflash.kernels.variant import problem
 
     causal, plain = AttentionParams(0.1, window_right=0), AttentionParams(0.1)
     for block_d in (16, 32, 64, 128, 256):
         for fp32 in (False, True):
-            for length, keys in enumerate(LENGTH_CLASS_KEYS):
-                assert _length(keys) == length
+            for length, keys in zip(Length, LENGTH_CLASS_KEYS):
+                assert Length.of(keys) == length
                 for banded in (False, True):
-                    launches = _launches(arch, block_d, fp32, False, length, banded)
-                    for cfg in launches:
-                        for tile in (cfg.block_m, cfg.block_n):
-                            assert 16 <= tile <= 256 and tile & (tile - 1) == 0, cfg
-                        assert cfg.num_warps in (1, 2, 4, 8) and cfg.num_stages >= 1, cfg
-                        assert not cfg.warp_specialize or cfg.tma, cfg
-                    if not any(c.gluon for c in launches):
+                    cell = entry(arch, block_d, fp32, False, length, banded)
+                    for candidates in (cell.forward, cell.dkdv, cell.dq):
+                        *first, last = candidates
+                        assert isinstance(last, Tiles) and not any(isinstance(c, Tiles) for c in first), cell
+                        for tile in (last.block_m, last.block_n):
+                            assert 16 <= tile <= 256 and tile & (tile - 1) == 0, cell
+                        assert last.num_warps in (1, 2, 4, 8) and last.num_stages >= 1, cell
+                        assert not last.warp_specialize or last.tma, cell
+                    if len(cell.forward) + len(cell.dkdv) + len(cell.dq) == 3:
                         continue
-                    # (a Gluon launch is asked for where it measured faster; the kernel takes the call
-                    # only where it accepts the input, and the launch's Triton tiles run elsewhere)
+                    # (a Gluon kernel is a candidate where it measured faster; it runs only where it
+                    # accepts the call, and the Triton tiles after it elsewhere)
                     assert arch == 90 and not fp32, (block_d, length, banded)
                     if block_d not in (64, 128, 256):
                         continue
                     q = torch.randn(1, keys, 2, block_d, dtype=torch.bfloat16)
                     params = causal if banded else plain
-                    prob = problem(q, q, q, params)
-                    fwd, dkdv, dq = launches
-                    if fwd.gluon:
-                        assert hopper_forward.accepts(prob, params)
-                        hopper_forward.launch_args(dict(Q=q, K=q, V=q, Out=q, Lse=q), prob, params, fwd)
-                    if dkdv.gluon or dq.gluon:
-                        assert hopper_backward.accepts(prob, params, q)
-                    assert not dkdv.fuse_dq or dkdv.gluon, (block_d, length, banded)  # fused only there
+                    if len(cell.forward) > 1:
+                        prob = problem(q, q, q, params)
+                        assert gluon.accepts(prob, params)
+                        gluon_forward.launch_args(dict(Q=q, K=q, V=q, Out=q, Lse=q), prob, params, cell.forward[0])
+                    if len(cell.dkdv) + len(cell.dq) > 2:
+                        assert gluon.accepts(problem(q, q, q, params, q), params), (block_d, length, banded)
 
 
 def test_gluon_kernels_accept_only_what_they_implement(monkeypatch):
     """The Gluon kernels accept only the plain 16-bit attention they implement (the rest takes the
-    Triton kernels) and refuse launches that do not fit them (the kernels run on the GPU only:
+    Triton kernels) and refuse configurations that do not fit them (the kernels run on the GPU only:
     tests/test_gpu.py)."""
-    from cuflash.kernels import hopper_backward, hopper_forward
+    from cuflash.kernels import gluon
+    from cuflash.kernels.gluon import forward as gluon_forward
     from cuflash.kernels.variant import problem
 
     q, k = (torch.randn(2, 600, 4, 128, dtype=torch.bfloat16) for _ in range(2))
     causal = AttentionParams(128 ** -0.5, window_right=0)
-    assert hopper_forward.accepts(problem(q, k, k, causal), causal)
-    assert hopper_forward.accepts(problem(q[..., :64], k[..., :64], k[..., :64], causal), causal)
-    for cfg, match in ((Launch(128, 64, 4, 3, gluon=True, consumers=4), "2 or 3 consumer"),
-                       (Launch(128, 64, 4, 3, gluon=True, gluon_block_n=16), "32-, 64- or 128-key tiles"),
-                       (Launch(128, 64, 4, 3, gluon=True, gluon_block_n=64, gluon_stages=7), "fewer than 7")):
+    assert gluon.accepts(problem(q, k, k, causal), causal)
+    assert gluon.accepts(problem(q[..., :64], k[..., :64], k[..., :64], causal), causal)
+    for kwargs, match in ((dict(consumers=4), "2 or 3 consumer"), (dict(block_n=16), "32-, 64- or 128-key tiles")):
         with pytest.raises(ValueError, match=match):
-            hopper_forward.launch_args(dict(Q=q, K=k, V=k, Out=q), problem(q, k, k, causal), causal, cfg)
+            gluon.Forward(**kwargs)
+    with pytest.raises(ValueError, match="fewer than 7"):
+        gluon_forward.launch_args(dict(Q=q, K=k, V=k, Out=q), problem(q, k, k, causal), causal,
+                                  gluon.Forward(2, 64, 7))
     wide = torch.randn(2, 600, 4, 256, dtype=torch.bfloat16)  # D=256: one Q buffer, at most 2 K/V buffers of 64 keys
-    assert hopper_forward.accepts(problem(wide, wide, wide, causal), causal)
+    assert gluon.accepts(problem(wide, wide, wide, causal), causal)
+    assert not gluon.accepts(problem(wide, wide, wide, causal, wide), causal)  # no Gluon backward at D=256
     with pytest.raises(ValueError, match="fewer than 3"):
-        hopper_forward.launch_args(dict(Q=wide, K=wide, V=wide, Out=wide), problem(wide, wide, wide, causal), causal,
-                                   Launch(128, 64, 4, 3, gluon=True, gluon_block_n=64, gluon_stages=3))
+        gluon_forward.launch_args(dict(Q=wide, K=wide, V=wide, Out=wide), problem(wide, wide, wide, causal), causal,
+                                  gluon.Forward(2, 64, 3))
     for params in (AttentionParams(0.1, window_left=64, window_right=0), AttentionParams(0.1, softcap=30.0),
                    AttentionParams(0.1, dropout_p=0.1), AttentionParams(0.1, alibi_slopes=torch.ones(4)),
                    AttentionParams(0.0)):
-        assert not hopper_forward.accepts(problem(q, k, k, params), params)
+        assert not gluon.accepts(problem(q, k, k, params), params)
     buf = torch.randn(q.numel() + 4, dtype=torch.bfloat16)
     for other in (q.float(), q[..., :96], buf[4:].view(q.shape)):  # fp32, D=96, a base 8 bytes off
-        assert not hopper_forward.accepts(problem(other, k, k, causal), causal)
+        assert not gluon.accepts(problem(other, k, k, causal), causal)
     cu = torch.tensor([0, 600, 1200], dtype=torch.int32)
     varlen = AttentionParams(0.1, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=600, max_seqlen_k=600)
     flat = q.reshape(1200, 4, 128)
-    assert not hopper_forward.accepts(problem(flat, flat, flat, varlen), varlen)
-    assert hopper_backward.accepts(problem(q, k, k, causal), causal, q.transpose(1, 2).contiguous().transpose(1, 2))
-    assert not hopper_backward.accepts(problem(q, k, k, causal), causal, buf[4:].view(q.shape))
-    monkeypatch.setattr(hopper_forward, "GLUON_TRITON", False)  # a Triton older than 3.6
-    assert not hopper_forward.accepts(problem(q, k, k, causal), causal)
-    assert not hopper_backward.accepts(problem(q, k, k, causal), causal, q)
+    assert not gluon.accepts(problem(flat, flat, flat, varlen), varlen)
+    assert gluon.accepts(problem(q, k, k, causal, q.transpose(1, 2).contiguous().transpose(1, 2)), causal)
+    assert not gluon.accepts(problem(q, k, k, causal, buf[4:].view(q.shape)), causal)
+    monkeypatch.setattr(gluon, "GLUON_TRITON", False)  # a Triton older than 3.6
+    assert not gluon.accepts(problem(q, k, k, causal), causal)
+    assert not gluon.accepts(problem(q, k, k, causal, q), causal)
+
+
+def test_select_falls_back_and_keeps_determinism():
+    """select() takes each pass's first candidate whose kernel accepts the call: Gluon where it does,
+    the Triton tiles otherwise; a deterministic backward unfuses dQ from the Gluon dK/dV kernel."""
+    from cuflash.kernels import gluon
+    from cuflash.kernels.plan import Entry, select
+    from cuflash.kernels.variant import problem
+
+    q = torch.randn(1, 300, 2, 64, dtype=torch.bfloat16)
+    tiles = Tiles(64, 64, 4, 3)
+    cell = Entry((gluon.Forward(3, 64, 6), tiles), (gluon.Dkdv(fuse_dq=True), tiles), (gluon.Dq(), tiles))
+    plain, softcap = AttentionParams(0.1), AttentionParams(0.1, softcap=5.0)
+    assert select(problem(q, q, q, plain), plain, cell) == Plan(gluon.Forward(3, 64, 6))
+    assert select(problem(q, q, q, plain, q), plain, cell) == Plan(gluon.Forward(3, 64, 6), gluon.Dkdv(True), None)
+    exact = AttentionParams(0.1, deterministic=True)
+    assert select(problem(q, q, q, exact, q), exact, cell) == Plan(gluon.Forward(3, 64, 6), gluon.Dkdv(False),
+                                                                   gluon.Dq())
+    assert select(problem(q, q, q, softcap, q), softcap, cell) == Plan(tiles, tiles, tiles)
+    asked = AttentionParams(0.1, block_m=32, block_n=16)
+    assert select(problem(q, q, q, asked, q), asked) == Plan(*(Tiles(32, 16, 4, 2),) * 3)
 
 
 @interpret
@@ -312,8 +343,8 @@ def test_tensor_descriptor_loads_match_pointer_loads(varlen):
     else:
         q, k, v = make_qkv(2, 37, 50, 4, 2, 40, torch.float32, "cpu")
         params = AttentionParams(40 ** -0.5, window_right=0)
-    assert use_tma(Launch(16, 16, 1, 1, tma=True), (30, 33), q, k, v)
-    check_tile_loads(q, k, v, params, Launch(32, 16, 1, 1), Launch(16, 32, 1, 1), Launch(32, 16, 1, 1), tol=1e-6)
+    assert Tiles(16, 16, 1, 1, tma=True).on((30, 33), q, k, v).tma
+    check_tile_loads(q, k, v, params, Tiles(32, 16, 1, 1), Tiles(16, 32, 1, 1), Tiles(32, 16, 1, 1), tol=1e-6)
 
 
 @interpret

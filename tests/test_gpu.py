@@ -8,7 +8,10 @@ import torch
 import cuflash
 from attn_testing import BOUNDS, check_against_oracle, check_tile_loads, make_qkv, paged_cache, rel_err, \
     run_and_grad, seed_of, varlen_batch, varlen_reference
-from cuflash.kernels.config import Launch, backward_configs, forward_config, use_tma
+from cuflash.kernels import gluon
+from cuflash.kernels.plan import Entry, Length, entry
+from cuflash.kernels.triton import Tiles
+from cuflash.kernels.variant import problem
 from cuflash.params import AttentionParams
 from cuflash.reference import attention_reference
 
@@ -16,6 +19,21 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def _cell(q: torch.Tensor, head_dim: int, seqlen: int, banded: bool) -> Entry:
+    """The table's entry for 16-bit q of this head dim and length on this GPU."""
+    major, minor = torch.cuda.get_device_capability()
+    return entry(10 * major + minor, head_dim, q.dtype == torch.float32, False, Length.of(seqlen), banded)
+
+
+def _force(monkeypatch, **passes):
+    """select() takes these candidates (forward=, dkdv=, dq=) instead of the table's; the plans made
+    meanwhile stay in a cache of their own."""
+    from cuflash.kernels import launch, plan
+    table = plan.table_entry
+    monkeypatch.setattr(plan, "table_entry", lambda prob, params: dataclasses.replace(table(prob, params), **passes))
+    monkeypatch.setattr(launch, "_plans", {})
 HEAD_DIMS = [32, 40, 64, 96, 128, 256]
 SEQLENS = [1, 17, 128, 1000, 4096]
 
@@ -125,7 +143,7 @@ def test_tf32_only_when_allowed():
     err_exact, err_fast, err_torch = (rel_err(x, ref) for x in (exact, fast, torch_tf32))
     assert err_exact < 1e-5
     assert err_fast > 10 * err_exact, "allow_tf32 had no effect"
-    assert err_fast < 1e-3, f"TF32 error {err_fast:.2e} above DESIGN.md's 1e-3"
+    assert err_fast < 1e-3, f"TF32 error {err_fast:.2e} above docs/DESIGN.md's 1e-3"
     assert err_fast <= 2 * err_torch, f"TF32 error {err_fast:.2e} vs torch's TF32 attention {err_torch:.2e}"
 
 
@@ -245,9 +263,9 @@ def test_tensor_descriptor_loads_on_gpu(dtype, varlen):
     else:
         q, k, v = make_qkv(2, 700, 1500, 8, 2, 96, dtype, "cuda")
         params = AttentionParams(96 ** -0.5, window_right=0)
-    assert use_tma(Launch(64, 64, 4, 3, tma=True), (700, 1000), q, k, v)  # what the test compares exists
-    check_tile_loads(q, k, v, params, forward_config(q, 128, 1500, True), *backward_configs(q, 128, 1500, True),
-                     tol=1e-4)
+    assert Tiles(64, 64, 4, 3, tma=True).on((700, 1000), q, k, v).tma  # what the test compares exists
+    cell = _cell(q, 128, 1500, True)
+    check_tile_loads(q, k, v, params, cell.forward[-1], cell.dkdv[-1], cell.dq[-1], tol=1e-4)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -283,7 +301,7 @@ def test_launch_plans_on_gpu(head_dim):
 def test_length_one_with_descriptor_launches(causal, head_dim, seqlen_q, seqlen_k):
     """Lengths of 1 under launches that ask for tensor descriptors (D=128 dK/dV beyond 512 keys,
     D=256): Triton 3.6 fails to compile the descriptor loops for them (seqlen_q 1 with GQA in the
-    dK/dV pipeliner, ptxas on the D=256 causal 1 x 1 forward), so use_tma reads through pointers."""
+    dK/dV pipeliner, ptxas on the D=256 causal 1 x 1 forward), so Tiles.on reads through pointers."""
     torch.manual_seed(seqlen_q + seqlen_k + head_dim)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, torch.bfloat16, "cuda")
     check_against_oracle(_flash(causal), q, k, v, causal)
@@ -299,7 +317,7 @@ def test_length_one_with_descriptor_launches(causal, head_dim, seqlen_q, seqlen_
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, stages, seqlen_q, seqlen_k, layout,
                         monkeypatch):
-    """The Gluon forward (kernels/hopper_forward.py) with 2 or 3 consumer warpgroups, 128-, 64- or 32-key
+    """The Gluon forward (kernels/gluon/forward.py) with 2 or 3 consumer warpgroups, 128-, 64- or 32-key
     tiles and rings of K/V buffers (forced here where the table takes others or the Triton kernel; at
     D=128 with 64-key tiles in 5 buffers and D=256 with 32-key ones in 3 the most shared memory that leaves
     room for two Q buffers; at D=128 with 6 and at D=256 with 64-key tiles one Q buffer that O leaves
@@ -308,18 +326,15 @@ def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, stages, seq
     gradients check its lse."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (sm_90)")
-    from cuflash.kernels import forward, hopper_forward, launch
-    from cuflash.kernels.variant import problem
+    from cuflash.kernels.gluon import forward as gluon_forward
     torch.manual_seed(seqlen_q + seqlen_k)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, dtype, "cuda", layout=layout)
     params = AttentionParams(head_dim ** -0.5, window_right=0 if causal else -1)
-    assert hopper_forward.accepts(problem(q, k, v, params), params)
-    cfg = dataclasses.replace(forward_config(q, head_dim, max(seqlen_q, seqlen_k), causal), gluon=True,
-                              consumers=consumers, gluon_block_n=block_n, gluon_stages=stages)
-    monkeypatch.setattr(forward, "forward_config", lambda *_: cfg)
-    monkeypatch.setattr(launch, "_plans", {})  # the plans made with the patched table stay here
-    launched, launch_args = [], hopper_forward.launch_args
-    monkeypatch.setattr(hopper_forward, "launch_args", lambda *args: launched.append(args[-1]) or launch_args(*args))
+    assert gluon.accepts(problem(q, k, v, params), params)
+    cfg = gluon.Forward(consumers, block_n, stages)
+    _force(monkeypatch, forward=(cfg, _cell(q, head_dim, max(seqlen_q, seqlen_k), causal).forward[-1]))
+    launched, launch_args = [], gluon_forward.launch_args
+    monkeypatch.setattr(gluon_forward, "launch_args", lambda *args: launched.append(args[-1]) or launch_args(*args))
     check_against_oracle(_flash(causal), q, k, v, causal)
     assert launched and set(launched) == {cfg}
 
@@ -336,33 +351,33 @@ def test_hopper_short(seqlen_q, seqlen_k, head_dim, causal):
     torch.manual_seed(seqlen_q + seqlen_k)
     q, k, v = make_qkv(4, seqlen_q, seqlen_k, 8, 2, head_dim, torch.bfloat16, "cuda")
     n = max(seqlen_q, seqlen_k)
-    dkdv, dq = backward_configs(q, head_dim, n, causal)
+    cell = _cell(q, head_dim, n, causal)
     plain = head_dim == 128 and not causal
-    assert dkdv.gluon and not dkdv.fuse_dq
-    assert dq.gluon == (plain and n > 256)
-    fwd = forward_config(q, head_dim, n, causal)
-    assert fwd.gluon == (not (causal and (n <= 128 or head_dim == 64 and 256 < n <= 512)))
-    assert not fwd.gluon or fwd.gluon_block_n == (64 if n <= 256 or causal or head_dim == 64 else 128)
+    assert cell.dkdv[0] == gluon.Dkdv(fuse_dq=False)
+    assert isinstance(cell.dq[0], gluon.Dq) == (plain and n > 256)
+    fwd = cell.forward[0]
+    assert isinstance(fwd, gluon.Forward) == (not (causal and (n <= 128 or head_dim == 64 and 256 < n <= 512)))
+    assert not isinstance(fwd, gluon.Forward) or fwd.block_n == (64 if n <= 256 or causal or head_dim == 64 else 128)
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
-@pytest.mark.parametrize("gluon", [True, False], ids=["table", "triton"])
+@pytest.mark.parametrize("gluon_forward", [True, False], ids=["table", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (129, 500), (500, 200), (200, 200)])
-def test_d256_short(seqlen_q, seqlen_k, causal, dtype, gluon, monkeypatch):
+def test_d256_short(seqlen_q, seqlen_k, causal, dtype, gluon_forward, monkeypatch):
     """D=256 at 129-512 keys (the table's length classes 1 and 2): on Hopper the plain forward runs the
     Gluon kernel; the Triton launch (windows, ALiBi, ... and forced here) 32-key tiles through pointers up
     to 256 keys and causal up to 512, 64-key tiles through tensor descriptors non-causal beyond 256."""
-    from cuflash.kernels import forward, launch
     torch.manual_seed(seqlen_q + seqlen_k)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 256, dtype, "cuda")
-    fwd = forward_config(q, 256, max(seqlen_q, seqlen_k), causal)
+    fwd = _cell(q, 256, max(seqlen_q, seqlen_k), causal).forward
     if torch.cuda.get_device_capability() == (9, 0):
         short = causal or max(seqlen_q, seqlen_k) <= 256
-        assert (fwd.block_n, fwd.tma, fwd.gluon) == ((32, False, True) if short else (64, True, True))
-    monkeypatch.setattr(forward, "forward_config", lambda *_: dataclasses.replace(fwd, gluon=fwd.gluon and gluon))
-    monkeypatch.setattr(launch, "_plans", {})  # the plans made with the patched table stay here
+        assert (fwd[-1].block_n, fwd[-1].tma, isinstance(fwd[0], gluon.Forward)) == \
+            ((32, False, True) if short else (64, True, True))
+    if not gluon_forward:
+        _force(monkeypatch, forward=fwd[-1:])
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
@@ -372,25 +387,22 @@ def test_d256_short(seqlen_q, seqlen_k, causal, dtype, gluon, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fused", [False, True])
 def test_hopper_backward(fused, dtype, head_dim, causal, seqlen_q, seqlen_k, layout, monkeypatch):
-    """The Gluon kernels (kernels/hopper_backward.py) are the ones that run, and the gradients match
+    """The Gluon kernels (kernels/gluon/backward.py) are the ones that run, and the gradients match
     float64 like the Triton kernels': ragged key and query tiles, GQA (dK/dV summed over the
     group), keys no query sees and rows that see no key (causal, seqlen_q != seqlen_k),
     non-contiguous inputs. fused: dQ added by the dK/dV kernel's TMA reductions (forced here
     where the table does not take it); otherwise the two passes (deterministic=True)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (sm_90)")
-    from cuflash.kernels import hopper_backward
-    from cuflash.kernels.variant import problem
+    from cuflash.kernels import launch
     torch.manual_seed(seqlen_q + seqlen_k + head_dim)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, dtype, "cuda", layout=layout)
     params = AttentionParams(head_dim ** -0.5, window_right=0 if causal else -1)
-    dkdv, dq = backward_configs(q, head_dim, max(seqlen_q, seqlen_k), causal)
-    assert dkdv.gluon and dq.gluon == (head_dim == 128)
-    assert hopper_backward.accepts(problem(q, k, v, params), params, torch.empty_like(q))
+    cell = _cell(q, head_dim, max(seqlen_q, seqlen_k), causal)
+    assert isinstance(cell.dkdv[0], gluon.Dkdv) and isinstance(cell.dq[0], gluon.Dq) == (head_dim == 128)
+    assert gluon.accepts(problem(q, k, v, params, torch.empty_like(q)), params)
     if fused:
-        from cuflash.kernels import backward, launch
-        monkeypatch.setattr(backward, "backward_configs", lambda *_: (dataclasses.replace(dkdv, fuse_dq=True), dq))
-        monkeypatch.setattr(launch, "_plans", {})  # the plans made with the patched table stay here
+        _force(monkeypatch, dkdv=(gluon.Dkdv(fuse_dq=True), cell.dkdv[-1]))
     check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal, deterministic=not fused),
                          q, k, v, causal)
     if fused:
@@ -405,12 +417,11 @@ def test_hopper_backward_persistent(head_dim, causal, fused, monkeypatch):
     tests' shapes give most programs one pair)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (sm_90)")
-    from cuflash.kernels import backward, hopper_backward, launch
-    monkeypatch.setattr(hopper_backward, "num_sms", lambda device: 3)
-    monkeypatch.setattr(launch, "_plans", {})
-    dkdv, dq = backward_configs(torch.empty(1, device="cuda", dtype=torch.bfloat16), head_dim, 1100, causal)
-    monkeypatch.setattr(backward, "backward_configs",
-                        lambda *_: (dataclasses.replace(dkdv, gluon=True, fuse_dq=fused), dq))
+    from cuflash.kernels import launch
+    from cuflash.kernels.gluon import backward as gluon_backward
+    monkeypatch.setattr(gluon_backward, "num_sms", lambda device: 3)
+    cell = _cell(torch.empty(1, dtype=torch.bfloat16), head_dim, 1100, causal)
+    _force(monkeypatch, dkdv=(gluon.Dkdv(fuse_dq=fused), cell.dkdv[-1]))
     torch.manual_seed(head_dim)
     q, k, v = make_qkv(2, 1000, 1100, 4, 2, head_dim, torch.bfloat16, "cuda")
     check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal, deterministic=not fused),

@@ -13,6 +13,8 @@ from cuflash.reference import attention_reference
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_method_against_oracle(backend, method, seqlens, causal, dtype):
+    if backend == "triton" and dtype == torch.float16 and seqlens != (37, 37):
+        pytest.skip("the interpreter runs fp16 through the fp32 cases' code; its loads and stores: 37x37")
     torch.manual_seed(seed_of(method, seqlens, causal))
     q, k, v = make_qkv(2, *seqlens, 3, 3, 24, dtype, "cpu", layout="bhnd")
     dout = torch.randn_like(q)

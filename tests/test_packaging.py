@@ -19,7 +19,8 @@ def test_wheel_installs_and_runs_in_a_fresh_venv(tmp_path):
                    check=True, capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("cuflash_attn-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for member in ("cuflash/py.typed", "cuflash/kernels/forward.py", "cuflash/methods/fa1.py",
+    for member in ("cuflash/py.typed", "cuflash/kernels/triton/forward.py", "cuflash/kernels/gluon/forward.py",
+                   "cuflash/methods/fa1.py",
                    "cuflash/integrations/transformers.py", "cuflash/bench/harness.py"):
         assert member in names, member
     venv = tmp_path / "venv"

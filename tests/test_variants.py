@@ -34,6 +34,8 @@ WINDOW_FORMS = {"tuple": lambda left, right: (left, right), "list": lambda left,
 def test_window_size_in_every_form_and_entry_point(backend, form):
     """window_size as flash-attn reads it (window_size[0], window_size[1]): a list, a 2-element
     integer tensor or a pair of 0-d tensors works in every entry point, against the oracle."""
+    if backend == "triton" and form != "0d_tensors":
+        pytest.skip("the forms become the same ints before any backend runs: one form through the interpreter")
     torch.manual_seed(len(form))
     window = WINDOW_FORMS[form](5, 2)
     q, k, v = make_qkv(2, 19, 23, 4, 2, 16, torch.float32, "cpu")

@@ -156,7 +156,7 @@ def run(args) -> int:
     except FlashAttentionError as exc:
         return _fail("run", str(exc))
     ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = attention_reference(*ref_inputs, causal=args.causal)
+    ref_out, _ = attention_reference(ref_inputs[0], ref_inputs[1], ref_inputs[2], causal=args.causal)
     print(f"{args.compute} on {device} ({meta.shape} {meta.dtype}, causal={args.causal})")
     print(f"  forward  {fwd_ms:9.3f} ms   out: " + _format(_errors(out, ref_out)))
     written, produced = [], {"inputs": digest, "method": args.compute, "causal": args.causal}
@@ -165,7 +165,7 @@ def run(args) -> int:
         write_tensor(folder / "logsumexp.bin", lse)
         written += ["O.bin", "logsumexp.bin"]
     results = [out]
-    if args.mode != "forward":
+    if dout is not None:  # (read or drawn unless the mode is forward)
         do = dout.to(device).transpose(1, 2)
         grads, bwd_ms = _timed(lambda: methods.backward(args.compute, do, q, k, v, out, lse, args.causal, **blocks),
                                device)
@@ -262,7 +262,7 @@ def experiment(args) -> int:
     if torch.cuda.is_available():
         runs += [(p, "cuda") for p in ("naive", "fa1", "cuflash", "sdpa")]
     modes = args.modes.split(",")
-    rows = []
+    rows: list[dict] = []
     total = len(runs) * len(seqlens) * len(modes)
     for mode in modes:
         for n in seqlens:

@@ -110,14 +110,17 @@ class _Tiles:
 
     def keep(self, m0: int, m1: int, n0: int, n1: int) -> torch.Tensor:
         """The dropout scale of each probability of the tile: 0 (dropped) or 1 / (1 - dropout_p)."""
-        rows, cols = self._coords(m0, m1, n0, n1, self.off_bh.device)
-        kept = keep_mask(self.p.rng_seed, self.off_bh, rows, cols, self.p.dropout_p)
+        seed, off_bh = self.p.rng_seed, self.off_bh
+        assert seed is not None and off_bh is not None  # (called with dropout_p > 0, which comes with a seed)
+        rows, cols = self._coords(m0, m1, n0, n1, off_bh.device)
+        kept = keep_mask(seed, off_bh, rows, cols, self.p.dropout_p)
         scale = torch.where(kept, 1.0 / (1.0 - self.p.dropout_p), 0.0).to(self.dtype)
         return scale.reshape(self.batch, self.nheads_k, -1, n1 - n0)
 
 
 def _sequences(p: AttentionParams):
     """(b, its query rows, its key rows, its params) for each sequence of a varlen batch."""
+    assert p.cu_seqlens_q is not None and p.cu_seqlens_k is not None
     cu_q, cu_k = p.cu_seqlens_q.tolist(), p.cu_seqlens_k.tolist()
     for b in range(len(cu_q) - 1):
         yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), p.sequence(b)

@@ -1,5 +1,5 @@
 """Dropout's keep mask with torch ops: the same bits as the kernels' counter-based hash
-(kernels/common.py: dropout_key, dropout_keep), so that the CPU path, the Triton kernels and
+(kernels/triton/common.py: dropout_key, dropout_keep), so that the CPU path, the Triton kernels and
 `return_attn_probs` agree on which probabilities a seed drops."""
 from __future__ import annotations
 

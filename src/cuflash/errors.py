@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import math
 import operator
+from typing import NoReturn
 
 import torch
 
@@ -42,7 +43,7 @@ class FlashAttentionError(ValueError, RuntimeError):
         self.code = code
 
 
-def fail(code: ErrorCode, message: str):
+def fail(code: ErrorCode, message: str) -> NoReturn:
     raise FlashAttentionError(code, message)
 
 
@@ -71,7 +72,8 @@ def check_tensor(name: str, t, ndim: int, layout: str) -> None:
              f"{name} must have {ndim} dimensions {layout}, got {t.ndim} with shape {tuple(t.shape)}")
     head_dim = t.shape[-1]
     if head_dim == 0:
-        fail(ErrorCode.UNSUPPORTED_HEAD_DIM, f"{name} has head dim 0 (shape {tuple(t.shape)}); supported: 1 to {MAX_HEAD_DIM}")
+        fail(ErrorCode.UNSUPPORTED_HEAD_DIM,
+             f"{name} has head dim 0 (shape {tuple(t.shape)}); supported: 1 to {MAX_HEAD_DIM}")
     if t.numel() == 0:
         fail(ErrorCode.EMPTY_TENSOR, f"{name} has no elements (shape {tuple(t.shape)}); every dimension must be >= 1")
     if t.dtype not in KERNEL_DTYPES and not (t.is_cpu and t.dtype in CPU_DTYPES):
@@ -96,7 +98,8 @@ def check_attention_inputs(q, k, v, names=("q", "k", "v")) -> None:
         if t.device != q.device:
             fail(ErrorCode.DEVICE_MISMATCH, f"{name} is on {t.device} but {nq} is on {q.device}; all must match")
     if k.shape != v.shape:
-        fail(ErrorCode.SHAPE_MISMATCH, f"{nk} has shape {tuple(k.shape)} but {nv} has {tuple(v.shape)}; they must match")
+        fail(ErrorCode.SHAPE_MISMATCH,
+             f"{nk} has shape {tuple(k.shape)} but {nv} has {tuple(v.shape)}; they must match")
     if k.shape[0] != q.shape[0]:
         fail(ErrorCode.SHAPE_MISMATCH, f"{nk} has batch {k.shape[0]} but {nq} has batch {q.shape[0]}")
     head_dim = q.shape[3]
@@ -152,15 +155,15 @@ def check_window(window_size) -> tuple[int, int]:
     """window_size in any form flash-attn accepts (it reads window_size[0] and window_size[1]): a
     tuple or list of two ints, a 2-element integer tensor or a pair of 0-d integer tensors; each
     bound >= -1 (-1: unbounded). Converted to Python ints here, once."""
-    bounds = None
+    left = right = None
     if isinstance(window_size, (tuple, list)) or (isinstance(window_size, torch.Tensor) and window_size.ndim == 1):
         if len(window_size) == 2:
-            bounds = tuple(_window_bound(w) for w in window_size)
-    if bounds is None or any(w is None or w < -1 for w in bounds):
+            left, right = (_window_bound(w) for w in window_size)
+    if left is None or right is None or left < -1 or right < -1:
         fail(ErrorCode.INVALID_ARGUMENT,
              f"window_size must be a pair (left, right) of integers >= -1 (-1: unbounded): a tuple, a list or "
              f"an integer tensor of 2 elements, got {window_size!r}")
-    return bounds
+    return left, right
 
 
 BLOCK_SIZES = (16, 32, 64, 128)

@@ -3,7 +3,7 @@ compatible: rotary embedding of the new tokens, in-place append into a contiguou
 then attention to each sequence's cached keys.
 
 The attention is ops.decode (a custom op, so a decode step compiles with torch.compile): with the
-Triton backend the decode kernel (kernels/decode.py), which reads the cache in place, split over
+Triton backend the decode kernel (kernels/triton/decode.py), which reads the cache in place, split over
 its length, with the query heads of a GQA group packed together; the CPU path gathers each
 sequence's keys and runs the blocked varlen attention on them.
 """

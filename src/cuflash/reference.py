@@ -5,7 +5,7 @@ import math
 
 import torch
 
-# ||out - ref|| / ||ref|| against this float64 oracle that each dtype must stay under (DESIGN.md).
+# ||out - ref|| / ||ref|| against this float64 oracle that each dtype must stay under (docs/DESIGN.md).
 ERROR_BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2, torch.float64: 1e-12}
 
 

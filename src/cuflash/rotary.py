@@ -43,7 +43,7 @@ class _Rotate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin, positions, interleaved, inplace):
-        from .kernels.rotary import rotate_inplace
+        from .kernels.triton.rotary import rotate_inplace
         ctx.save_for_backward(cos, sin, positions)
         ctx.interleaved = interleaved
         if inplace:
@@ -53,7 +53,7 @@ class _Rotate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from .kernels.rotary import rotate_inplace
+        from .kernels.triton.rotary import rotate_inplace
         cos, sin, positions = ctx.saved_tensors
         dout = dout.clone() if dout.stride(-1) == 1 else dout.contiguous()
         return rotate_inplace(dout, cos, sin, positions, ctx.interleaved, inverse=True), None, None, None, None, None

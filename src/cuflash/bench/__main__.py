@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         print("cuflash bench: error: --device cuda, but torch sees no CUDA GPU here (use --device cpu)",
               file=sys.stderr)
         return 2
-    chosen = {}
+    chosen: dict[str, object] = {}
     for name, given, default in zip(("seqlens", "hdims", "modes"), (args.seqlens, args.hdims, args.modes), defaults):
         setattr(args, name, given or default)
         if not given:
@@ -74,12 +74,7 @@ def main(argv=None) -> int:
         if name not in PROVIDERS:
             p.error(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
     if args.device == "cpu":
-        dropped = [name for name in providers if name in CUDA_ONLY]
-        providers = [name for name in providers if name not in CUDA_ONLY]
-        if args.providers == p.get_default("providers"):
-            providers.append("sdpa")  # torch's own choice on the CPU (its flash kernel)
-        elif dropped:
-            print(f"cuflash bench: {', '.join(dropped)} run on CUDA only: left out", file=sys.stderr)
+        providers = _cpu_providers(args, providers, p.get_default("providers"))
         if not providers:
             print("cuflash bench: error: none of the providers runs on the CPU", file=sys.stderr)
             return 2
@@ -90,6 +85,11 @@ def main(argv=None) -> int:
     for name in args.variants.split(","):
         if name not in VARIANTS:
             p.error(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    return _sweep(args, providers)
+
+
+def _sweep(args, providers: list[str]) -> int:
+    """Times every case with every provider, prints the table and writes it under args.out."""
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     cases = [Case(args.batch or max(1, args.tokens // n), n, args.nheads or args.hidden // d, d, c,
                   DTYPES[args.dtype], m, variant)
@@ -121,6 +121,18 @@ def main(argv=None) -> int:
         except ImportError:
             print("plot skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
     return 0
+
+
+def _cpu_providers(args, providers: list[str], default: str) -> list[str]:
+    """The providers that run on the CPU: the CUDA-only ones left out (with a note when the user named
+    them), torch's own choice (its CPU flash kernel) added to the default list."""
+    dropped = [name for name in providers if name in CUDA_ONLY]
+    providers = [name for name in providers if name not in CUDA_ONLY]
+    if args.providers == default:
+        providers.append("sdpa")
+    elif dropped:
+        print(f"cuflash bench: {', '.join(dropped)} run on CUDA only: left out", file=sys.stderr)
+    return providers
 
 
 def _key(row) -> tuple:

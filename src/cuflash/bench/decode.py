@@ -168,7 +168,7 @@ def main(argv=None) -> int:
              "vs best SDPA |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for b, sq, n, layout in cases:
         mine = [r for r in rows if (r["batch"], r["seqlen_q"], r["cache_len"]) == (b, sq, n)]
-        ours = next((r for r in mine if r["provider"] == "cuflash" and r["layout"] == layout), {})
+        ours: dict = next((r for r in mine if r["provider"] == "cuflash" and r["layout"] == layout), {})
         sdpa = [r for r in mine if r["provider"] != "cuflash" and r.get("ms")]
         best = min(sdpa, key=lambda r: r["ms"]) if sdpa else None
         if not ours.get("ms"):

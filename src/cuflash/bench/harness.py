@@ -121,9 +121,11 @@ def _attention_fn(provider: str, case: Case, batch: int, seqlen: int, device):
                                                  case.causal).transpose(1, 2)
     if provider == "cuflash":
         if ours is None:
-            return lambda q, k, v: cuflash.scaled_dot_product_attention(q, k, v, **theirs)
+            sdpa_options = theirs or {}
+            return lambda q, k, v: cuflash.scaled_dot_product_attention(q, k, v, **sdpa_options)
+        flash_options = ours
         return lambda q, k, v: cuflash.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                       **ours).transpose(1, 2)
+                                                       **flash_options).transpose(1, 2)
     if theirs is None:
         return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -215,7 +217,8 @@ def error_vs_oracle(provider: str, case: Case, device, seqlen: int = 512) -> flo
     small = Case(1, seqlen, 2, case.head_dim, case.causal, case.dtype, case.mode, case.variant)
     out = _attention_fn(provider, small, 1, seqlen, device)(q, k, v)
     options = _variant(small, 1, seqlen, device)[2]
-    ref, _ = attention_reference(*(t.transpose(1, 2).double() for t in (q, k, v)), causal_offset=0, **options)
+    qd, kd, vd = (t.transpose(1, 2).double() for t in (q, k, v))
+    ref, _ = attention_reference(qd, kd, vd, causal_offset=0, **options)
     ref = ref.transpose(1, 2)
     return ((out.double() - ref).norm() / ref.norm()).item()
 

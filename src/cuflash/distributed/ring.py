@@ -106,8 +106,8 @@ def _ring_forward(q, k, v, scale, causal, layout, group):
             incoming = ring.start(kv)
         src = (rank - step) % size
         for qs, ks, blk_causal in _blocks(rank, src, seqlen, causal, layout):
-            o, l = ops.forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], _block_params(scale, blk_causal))
-            out[:, qs], lse[..., qs] = _merge(out[:, qs], lse[..., qs], o, l)
+            o, o_lse = ops.forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], _block_params(scale, blk_causal))
+            out[:, qs], lse[..., qs] = _merge(out[:, qs], lse[..., qs], o, o_lse)
         if step + 1 < size:
             ring.wait()
             kv = incoming

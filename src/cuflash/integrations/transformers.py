@@ -52,7 +52,7 @@ def _serve_flash_imports(name: str) -> None:
             return flash_attn_func, flash_attn_varlen_func, None, fa_utils._pad_input, fa_utils._unpad_input
         return original(implementation, *args, **kwargs)
 
-    _lazy_imports.serves_cuflash = True
+    setattr(_lazy_imports, "serves_cuflash", True)
     fa_utils._lazy_imports = _lazy_imports
 
 

@@ -8,6 +8,7 @@ the TMA reduction into global memory (the fused backward's dQ) has a Gluon funct
 3.6, whose IR builder has the operation.
 """
 import importlib
+from typing import Any
 
 import triton
 
@@ -18,8 +19,8 @@ GLUON_TRITON = TRITON_VERSION >= (3, 6)
 
 
 def gluon_kernels(name: str):
-    """The Gluon kernel module kernels.<name> where this Triton runs it, else None."""
-    return importlib.import_module(f"{__package__}.{name}") if GLUON_TRITON else None
+    """The Gluon kernel module kernels.gluon.<name> where this Triton runs it, else None."""
+    return importlib.import_module(f"{__package__}.gluon.{name}") if GLUON_TRITON else None
 
 
 if GLUON_TRITON:
@@ -28,13 +29,13 @@ if GLUON_TRITON:
     from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import tma
 
-    tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
-    tma_store = getattr(tma, "async_store", None) or getattr(tma, "async_copy_shared_to_global", None)
-    barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    tma_load: Any = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+    tma_store: Any = getattr(tma, "async_store", None) or getattr(tma, "async_copy_shared_to_global", None)
+    barrier: Any = getattr(gl, "barrier", None) or gl.thread_barrier
 
     @builtin
     def _tma_add_36(desc, coord, src, _semantic=None):
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
-    tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
+    tma_add: Any = getattr(tma, "async_atomic_add", None) or _tma_add_36

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import triton
 
-from .config import scratch
+from .device import scratch
 
 # One plan per signature; a workload with endlessly new shapes (varlen batches with a new longest
 # sequence each step) drops the oldest plans past this many.
@@ -76,10 +76,10 @@ def launch(key: tuple, tensors: dict[str, torch.Tensor], build: Callable[[], lis
     plan = _plans.get(full_key)
     if plan is None:
         given = set(tensors)
-        launches = build()
+        described = build()
         workspaces = {name: (t.shape, t.dtype, t.device) for name, t in tensors.items() if name not in given}
         names = tuple(tensors)
-        plan = workspaces, [_Launch(kernel, grid, kwargs, names) for kernel, grid, kwargs in launches]
+        plan = workspaces, [_Launch(kernel, grid, kwargs, names) for kernel, grid, kwargs in described]
         if len(_plans) >= MAX_PLANS:
             del _plans[next(iter(_plans))]
         _plans[full_key] = plan

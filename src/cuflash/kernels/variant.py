@@ -8,14 +8,15 @@ from dataclasses import dataclass
 import torch
 
 from ..params import AttentionParams
-from .common import ADDITIVE_MASK, BOOL_MASK, LOG2E, NO_MASK
-from .config import padded_head_dim
+from .device import padded_head_dim
+from .triton.common import ADDITIVE_MASK, BOOL_MASK, LOG2E, NO_MASK
 
 
 @dataclass(frozen=True)
 class Problem:
     """q, k, v as 4-D (batch, seqlen, nheads, headdim) views. A varlen batch is one long row of
-    sequences (batch stride 0), seqlen_q / seqlen_k are then the longest sequence's."""
+    sequences (batch stride 0), seqlen_q / seqlen_k are then the longest sequence's. dout: the
+    output's gradient, shaped like q, in a backward (None in a forward)."""
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -23,6 +24,7 @@ class Problem:
     seqlen_q: int
     seqlen_k: int
     varlen: bool
+    dout: torch.Tensor | None = None
 
     @property
     def nheads(self) -> int:
@@ -48,13 +50,14 @@ class Problem:
         return {f"stride_{name}b": t.stride(0), f"stride_{name}{row}": t.stride(1), f"stride_{name}h": t.stride(2)}
 
 
-def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> Problem:
-    if p.varlen:
+def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams,
+            dout: torch.Tensor | None = None) -> Problem:
+    if p.cu_seqlens_q is not None:  # varlen
         if p.block_table is not None:  # pages (num_blocks, page, Hk, D): one page's rows stand for the keys
             k, v = k[0], v[0]
         return Problem(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), p.cu_seqlens_q.numel() - 1,
-                       p.max_seqlen_q, p.max_seqlen_k, True)
-    return Problem(q, k, v, q.shape[0], q.shape[1], k.shape[1], False)
+                       p.max_seqlen_q, p.max_seqlen_k, True, None if dout is None else dout.unsqueeze(0))
+    return Problem(q, k, v, q.shape[0], q.shape[1], k.shape[1], False, dout)
 
 
 def lse_strides(prob: Problem, p: AttentionParams) -> dict:
@@ -88,8 +91,9 @@ def variant_args(p: AttentionParams) -> dict:
     the call does not have: Triton makes None a constant, and the flags compile their reads away),
     named as in every kernel."""
     mask = p.attn_mask
+    mask_strides: tuple[int, ...] = (0, 0, 0, 0)
     if mask is None:
-        mask_kind, mask_strides = NO_MASK.value, (0, 0, 0, 0)
+        mask_kind = NO_MASK.value
     else:
         mask_kind = BOOL_MASK.value if mask.dtype == torch.bool else ADDITIVE_MASK.value
         mask_strides = mask.stride()

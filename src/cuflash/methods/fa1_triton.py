@@ -8,12 +8,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.common import LN2, LOG2E, tile_ptrs
-from ..kernels.config import _arch, padded_head_dim
+from ..kernels.triton.common import LN2, LOG2E, tile_ptrs
+from ..kernels.device import arch, padded_head_dim
 
 
 @triton.jit
-def _fa1_fwd(Q, K, V, O, M, L,
+def _kv_tile(base, off_b, stride_b, off_h, stride_h, start_n, stride_n, cols, offs_d, seqlen_k, head_dim):
+    """Keys (or values) start_n + cols of one (batch, head), zero past seqlen_k and head_dim."""
+    ok = ((start_n + cols)[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
+    return tl.load(tile_ptrs(base, off_b, stride_b, off_h, stride_h, start_n, stride_n, cols, offs_d), mask=ok,
+                   other=0.0)
+
+
+@triton.jit
+def _fa1_fwd(Q, K, V, Out, M, L,
              stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
              stride_vb, stride_vn, stride_vh,
              nheads, seqlen_q, seqlen_k, head_dim, qk_scale,
@@ -26,16 +34,15 @@ def _fa1_fwd(Q, K, V, O, M, L,
     cols_in_tile = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < head_dim
-    # O, M, L: fp32, contiguous (B*H, seqlen_q, BLOCK_D) and (B*H, seqlen_q)
-    o_base = O + off_bh.to(tl.int64) * seqlen_q * BLOCK_D
+    # Out, M, L: fp32, contiguous (B*H, seqlen_q, BLOCK_D) and (B*H, seqlen_q)
+    o_base = Out + off_bh.to(tl.int64) * seqlen_q * BLOCK_D
     ml_base = off_bh.to(tl.int64) * seqlen_q
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + cols_in_tile
-        kv_ok = (cols[:, None] < seqlen_k) & d_ok
-        k = tl.load(tile_ptrs(K, off_b, stride_kb, off_h, stride_kh, start_n, stride_kn, cols_in_tile, offs_d),
-                    mask=kv_ok, other=0.0)
-        v = tl.load(tile_ptrs(V, off_b, stride_vb, off_h, stride_vh, start_n, stride_vn, cols_in_tile, offs_d),
-                    mask=kv_ok, other=0.0)
+        k = _kv_tile(K, off_b, stride_kb, off_h, stride_kh, start_n, stride_kn, cols_in_tile, offs_d, seqlen_k,
+                     head_dim)
+        v = _kv_tile(V, off_b, stride_vb, off_h, stride_vh, start_n, stride_vn, cols_in_tile, offs_d, seqlen_k,
+                     head_dim)
         first_m = 0
         if CAUSAL:  # query tiles entirely above the diagonal see nothing of this K/V tile
             first_m = tl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
@@ -87,11 +94,11 @@ def _fa1_bwd(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
     row_base = off_bh.to(tl.int64) * seqlen_q
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + cols_in_tile
+        k = _kv_tile(K, off_b, stride_kb, off_h, stride_kh, start_n, stride_kn, cols_in_tile, offs_d, seqlen_k,
+                     head_dim)
+        v = _kv_tile(V, off_b, stride_vb, off_h, stride_vh, start_n, stride_vn, cols_in_tile, offs_d, seqlen_k,
+                     head_dim)
         kv_ok = (cols[:, None] < seqlen_k) & d_ok
-        k = tl.load(tile_ptrs(K, off_b, stride_kb, off_h, stride_kh, start_n, stride_kn, cols_in_tile, offs_d),
-                    mask=kv_ok, other=0.0)
-        v = tl.load(tile_ptrs(V, off_b, stride_vb, off_h, stride_vh, start_n, stride_vn, cols_in_tile, offs_d),
-                    mask=kv_ok, other=0.0)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         first_m = 0
@@ -130,7 +137,7 @@ def _fa1_bwd(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
 
 def _tiles(head_dim: int, device) -> tuple[int, int, int]:
     block_d = padded_head_dim(head_dim)
-    if _arch(device) == 0:
+    if arch(device) == 0:
         return 16, 32, block_d
     return (64, 64, block_d) if block_d <= 128 else (32, 32, block_d)
 

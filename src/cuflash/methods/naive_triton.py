@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.common import LOG2E
-from ..kernels.config import _arch, cdiv, next_power_of_2
+from ..kernels.triton.common import LOG2E
+from ..kernels.device import arch, cdiv, next_power_of_2
 
 
 @triton.jit
@@ -93,7 +93,7 @@ def _softmax_grad_rows(P, DP, seqlen_k, BLOCK: tl.constexpr):
 def _matmul(a, a_t: bool, b, b_t: bool, c, alpha: float = 1.0):
     """c = alpha * op(a) @ op(b) for (B, H, rows, cols) views (op = transpose of the last two dims
     where asked), any strides."""
-    tiles = (16, 16, 16) if _arch(c.device) == 0 else (64, 64, 32)
+    tiles = (16, 16, 16) if arch(c.device) == 0 else (64, 64, 32)
     batch, nheads, m, n = c.shape
     a = a.transpose(-1, -2) if a_t else a
     b = b.transpose(-1, -2) if b_t else b

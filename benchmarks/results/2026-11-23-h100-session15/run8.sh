@@ -1,6 +1,0 @@
-#!/bin/bash
-# Device run 8 of session 15: the whole GPU suite on the session's last tree (autograd without the
-# materialized lse gradient).
-export PYTHONPATH=src PYTHONUNBUFFERED=1
-timeout 480 python -m pytest tests/test_gpu.py -q -p no:cacheprovider -m gpu -n 15 > $OUT/gpu_tests_final.log 2>&1
-tail -n 1 $OUT/gpu_tests_final.log

@@ -1,0 +1,80 @@
+"""The Triton backend's forward and backward: allocate the outputs, ask kernels/plan.py which
+kernels run, and launch them through kernels/launch.py (whose per-signature cache makes the plan
+and the launch arguments once per shape)."""
+from __future__ import annotations
+
+import torch
+
+from ..params import AttentionParams
+from .compat import gluon_kernels
+from .device import tf32
+from .launch import launch
+from .plan import Entry, select, user_tiles_checked
+from .triton import Tiles
+from .triton import backward as triton_backward
+from .triton import forward as triton_forward
+from .variant import problem, variant_tensors
+
+gluon_forward = gluon_kernels("forward")  # None where Triton has not its Gluon dialect
+gluon_backward = gluon_kernels("backward")
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams,
+                      entry: Entry | None = None):
+    """q (B, Nq, H, D), k and v (B, Nk, Hk, D), any strides with a contiguous last dim (varlen:
+    (total, H, D); paged varlen: k and v (num_blocks, page_block_size, Hk, D)). Returns out shaped
+    like q and softmax_lse (B, H, Nq) (varlen: (H, total_q)) fp32. entry: candidates instead of the
+    table's (kernels/plan.py), for tuning and tests."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (~2x faster than torch.empty)
+    lse = torch.empty(params.lse_shape(q), dtype=torch.float32, device=q.device)
+    tensors = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **variant_tensors(params))
+    if params.block_table is not None:
+        tensors["BlockTable"] = params.block_table
+    with user_tiles_checked(params, q.shape[-1], q.dtype):
+        launch((attention_forward, params.key(), entry, tf32(q)), tensors, lambda: [_forward(tensors, params, entry)])
+    return out, lse
+
+
+def _forward(t: dict, params: AttentionParams, entry: Entry | None) -> tuple:
+    prob = problem(t["Q"], t["K"], t["V"], params)
+    cfg = select(prob, params, entry).forward
+    if isinstance(cfg, Tiles):
+        return triton_forward.launch_args(t, prob, params, cfg)
+    return gluon_forward.launch_args(t, prob, params, cfg)
+
+
+def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: Entry | None = None):
+    """Gradients of attention_forward: dq, dk, dv shaped like q, k, v. dout and out are shaped
+    like q, lse like the forward's softmax_lse."""
+    lse = lse.contiguous()
+    tensors = dict(Q=q, K=k, V=v, Out=out, DO=dout, Lse=lse, Delta=torch.empty_like(lse),
+                   DQ=torch.empty_like(q, memory_format=torch.contiguous_format),
+                   DK=torch.empty_like(k, memory_format=torch.contiguous_format),
+                   DV=torch.empty_like(v, memory_format=torch.contiguous_format), **variant_tensors(params))
+    with user_tiles_checked(params, q.shape[-1], q.dtype):
+        launch((attention_backward, params.key(), entry, tf32(q)), tensors,
+               lambda: _backward(tensors, params, entry))
+    return tensors["DQ"], tensors["DK"], tensors["DV"]
+
+
+def _backward(t: dict, params: AttentionParams, entry: Entry | None) -> list[tuple]:
+    """delta (rowsum(dO * O)), then dK/dV, then dQ (or, fused into dK/dV, its fp32 sum's cast).
+    Workspaces added to t are made anew, zero-filled, on every call (kernels/launch.py)."""
+    prob = problem(t["Q"], t["K"], t["V"], params, t["DO"])
+    plan = select(prob, params, entry)
+    dkdv = plan.dkdv
+    assert dkdv is not None  # (select plans the backward's passes when the problem has dO)
+    launches = [triton_backward.delta_launch(t, prob, params, acc_init=not isinstance(dkdv, Tiles))]
+    if isinstance(dkdv, Tiles):
+        launches.append(triton_backward.dkdv_launch(t, prob, params, dkdv))
+    else:
+        if plan.dq is None:
+            t["DQAcc"] = torch.zeros(t["Q"].shape, dtype=torch.float32, device=t["Q"].device)
+        launches.append(gluon_backward.dkdv_launch(t, prob, params, dkdv))
+    if plan.dq is None:
+        launches.append(triton_backward.cast_launch(t, prob))
+    elif isinstance(plan.dq, Tiles):
+        launches.append(triton_backward.dq_launch(t, prob, params, plan.dq))
+    else:
+        launches.append(gluon_backward.dq_launch(t, prob, params, plan.dq))
+    return launches

@@ -1,0 +1,62 @@
+"""The Gluon kernels for Hopper (warp-specialized, TMA and wgmma): the plain forward of 16-bit inputs
+at head dims 64, 128 and 256, and its backward at 64 and 128. This module holds what kernels/plan.py needs without
+importing Gluon: each kernel's configuration type and `accepts`, which calls they compute; the kernels
+are forward.py and backward.py, their shared building blocks common.py (GPU only: Triton's
+interpreter does not run Gluon)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...params import AttentionParams
+from ..compat import GLUON_TRITON
+from ..device import tma_addressable
+from ..variant import Problem
+
+
+@dataclass(frozen=True)
+class Forward:
+    """consumers: warpgroups of 64 query rows each (2, or 3 where their registers hold D=64);
+    block_n: the key tile (128; 64: fewer keys past a short sequence's end and less of a causal
+    diagonal computed, at twice the tiles; 64 or 32 at D=256); stages: the ring of K/V buffers."""
+    consumers: int = 2
+    block_n: int = 128
+    stages: int = 3
+
+    def __post_init__(self):
+        if self.consumers not in (2, 3) or self.block_n not in (32, 64, 128):
+            raise ValueError(f"the Gluon forward runs 2 or 3 consumer warpgroups and 32-, 64- or 128-key tiles, not "
+                             f"{self.consumers} and {self.block_n}")
+
+
+@dataclass(frozen=True)
+class Dkdv:
+    """fuse_dq: also add dQ to an fp32 workspace by TMA reductions, replacing the dQ pass (not in a
+    deterministic backward: the additions' order varies); stages: the ring of Q/dO buffers."""
+    fuse_dq: bool = False
+    stages: int = 2
+
+
+@dataclass(frozen=True)
+class Dq:
+    """block_n: the key tile (2 x 64: dQ leaves through a V tile); stages: the ring of K/V buffers."""
+    block_n: int = 128
+    stages: int = 2
+
+
+def accepts(prob: Problem, params: AttentionParams) -> bool:
+    """Whether the Gluon kernels compute the call: the plain attention (causal or not, GQA, a positive
+    softmax_scale) of 16-bit inputs with head dim 64, 128 or 256 (a backward: 64 or 128) that the tensor
+    memory accelerator can address (with dO in a backward), under a Triton whose Gluon they were written
+    against (3.6 run, 3.9 compiled; Gluon changed its API between the releases that have it, so older
+    ones take the Triton kernels)."""
+    plain = (params.window_left < 0 and params.window_right in (-1, 0) and params.softcap == 0
+             and params.alibi_slopes is None and params.attn_mask is None and params.dropout_p == 0
+             and params.softmax_scale > 0)
+    streamed: tuple[torch.Tensor, ...] = (prob.q, prob.k, prob.v)
+    head_dims: tuple[int, ...] = (64, 128, 256)
+    if prob.dout is not None:
+        streamed, head_dims = (*streamed, prob.dout), (64, 128)
+    return (GLUON_TRITON and plain and not prob.varlen and prob.head_dim in head_dims
+            and prob.q.dtype in (torch.float16, torch.bfloat16) and tma_addressable(*streamed))

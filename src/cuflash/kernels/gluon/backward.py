@@ -1,0 +1,505 @@
+"""The backward's dK/dV and dQ kernels for Hopper in Gluon: warp-specialized, two consumer
+warpgroups (the structure of kernels/gluon/forward.py applied to the two passes of
+kernels/triton/backward.py, which also computes delta = rowsum(dO * O) before them).
+
+dK/dV: a work item is one tile of 2 x 64 keys of one (batch, KV head), which streams the query
+tiles (64 rows) of every query head that shares the KV head; one persistent program per SM takes
+pairs of items round-robin (as the forward's programs do):
+- the loader (one warp) copies an item's K and V once (into one of KV_BUFFERS buffers: with two
+  it fetches the next item's during the last one), then each query tile's Q and dO into a ring
+  of STAGES buffers with the tensor memory accelerator, each load signalling a "ready" barrier;
+  with Q and dO come their rows' -lse / softmax_scale and -delta (kernels/triton/backward.py's AccInit);
+- two consumer warpgroups, each owning 64 of the keys, compute per query tile on the tensor cores
+  (wgmma) S^T = K Q^T and dP^T = V dO^T, their accumulators starting at those values (so no
+  register holds lse and delta per column), then P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta),
+  and accumulate dV += P^T dO and dK += dS^T Q in registers (P^T and dS^T from registers), then
+  release the buffer on an "empty" barrier that both must arrive at; at the item's end dK and dV
+  leave through the item's K and V buffer, which then goes back to the loader.
+Fused (FUSED), the dK/dV kernel also computes dQ, so that S and dP are computed once: the
+consumers share their dS^T tiles through shared memory and, per query tile, compute dQ = dS K over
+the item's 128 keys in 64-column parts, each part added to an fp32 workspace by a TMA reduction
+(the order of those additions varies from run to run; kernels/triton/backward.py then casts the sum).
+dQ, otherwise: a work item is 2 x 64 query rows of one (batch, head), each consumer 64 of them with
+their Q and dO, scheduled as the forward's (persistent programs, pairs of items); the loader streams
+the K/V tiles; per tile S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K. Q and dO go back to
+the loader after the item's last products, dQ leaves through the item's last V tile. No atomics:
+bitwise reproducible.
+One consumer's exponentials overlap the other's matrix products.
+
+Only the plain backward is here (kernels/gluon/__init__.py's accepts: 16-bit, head dims 64 and 128,
+causal or not, GQA); everything else takes the Triton kernels. GPU only: Triton's interpreter does not
+run Gluon.
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
+
+from ...params import AttentionParams
+from ..compat import barrier, tma_load
+from ..device import cdiv, num_sms, scratch
+from ..triton.common import LOG2E
+from ..variant import Problem, lse_strides, logit_scales
+from . import Dkdv, Dq
+from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, load_kv, load_pair, query_item, ring, \
+    tiles_of, work
+
+
+@gluon.jit
+def _buffers(dtype: gl.constexpr, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+             HELD: gl.constexpr):
+    """The shared memory of both kernels: HELD buffers of two tensors' tiles of 2 x 64 rows, each
+    held for a work item (K and V for dK/dV, Q and dO for dQ), a ring of STAGES buffers of BLOCK
+    rows for the two tensors streamed past them, and the barriers: a "ready" per held buffer and a
+    "free" that both consumers arrive at once done with it, a "ready" per streamed tensor and buffer,
+    an "empty" per buffer that both consumers arrive at."""
+    held_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
+    held_a = gl.allocate_shared_memory(dtype, [2 * HELD, ROWS, HEAD_D], held_layout)
+    held_b = gl.allocate_shared_memory(dtype, [2 * HELD, ROWS, HEAD_D], held_layout)
+    ring_a, ring_b, a_ready, b_ready, empty = ring(dtype, BLOCK, HEAD_D, STAGES, 2)
+    held_ready = barriers(HELD, 1)
+    held_free = barriers(HELD, 2)
+    return held_a, held_b, ring_a, ring_b, held_ready, held_free, a_ready, b_ready, empty
+
+
+@gluon.jit
+def _load_held(done, a_desc, b_desc, row0, off_b, off_h, a_smem, b_smem, ready, free):
+    """The loader's copy of work item `done`'s held tiles (2 x 64 rows of two tensors from row0) into
+    held buffer done % HELD, once both consumers have freed it."""
+    HELD: gl.constexpr = ready.shape[0]
+    kb = done % HELD
+    mbarrier.wait(free.index(kb), ((done // HELD) & 1) ^ 1)
+    mbarrier.expect(ready.index(kb), 4 * a_desc.block_type.nbytes)
+    box: gl.constexpr = [1, ROWS, 1, a_smem.shape[2]]
+    for part in gl.static_range(2):
+        tma_load(a_desc, [off_b, row0 + part * ROWS, off_h, 0], ready.index(kb),
+                  a_smem.index(2 * kb + part).reshape(box))
+        tma_load(b_desc, [off_b, row0 + part * ROWS, off_h, 0], ready.index(kb),
+                  b_smem.index(2 * kb + part).reshape(box))
+
+
+@gluon.jit
+def _dq_buffers(dtype: gl.constexpr):
+    """The fused dK/dV kernel's shared memory for dQ: two tiles' dS^T (each 2 x 64 keys by 64 query
+    rows, one half per consumer), a 64 x 64 fp32 dQ part per consumer for the TMA to add to global
+    memory, and per dS^T buffer a "ready" and a "free" barrier that both consumers arrive at
+    (their half written; their dQ part read it, or they have none)."""
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], gl.float32)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, ROWS], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, ROWS], dq_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(ds_free.index(i), count=2)
+    return ds_smem, dq_smem, ds_ready, ds_free
+
+
+@gluon.jit
+def _share_ds(ds, it, fused, WG: gl.constexpr):
+    """Puts this consumer's dS^T of the tile in ring position `it` into shared memory for the dQ
+    product; dS^T buffers alternate tiles, each written once its previous tile's readers are done."""
+    ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_h, softmax_scale = fused
+    buf = it % 2
+    mbarrier.wait(ds_free.index(buf), ((it // 2) & 1) ^ 1)
+    ds_smem.index(2 * buf + WG).store(ds)
+    fence_async_shared()
+    barrier()  # every thread's part written before the one arrival
+    mbarrier.arrive(ds_ready.index(buf), count=1)
+
+
+@gluon.jit
+def _add_dq(it, j, fused, HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr):
+    """dQ of query tile j (ring position `it`) = dS K over both consumers' keys, in parts of 64
+    columns, the parts dealt to the consumers in turn (D=128: one each per tile; D=64: the whole
+    tile every other tile). A part is scaled and added to the fp32 dQ in global memory by a TMA
+    reduction that runs while the consumer goes on."""
+    ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_h, softmax_scale = fused
+    PARTS: gl.constexpr = HEAD_D // ROWS
+    buf = it % 2
+    for part in gl.static_range(PARTS):
+        if (it * PARTS + part) % 2 == WG:
+            mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
+            dq = gl.zeros([ROWS, ROWS], gl.float32, s_layout)
+            for half in gl.static_range(2):
+                dq = warpgroup_mma(ds_smem.index(2 * buf + half).permute((1, 0)),
+                                   k_smem.index(2 * kb + half).slice(part * ROWS, ROWS, dim=1), dq, use_acc=half == 1,
+                                   is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            tma.store_wait(0)
+            barrier()  # the thread that issued the last reduction has seen it leave shared memory
+            copy_out(dq_desc, [off_b, j * ROWS, off_h, part * ROWS], dq_smem.index(WG), dq * softmax_scale, True)
+    mbarrier.arrive(ds_free.index(buf), count=1)
+
+
+@gluon.jit
+def _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL: gl.constexpr):
+    """(first key, batch, KV head, first and end query tile) of work item w: 2 x 64 keys. The key
+    tiles of one (batch, KV head) are consecutive items. Under a causal mask the query tiles above
+    the first key's diagonal are skipped, and heavy and light key tiles alternate (the first, the
+    last, the second, ...), so that a pair of items costs about the same everywhere."""
+    tile = w % n_n
+    bhk = w // n_n
+    if CAUSAL:
+        tile = gl.where(tile % 2 == 0, tile // 2, n_n - 1 - tile // 2)
+    start_n = tile * 2 * ROWS
+    lo = 0
+    if CAUSAL:
+        lo = gl.maximum(start_n - offset, 0) // ROWS
+    return start_n, bhk // nheads_k, bhk % nheads_k, lo, gl.cdiv(seqlen_q, ROWS)
+
+
+@gluon.jit
+def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
+     do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
+     stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
+     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, padded_q, batch, nheads,
+     nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+    init_desc = _init_descriptor(AccInit, batch * nheads, padded_q)
+    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
+    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
+    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, ROWS, HEAD_D)
+    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, ROWS, HEAD_D)
+    n_n, items = tiles_of(seqlen_k, batch, nheads_k, 2 * ROWS)
+    group = nheads // nheads_k
+    it = 0  # query tiles loaded so far: the ring's position
+    done = 0  # work items loaded so far
+    for c in range(count(items)):
+        w = work(c)
+        if w < items:
+            start_n, off_b, off_hk, lo, hi = _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL)
+            _load_held(done, k_desc, v_desc, start_n, off_b, off_hk, k_smem, v_smem, kv_ready, kv_free)
+            for g in range(group):
+                off_h = off_hk * group + g
+                bh = off_b * nheads + off_h
+                for j in range(lo, hi):
+                    load_pair(it, q_desc, do_desc, [off_b, j * ROWS, off_h, 0], q_smem, do_smem, q_ready, do_ready,
+                               empty, STAGES, (init_desc, init_smem, bh, batch * nheads + bh))
+                    it += 1
+            done += 1
+
+
+@gluon.jit
+def _init_descriptor(AccInit, rows, padded_q):
+    """The TMA descriptor of kernels/triton/backward.py's AccInit, (2 x rows, padded_q): the starting values
+    of S^T's and dP^T's accumulators for each (batch, head) and query row (-lse / softmax_scale and
+    -delta; padding rows read -inf and 0, so their P is 0), a box per 64 query rows."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, ROWS], gl.float32)
+    return tma.make_tensor_descriptor(AccInit, [2 * rows, padded_q], [padded_q, 1], [1, ROWS], layout)
+
+
+@gluon.jit
+def _start(row_smem, layout: gl.constexpr):
+    """A 64 x 64 accumulator in `layout` whose every column n starts at the n-th value of row_smem
+    (shared memory holding one box of _init_descriptor)."""
+    row = row_smem.load(layout)  # [1, 64]
+    return gl.broadcast(gl.zeros([ROWS, ROWS], gl.float32, layout), row)[1]
+
+
+@gluon.jit
+def _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, first, last, keys,
+           offset, qk_scale, MASKED: gl.constexpr, FUSED: gl.constexpr, STAGES: gl.constexpr,
+           HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
+    """Query tiles [first, last) of one head, tile j in the ring's position base + j. MASKED
+    applies the causal diagonal. FUSED also adds dQ = dS K to global memory (dS for the keys past
+    seqlen_k is not 0, but their K rows are: zero-filled). The accumulators of S^T and dP^T start at
+    -lse / softmax_scale and -delta per column, which the loader brings with Q and dO: the scores
+    come out shifted by lse, dP^T less delta, and no register holds the 32 values per thread that
+    lse and delta take in S^T's layout."""
+    for j in range(first, last):
+        stage = (base + j) % STAGES
+        phase = ((base + j) // STAGES) & 1
+        q = q_smem.index(stage)
+        do = do_smem.index(stage)
+        mbarrier.wait(q_ready.index(stage), phase)
+        s = warpgroup_mma(k, q.permute((1, 0)), _start(init_smem.index(2 * stage), s_layout), is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp = warpgroup_mma(v, do.permute((1, 0)), _start(init_smem.index(2 * stage + 1), s_layout), is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        x = s * qk_scale
+        if MASKED:  # query row i sees key n where n <= i + offset
+            cols = j * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+            x = gl.where(gl.expand_dims(cols + offset, 0) >= gl.expand_dims(keys, 1), x, float("-inf"))
+        p = gl.exp2(x)
+        dv = warpgroup_mma(gl.convert_layout(p.to(q.dtype), a_layout), do, dv, is_async=True)
+        dp = warpgroup_mma_wait(1, deps=(dp,))
+        ds = (p * dp).to(q.dtype)
+        if FUSED:
+            _share_ds(ds, base + j, fused, WG)
+        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        mbarrier.arrive(empty.index(stage), count=1)
+        if FUSED:
+            _add_dq(base + j, j, fused, HEAD_D, WG, s_layout)
+    return dk, dv
+
+
+@gluon.jit
+def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+             WG: gl.constexpr):
+    (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
+     do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
+     stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
+     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, padded_q, batch, nheads,
+     nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    if FUSED:
+        dq_desc = descriptor(DQAcc, batch, seqlen_q, nheads, stride_ab, stride_am, stride_ah, ROWS, HEAD_D, ROWS)
+    dk_desc = descriptor(DK, batch, seqlen_k, nheads_k, stride_dkb, stride_dkn, stride_dkh, ROWS, HEAD_D)
+    dv_desc = descriptor(DV, batch, seqlen_k, nheads_k, stride_dvb, stride_dvn, stride_dvh, ROWS, HEAD_D)
+    # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
+    n_n, items = tiles_of(seqlen_k, batch, nheads_k, 2 * ROWS)
+    KV_BUFFERS: gl.constexpr = kv_ready.shape[0]
+    group = nheads // nheads_k
+    it = 0  # query tiles consumed so far: the ring's position
+    done = 0  # work items done so far
+    for c in range(count(items)):
+        w = work(c)
+        if w < items:
+            start_n, off_b, off_hk, lo, hi = _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL)
+            key0 = start_n + WG * ROWS
+            keys = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            # Query tiles before `full` hold rows that do not see every key of this warpgroup.
+            full = lo
+            if CAUSAL:
+                full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(key0 + ROWS - 1 - offset, 0), ROWS), lo), hi)
+            dk = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+            dv = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+            kb = done % KV_BUFFERS
+            k = k_smem.index(2 * kb + WG)
+            v = v_smem.index(2 * kb + WG)
+            mbarrier.wait(kv_ready.index(kb), (done // KV_BUFFERS) & 1)
+            base = it - lo  # tile j of head g at ring position it + g * (hi - lo) + j - lo
+            for g in range(group):
+                fused = None
+                if FUSED:
+                    fused = (ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_hk * group + g,
+                             softmax_scale)
+                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, lo,
+                                full, keys, offset, qk_scale, True, FUSED, STAGES, HEAD_D, WG, s_layout, a_layout)
+                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, full,
+                                hi, keys, offset, qk_scale, False, FUSED, STAGES, HEAD_D, WG, s_layout, a_layout)
+                base += hi - lo
+            it += group * (hi - lo)
+            if FUSED:
+                if it > 0:  # the other consumer's dQ parts of the last tile read this one's K tile
+                    mbarrier.wait(ds_free.index((it - 1) % 2), ((it - 1) // 2) & 1)
+            # dK and dV leave through this consumer's K and V tiles, which go back to the loader
+            # once the copies have read them.
+            copy_out(dv_desc, [off_b, key0, off_hk, 0], v, dv.to(DV.dtype.element_ty))
+            copy_out(dk_desc, [off_b, key0, off_hk, 0], k, (dk * softmax_scale).to(DK.dtype.element_ty))
+            tma.store_wait(0)
+            barrier()  # the thread that issued the copies has seen them read the tiles
+            mbarrier.arrive(kv_free.index(kb), count=1)
+            done += 1
+
+
+@gluon.jit
+def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc,
+                          stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                          stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
+                          stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                          stride_ab, stride_am, stride_ah, padded_q, batch, nheads, nheads_k, seqlen_q,
+                          seqlen_k, offset, qk_scale, softmax_scale, CAUSAL: gl.constexpr, FUSED: gl.constexpr,
+                          HEAD_D: gl.constexpr, STAGES: gl.constexpr, KV_BUFFERS: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr):
+    # kv_free: both consumers' dK and dV have left the item's K/V buffer.
+    k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, q_ready, do_ready, empty = _buffers(
+        Q.dtype.element_ty, HEAD_D, ROWS, STAGES, KV_BUFFERS)
+    # Per ring buffer, the boxes of AccInit that come with its Q and its dO.
+    init_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, ROWS],
+                                          gl.NVMMASharedLayout.get_default_for([1, ROWS], gl.float32))
+    ds_smem, dq_smem, ds_ready, ds_free = None, None, None, None
+    if FUSED:
+        ds_smem, dq_smem, ds_ready, ds_free = _dq_buffers(Q.dtype.element_ty)
+    args = (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free,
+            q_ready, do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb,
+            stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb,
+            stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, padded_q,
+            batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale)
+    gl.warp_specialize([(_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 0)),
+                        (_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 1)),
+                        (_load, (args, CAUSAL, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
+
+
+@gluon.jit
+def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty,
+     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+     stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+     stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
+    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
+    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
+    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
+    n_m, items = tiles_of(seqlen_q, batch, nheads, 2 * ROWS)
+    it = 0  # K/V tiles loaded so far: the ring's position
+    done = 0  # work items loaded so far
+    for c in range(count(items)):
+        w = work(c)
+        if w < items:
+            start_m, off_b, off_h, n_tiles = query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, 2)
+            off_hk = off_h // (nheads // nheads_k)
+            _load_held(done, q_desc, do_desc, start_m, off_b, off_h, q_smem, do_smem, qdo_ready, qdo_free)
+            it = load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                         BLOCK_N, STAGES)
+            done += 1
+
+
+@gluon.jit
+def _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, base, first, last, end, rows,
+              offset, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              s_layout: gl.constexpr, a_layout: gl.constexpr):
+    """K/V tiles [first, last) of a work item whose tile 0 sits at position `base` of the buffer ring;
+    each goes back to the loader once done, but the one at position `end`. MASKED applies the causal
+    diagonal. Keys past seqlen_k need no mask: their K rows are zero-filled, so they add nothing to dQ."""
+    zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    for j in range(first, last):
+        stage = (base + j) % STAGES
+        phase = ((base + j) // STAGES) & 1
+        k = k_smem.index(stage)
+        mbarrier.wait(k_ready.index(stage), phase)
+        s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(stage), phase)
+        dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        if MASKED:  # query row i sees key n where n <= i + offset
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows + offset, 1), s, float("-inf"))
+        p = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(lse, 1)))
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        dq = warpgroup_mma(gl.convert_layout(ds.to(k.dtype), a_layout), k, dq)
+        if base + j != end:
+            mbarrier.arrive(kv_empty.index(stage), count=1)
+    return dq
+
+
+@gluon.jit
+def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                WG: gl.constexpr):
+    (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty,
+     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+     stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+     stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    dq_desc = descriptor(DQ, batch, seqlen_q, nheads, stride_dqb, stride_dqm, stride_dqh, ROWS, HEAD_D)
+    q = q_smem.index(WG)
+    do = do_smem.index(WG)
+    # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
+    n_m, items = tiles_of(seqlen_q, batch, nheads, 2 * ROWS)
+    it = 0  # K/V tiles consumed so far: the ring's position
+    done = 0  # work items done so far
+    for c in range(count(items)):
+        w = work(c)
+        if w < items:
+            start_m, off_b, off_h, n_tiles = query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, 2)
+            row0 = start_m + WG * ROWS
+            rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            row_ptrs = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+            # Rows past seqlen_q read lse = +inf: their P is 0.
+            lse = gl.load(Lse + row_ptrs, mask=rows < seqlen_q, other=float("inf")) * LOG2E
+            delta = gl.load(Delta + row_ptrs, mask=rows < seqlen_q, other=0.0)
+            # Tiles every row of this warpgroup sees whole (below its first row's diagonal) come first.
+            n_full = n_tiles
+            if CAUSAL:
+                n_full = gl.minimum(gl.maximum(row0 + offset + 1, 0) // BLOCK_N, n_tiles)
+            end = it + n_tiles - 1  # the item's last K/V buffer, which dQ leaves through
+            dq = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+            mbarrier.wait(qdo_ready.index(0), done & 1)
+            dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, 0, n_full, end, rows,
+                           offset, qk_scale, False, BLOCK_N, STAGES, s_layout, a_layout)
+            dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, n_full, n_tiles, end,
+                           rows, offset, qk_scale, True, BLOCK_N, STAGES, s_layout, a_layout)
+            # Q and dO go back to the loader, which fetches the next item's while this one finishes;
+            # once both consumers have released them, no product reads the last K/V buffer either:
+            # dQ leaves through its V tile, which then goes back too.
+            mbarrier.arrive(qdo_free.index(0), count=1)
+            mbarrier.wait(qdo_free.index(0), done & 1)
+            copy_out(dq_desc, [off_b, row0, off_h, 0], v_smem.index(end % STAGES),
+                      (dq * softmax_scale).to(DQ.dtype.element_ty), PART=WG)
+            tma.store_wait(0)
+            barrier()  # the thread that issued the copy has seen it read the tile
+            mbarrier.arrive(kv_empty.index(end % STAGES), count=1)
+            it += n_tiles
+            done += 1
+
+
+@gluon.jit
+def _attn_bwd_dq_hopper(Q, K, V, DO, Lse, Delta, DQ,
+                        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                        stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
+                        stride_dqb, stride_dqm, stride_dqh, stride_lb, stride_lh,
+                        batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
+                        CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr):
+    gl.static_assert(BLOCK_N == 2 * ROWS, "dQ leaves through a V tile: both consumers' rows")
+    # qdo_free: both consumers are done with the item's Q and dO.
+    q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty = _buffers(
+        Q.dtype.element_ty, HEAD_D, BLOCK_N, STAGES, 1)
+    args = (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready,
+            kv_empty, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+            stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+            stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale)
+    gl.warp_specialize([(_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 0)),
+                        (_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 1)),
+                        (_dq_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
+
+
+def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
+    q, k, v, dout = (tensors[name] for name in ("Q", "K", "V", "DO"))
+    triton.set_allocator(scratch)  # the kernels build their tensor descriptors in global scratch
+    qk_scale, _ = logit_scales(params)
+    return dict(Q=q, K=k, V=v, DO=dout,
+                **box_strides(prob, "q", q), **box_strides(prob, "k", k, "n"), **box_strides(prob, "v", v, "n"),
+                **box_strides(prob, "do", dout), batch=prob.batch, nheads=prob.nheads,
+                nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k,
+                offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
+                softmax_scale=params.softmax_scale, CAUSAL=params.window_right == 0, HEAD_D=prob.head_dim,
+                # 9 warps run as 3 warpgroups of 168 registers a thread, which the partitions
+                # trade: 240 each for the consumers, 24 for the loader.
+                CONSUMER_REGS=240, num_warps=4, maxnreg=168)
+
+
+def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dkdv):
+    """(kernel, grid, keyword arguments) of the dK/dV kernel for kernels/launch.py: a work item
+    per 128 keys of a (batch, KV head), one persistent program per SM taking pairs of items
+    round-robin; 64-row query tiles in a ring of cfg.stages buffers; tensors["AccInit"] as
+    kernels/triton/backward.py's delta kernel writes it. With cfg.fuse_dq, the kernel also adds dQ to
+    tensors["DQAcc"] (fp32, shaped like Q, zero-filled)."""
+    dk, dv, init = tensors["DK"], tensors["DV"], tensors["AccInit"]
+    acc = tensors["DQAcc"] if cfg.fuse_dq else None
+    items = cdiv(prob.seqlen_k, 2 * ROWS.value) * prob.batch * prob.nheads_k
+    # Two K/V buffers (the loader fetches the next item's K and V during the last one) where shared
+    # memory holds them: all but the fused kernel at D=128 (one: 192 of 227 KB).
+    kv_buffers = 1 if acc is not None and prob.head_dim == 128 else 2
+    acc_strides = box_strides(prob, "a", acc) if acc is not None else dict(stride_ab=0, stride_am=0, stride_ah=0)
+    return _attn_bwd_dkdv_hopper, (min(cdiv(items, 2), num_sms(dk.device)),), dict(
+        **_shared_args(tensors, prob, params), AccInit=init, padded_q=init.shape[2], DK=dk, DV=dv, DQAcc=acc,
+        **box_strides(prob, "dk", dk, "n"), **box_strides(prob, "dv", dv, "n"), **acc_strides,
+        FUSED=cfg.fuse_dq, STAGES=cfg.stages, KV_BUFFERS=kv_buffers)
+
+
+def dq_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dq):
+    """(kernel, grid, keyword arguments) of the dQ kernel for kernels/launch.py: a work item per
+    2 x 64 query rows of a (batch, head), one persistent program per SM taking pairs of items
+    round-robin (the forward's schedule); cfg.block_n-key K/V tiles in a ring of cfg.stages buffers."""
+    dq = tensors["DQ"]
+    items = cdiv(prob.seqlen_q, 2 * ROWS.value) * prob.batch * prob.nheads
+    grid = (min(cdiv(items, 2), num_sms(dq.device)),)
+    return _attn_bwd_dq_hopper, grid, dict(
+        **_shared_args(tensors, prob, params), Lse=tensors["Lse"], Delta=tensors["Delta"],
+        **lse_strides(prob, params), DQ=dq, **box_strides(prob, "dq", dq), BLOCK_N=cfg.block_n,
+        STAGES=cfg.stages)

@@ -1,0 +1,141 @@
+"""The Gluon kernels' building blocks: the persistent schedule (pairs of work items round-robin over
+one program per SM), tensor descriptors, the shared-memory ring of buffers with its barriers, and the
+copies into and out of shared memory by the tensor memory accelerator."""
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from ..compat import barrier, tma_add, tma_load, tma_store
+from ..variant import Problem
+
+ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M
+
+
+@gluon.jit
+def count(items):
+    """How many work items this program runs (work), the last maybe past the end: programs take
+    pairs of consecutive items, round-robin."""
+    return 2 * gl.cdiv(gl.cdiv(items, 2) - gl.program_id(0), gl.num_programs(0))
+
+
+@gluon.jit
+def work(k):
+    """The k-th work item of this program."""
+    return 2 * (gl.program_id(0) + k // 2 * gl.num_programs(0)) + k % 2
+
+
+@gluon.jit
+def tiles_of(seqlen, batch, heads, ROWS_PER_ITEM: gl.constexpr):
+    """(tiles of ROWS_PER_ITEM rows per (batch, head), work items): the schedule's size."""
+    n = gl.cdiv(seqlen, ROWS_PER_ITEM)
+    return n, n * batch * heads
+
+
+@gluon.jit
+def load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready, v_ready, kv_empty,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The loader's copies of a work item's n_tiles K/V tiles into the ring from position `it`; returns
+    the ring's position after them."""
+    for j in range(n_tiles):
+        load_pair(it, k_desc, v_desc, [off_b, j * BLOCK_N, off_hk, 0], k_smem, v_smem, k_ready, v_ready, kv_empty,
+                  STAGES)
+        it += 1
+    return it
+
+
+@gluon.jit
+def query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+          CONSUMERS: gl.constexpr):
+    """(first query row, batch, head, K/V tiles to visit) of work item w. The query tiles of one
+    (batch, head) are consecutive items (their K/V stay in L2). Under a causal mask heavy and light
+    tiles alternate (the last, the first, the second last, ...), so that a pair of items costs
+    about the same everywhere and the round-robin over pairs balances the programs."""
+    bh = w // n_m
+    tile = w % n_m
+    if CAUSAL:
+        tile = gl.where(tile % 2 == 0, n_m - 1 - tile // 2, tile // 2)
+        hi = gl.minimum(gl.maximum((tile + 1) * CONSUMERS * ROWS + offset, 0), seqlen_k)
+    else:
+        hi = seqlen_k
+    # At least one tile (seen by no row where no row sees a key): the item's last K/V buffer carries its
+    # output out (with one Q buffer; the backward's dQ kernel).
+    return tile * CONSUMERS * ROWS, bh // nheads, bh % nheads, gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+
+
+@gluon.jit
+def descriptor(T, batch, seqlen, nheads, stride_b, stride_n, stride_h, BOX_ROWS: gl.constexpr, HEAD_D: gl.constexpr,
+                BOX_COLS: gl.constexpr = None):
+    """The TMA descriptor of a (batch, seqlen, nheads, HEAD_D) tensor, one for a whole program: a box
+    is BOX_ROWS rows (of BOX_COLS columns, all by default) of one (batch, head), cut (zero-filled)
+    at its sequence's end."""
+    box: gl.constexpr = [1, BOX_ROWS, 1, HEAD_D if BOX_COLS is None else BOX_COLS]
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(box, T.dtype.element_ty)
+    return tma.make_tensor_descriptor(T, [batch, seqlen, nheads, HEAD_D], [stride_b, stride_n, stride_h, 1], box,
+                                      layout)
+
+
+@gluon.jit
+def copy_out(desc, coord, buffer, tile, ADD: gl.constexpr = False, PART: gl.constexpr = None):
+    """Starts the copy of a consumer's register tile to global memory through `buffer`, shared memory
+    of the tile's shape (or, with PART, rows [PART * tile rows, (PART + 1) * tile rows) of it) that only
+    this consumer writes and no one reads any more, with the tensor memory accelerator (whole lines;
+    rows past the tensor's end cut off); ADD adds the tile to what is there instead. tma.store_wait(0)
+    and a barrier then tell when the copy has read the buffer, which the program must await before it
+    ends."""
+    box = buffer.reshape([1, buffer.shape[0], 1, buffer.shape[1]])
+    if PART is not None:
+        buffer = buffer.slice(PART * tile.shape[0], tile.shape[0])
+        box = box.slice(PART * tile.shape[0], tile.shape[0], dim=1)
+    buffer.store(tile)
+    fence_async_shared()
+    barrier()  # every thread's rows written before the copy is issued
+    if ADD:
+        tma_add(desc, coord, box)
+    else:
+        tma_store(desc, coord, box)
+
+
+@gluon.jit
+def load_pair(it, a_desc, b_desc, coord, a_smem, b_smem, a_ready, b_ready, empty, STAGES: gl.constexpr, rows=None):
+    """The loader's step of a ring of STAGES buffers: once every consumer has released position `it`'s
+    buffers, the TMA copies the box at `coord` of two tensors into them, each signalling its "ready"
+    barrier. With rows = (descriptor of a 2D tensor, shared memory of 2 x STAGES of its boxes, a's row,
+    b's row), each tensor's box comes with the box of that row at column coord[1]."""
+    stage = it % STAGES
+    mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
+    box: gl.constexpr = [1, a_smem.shape[1], 1, a_smem.shape[2]]
+    row_bytes: gl.constexpr = 0 if rows is None else rows[0].block_type.nbytes
+    for i in gl.static_range(2):
+        desc, smem, ready = (a_desc, a_smem, a_ready) if i == 0 else (b_desc, b_smem, b_ready)
+        mbarrier.expect(ready.index(stage), desc.block_type.nbytes + row_bytes)
+        tma_load(desc, coord, ready.index(stage), smem.index(stage).reshape(box))
+        if rows is not None:
+            tma_load(rows[0], [rows[2 + i], coord[1]], ready.index(stage), rows[1].index(2 * stage + i))
+
+
+@gluon.jit
+def barriers(n: gl.constexpr, arrivals: gl.constexpr):
+    """n barriers in shared memory, each complete once `arrivals` arrivals (and the expected bytes) are in."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=arrivals)
+    return bars
+
+
+@gluon.jit
+def ring(dtype: gl.constexpr, BLOCK: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+         CONSUMERS: gl.constexpr):
+    """A ring of STAGES buffers of BLOCK rows for each of two tensors streamed past the consumers (K
+    and V, or Q and dO) and its barriers: a "ready" per tensor and buffer, which the loader's copy
+    completes, and an "empty" per buffer that every consumer arrives at once done with it."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_D], dtype)
+    a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_D], layout)
+    b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_D], layout)
+    return a_smem, b_smem, barriers(STAGES, 1), barriers(STAGES, 1), barriers(STAGES, CONSUMERS)
+
+
+def box_strides(prob: Problem, name: str, t: torch.Tensor, row: str = "m") -> dict:
+    """prob.strides for a tensor descriptor: a dim of size 1 is never stepped over, but the
+    descriptor still wants a positive multiple of 16 bytes there."""
+    return {key: stride if n > 1 else 128 for (key, stride), n in zip(prob.strides(name, t, row).items(), t.shape)}

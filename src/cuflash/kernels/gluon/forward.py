@@ -1,0 +1,356 @@
+"""Forward pass for Hopper in Gluon: warp-specialized, two or three consumer warpgroups
+(FlashAttention-3's structure, written with Triton's Gluon dialect).
+
+A work item is CONSUMERS x 64 query rows of one (batch, head) (2 or 3 consumers); a program runs
+pairs of items round-robin (persistent). The partitions share the program's shared memory:
+- the loader (one warp) copies each item's Q tile (into one of Q_BUFFERS buffers) and its K/V
+  tiles into a ring of STAGES buffers with the tensor memory accelerator, each load signalling a
+  "ready" barrier; it runs ahead into the next item while the consumers finish the last;
+- the consumer warpgroups, each owning 64 of the rows, run S = Q K^T, the online softmax and
+  O += P V on the tensor cores (wgmma; P from registers), then release the K/V buffer on an
+  "empty" barrier that all must arrive at; each writes its rows of O into shared memory it no
+  longer reads (its part of the Q buffer, or with a single Q buffer, which goes back to the loader
+  once every consumer's last S is done, the item's last K tile where that has O's shape), which the
+  tensor memory accelerator copies to global memory, and then releases that buffer the same way.
+The consumers run independent instruction streams, so one's softmax overlaps the others'
+matrix products; within a consumer, the product P V of one tile runs while the softmax of the
+next is computed. Tile-level Triton (one instruction stream per program, each dot awaited
+before its result is used) expresses neither.
+
+Logits are in base 2 (qk_scale has LOG2E folded in). Only the plain forward is here: 16-bit
+inputs, head dims 64, 128 and 256, causal or not (either alignment), GQA; other inputs take the Triton
+kernel (kernels/triton/forward.py). GPU only: Triton's interpreter does not run Gluon.
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from ...params import AttentionParams
+from ..compat import barrier, tma_load
+from ..device import cdiv, num_sms, scratch
+from ..triton.common import LN2
+from ..variant import Problem, lse_strides, logit_scales
+from . import Forward
+from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, load_kv, query_item, ring, tiles_of, work
+
+
+@gluon.jit
+def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+          CONSUMERS: gl.constexpr):
+    (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+     stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+     batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale) = args
+    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
+    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
+    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
+    n_m, items = tiles_of(seqlen_q, batch, nheads, CONSUMERS * ROWS)
+    it = 0  # K/V tiles loaded so far: the ring's position
+    done = 0  # work items loaded so far
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+    for k in range(count(items)):
+        w = work(k)
+        if w < items:
+            start_m, off_b, off_h, n_tiles = query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS)
+            off_hk = off_h // (nheads // nheads_k)
+            qb = done % Q_BUFFERS
+            mbarrier.wait(q_empty.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qb), CONSUMERS * q_desc.block_type.nbytes)
+            for part in gl.static_range(CONSUMERS):
+                tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready.index(qb),
+                          q_smem.index(qb * CONSUMERS + part).reshape([1, ROWS, 1, HEAD_D]))
+            it = load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                         BLOCK_N, STAGES)
+            done += 1
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, j, rows, seqlen_k, offset, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+             BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """One online-softmax step on the scores of K/V tile j: (p, alpha, m_new, l_new), the maxima in
+    base-2 logits. MASKED applies the key bound and the causal diagonal (tiles that need neither skip
+    the selects). With qk_scale > 0 (accepts) the row maximum of the logits is that of the scores
+    times qk_scale, so each score is scaled once, inside the exponential's argument (a fused
+    multiply-add, spelled out: Triton 3.10 stops contracting a multiply and an add by default),
+    not also before the maximum."""
+    if MASKED:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if CAUSAL:  # a row sees keys up to its diagonal and the key bound: one compare a score
+            visible = gl.expand_dims(cols, 0) <= gl.expand_dims(gl.minimum(rows + offset, seqlen_k - 1), 1)
+        else:
+            visible = gl.expand_dims(cols < seqlen_k, 0)
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    # (times -1 folds into the FFMA as a negated operand; Triton's -x is 0 - x, an instruction a row)
+    p = gl.exp2(gl.fma(s, qk_scale, gl.expand_dims(m_safe * -1.0, 1)))
+    alpha = gl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _pack(p, dtype: gl.constexpr):
+    """P (fp32) rounded to `dtype`, the two columns of a pair in one 32-bit register: the form the next
+    tile's P V reads it in. Carried across the loop as 16-bit values instead, P cost a byte permute a
+    register every iteration (ptxas regrouping the halves)."""
+    even, odd = gl.split(gl.reshape(p, [p.shape[0], p.shape[1] // 2, 2]))
+    CVT: gl.constexpr = "cvt.rn.bf16x2.f32" if dtype == gl.bfloat16 else "cvt.rn.f16x2.f32"
+    return gl.inline_asm_elementwise(CVT + " $0, $2, $1;", "=r,r,r", [even, odd], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _unpack(packed, dtype: gl.constexpr, layout: gl.constexpr):
+    """_pack's P as a `dtype` tensor in `layout` (the A operand of P V)."""
+    # The result types as plain dtypes (a list of the constexpr parameter would hold its wrappers).
+    even, odd = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [packed],
+                                          dtype=[dtype.value, dtype.value], is_pure=True, pack=1)
+    return gl.convert_layout(gl.reshape(gl.join(even, odd), [packed.shape[0], 2 * packed.shape[1]]), layout)
+
+
+@gluon.jit
+def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, base, first, last, rows, seqlen_k,
+           offset, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+           STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
+    """K/V tiles [first, last) of a work item whose tile 0 sits at position `base` of the buffer
+    ring, software-pipelined: p holds the probabilities of tile j - 1 (packed by _pack) whose
+    product with V is still to do; it runs on the tensor cores while this warpgroup computes the
+    softmax of tile j (S of tile j is issued first, so waiting for all but one product gives S)."""
+    zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    for j in range(first, last):
+        stage = (base + j) % STAGES
+        prev = (base + j - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), ((base + j) // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((base + j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(_unpack(p, v_smem.dtype, p_layout), v_smem.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        p_new, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, rows, seqlen_k, offset, qk_scale, MASKED, CAUSAL,
+                                          BLOCK_N, s_layout)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(kv_empty.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p = _pack(p_new, v_smem.dtype)
+    return acc, m_i, l_i, p
+
+
+@gluon.jit
+def _hand_back(buffer, q_empty, kv_empty, O_IN_K: gl.constexpr):
+    """Once the tensor memory accelerator has read O out of `buffer`, hands it back: the K/V buffer
+    (O_IN_K) or the Q buffer of that index."""
+    tma.store_wait(0)
+    barrier()  # the thread that issued the copy has seen it read the buffer
+    if O_IN_K:
+        mbarrier.arrive(kv_empty.index(buffer), count=1)
+    else:
+        mbarrier.arrive(q_empty.index(buffer), count=1)
+
+
+@gluon.jit
+def _hand_back_pending(pending, q_empty, kv_empty, O_IN_K: gl.constexpr):
+    """_hand_back of the buffer `pending`, if any (not where -1)."""
+    if pending >= 0:
+        _hand_back(pending, q_empty, kv_empty, O_IN_K)
+
+
+@gluon.jit
+def _write_out(acc, m_i, l_i, lse_ptrs, row_ok, o_desc, coord, q, k_smem, k_ready, v_ready, q_empty, qb, end, done,
+               O_IN_K: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, dtype: gl.constexpr,
+               o_layout: gl.constexpr):
+    """Stores this warpgroup's lse and starts the copy of its rows of O (at `coord`) through shared memory:
+    its part of the Q buffer qb, or (O_IN_K) of the item's last K tile, at ring position `end`. Returns
+    the buffer to hand back once the copy has read it. Rows that saw no key (l_i == 0) get out = 0 and
+    lse = +inf, as in the Triton kernel."""
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    lse = gl.where(l_i == 0.0, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
+    gl.store(lse_ptrs, lse, mask=row_ok)
+    out = (acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)).to(dtype)
+    if O_IN_K:
+        # Loaded (no row of this consumer may have seen it), and read by every S product once all
+        # consumers released the Q buffer.
+        mbarrier.wait(k_ready.index(end % STAGES), (end // STAGES) & 1)
+        mbarrier.wait(v_ready.index(end % STAGES), (end // STAGES) & 1)
+        mbarrier.wait(q_empty.index(qb), done & 1)
+        copy_out(o_desc, coord, k_smem.index(end % STAGES), out, PART=WG)
+        buffer = end % STAGES
+    else:
+        copy_out(o_desc, coord, q, out)
+        buffer = qb
+    return buffer
+
+
+@gluon.jit
+def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+             CONSUMERS: gl.constexpr, WG: gl.constexpr):
+    (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+     stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+     batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale) = args
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    o_desc = descriptor(Out, batch, seqlen_q, nheads, stride_ob, stride_om, stride_oh, ROWS, HEAD_D)
+    # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
+    n_m, items = tiles_of(seqlen_q, batch, nheads, CONSUMERS * ROWS)
+    it = 0  # K/V tiles consumed so far: the ring's position
+    done = 0  # work items done so far
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+    # O leaves through a K tile where a tile has O's shape (see the item's end)
+    O_IN_K: gl.constexpr = Q_BUFFERS == 1 and CONSUMERS * ROWS == BLOCK_N
+    # At D=128 under a causal mask the buffer that O leaves through goes back after the next item's
+    # tile 0 (the copy reading it meanwhile), not once the copy has read it: +0.5..7% at 1k-16k keys;
+    # non-causal level to -2% (docs/tuning.md).
+    # Never where that buffer is the only Q buffer: the next item's Q, which tile 0 waits for, would wait
+    # for it.
+    DEFER: gl.constexpr = HEAD_D == 128 and CAUSAL and (O_IN_K or Q_BUFFERS == 2)
+    pending = -1  # the buffer that the last item's O is leaving through, until it goes back
+    for k in range(count(items)):
+        w = work(k)
+        if w < items:
+            start_m, off_b, off_h, n_tiles = query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS)
+            row0 = start_m + WG * ROWS
+            rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            # The item's tiles that this warpgroup's rows see (none past the last query, under a causal
+            # mask those up to its last row's diagonal), of them those every row sees whole (below its
+            # first row's diagonal, within the keys). The tiles that only other warpgroups' rows see it
+            # just releases.
+            n_mine = gl.where(row0 < seqlen_q, n_tiles, 0)
+            n_full = seqlen_k // BLOCK_N
+            if CAUSAL:
+                n_mine = gl.minimum(n_mine, gl.cdiv(gl.minimum(gl.maximum(row0 + ROWS + offset, 0), seqlen_k), BLOCK_N))
+                n_full = gl.minimum(n_full, gl.maximum(row0 + offset + 1, 0) // BLOCK_N)
+            n_full = gl.maximum(gl.minimum(n_full, n_mine), 1)
+
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+            p = _pack(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), dtype)
+            qb = done % Q_BUFFERS
+            q = q_smem.index(qb * CONSUMERS + WG)
+            mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
+            if n_mine > 0:
+                # Tile 0 alone (its softmax masked: it may hold the diagonal or the key bound), then
+                # the pipelined loops.
+                mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+                s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)),
+                                  gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N,
+                                              s_layout)
+                p = _pack(p, dtype)
+                if DEFER:  # the last item's O has left its buffer during tile 0: the buffer goes back
+                    # (before any wait for a tile that the loader may need it for)
+                    _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
+                    pending = -1
+                acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, 1,
+                                          n_full, rows, seqlen_k, offset, qk_scale, False, CAUSAL, BLOCK_N, STAGES,
+                                          s_layout, p_layout, o_layout)
+                acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, n_full,
+                                          n_mine, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N, STAGES,
+                                          s_layout, p_layout, o_layout)
+            if DEFER:  # (where this warpgroup's rows see no tile)
+                _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
+                pending = -1
+            # Each consumer's rows of O leave through shared memory, copied out by the TMA: through the
+            # consumer's part of the item's Q buffer, which goes back to the loader once the copy has read
+            # it; or (O_IN_K: one Q buffer, as at D=128 with 128-key tiles, where there is no room for a
+            # second) the Q buffer goes back once every consumer's last S is done, so that the next item's
+            # Q arrives while this one finishes, and O leaves through the item's last K tile (S products
+            # only read it), held until the copy has read it. (D=256 has one Q buffer but 32- or 64-key
+            # tiles, narrower than O: the next Q waits for the copy.)
+            if O_IN_K:
+                mbarrier.arrive(q_empty.index(qb), count=1)
+                end = it + n_tiles - 1  # the tiles before `end` go back as soon as they are done
+            else:
+                end = it + n_tiles
+            for j in range(it + n_mine, end):
+                # Released once loaded: the loader refills a buffer only after every consumer's release.
+                mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
+                mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+                mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
+            if n_mine > 0:  # the last tile's product with V
+                last = it + n_mine - 1
+                mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+                acc = warpgroup_mma(_unpack(p, dtype, p_layout), v_smem.index(last % STAGES), acc)
+                if last < end:
+                    mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
+
+            lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows
+            buffer = _write_out(acc, m_i, l_i, lse_ptrs, rows < seqlen_q, o_desc, [off_b, row0, off_h, 0], q, k_smem,
+                                k_ready, v_ready, q_empty, qb, end, done, O_IN_K, STAGES, WG, dtype, o_layout)
+            if DEFER:
+                pending = buffer
+            else:
+                _hand_back(buffer, q_empty, kv_empty, O_IN_K)
+            it += n_tiles
+            done += 1
+    if DEFER:  # (shared memory must outlive the copies)
+        _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
+
+
+@gluon.jit
+def _attn_fwd_hopper(Q, K, V, Out, Lse,
+                     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+                     stride_vh, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+                     batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
+                     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                     CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_D], q_layout)
+    k_smem, v_smem, k_ready, v_ready, kv_empty = ring(dtype, BLOCK_N, HEAD_D, STAGES, CONSUMERS)
+    q_ready = barriers(Q_BUFFERS, 1)
+    q_empty = barriers(Q_BUFFERS, CONSUMERS)  # every consumer releases a buffer
+    args = (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+            stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+            batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale)
+    if CONSUMERS == 3:
+        gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 0)),
+                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 1)),
+                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 2)),
+                            (_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 0)),
+                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 1)),
+                            (_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS))],
+                           [4, 1], [CONSUMER_REGS, 24])
+
+
+def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Forward):
+    """(kernel, grid, keyword arguments) for kernels/launch.py, with the launch's consumer warpgroups
+    (2 or 3) x 64 query rows, its key tile (128, 64 or 32) and ring of K/V buffers (D=128 at 16k tokens
+    on an H100, 128-key tiles: 3 buffers 0.90-1.03x cuDNN where 2 gave 0.81-0.90x). One persistent
+    program per SM, whose loader fetches the next work item during the last one's epilogue, taking
+    pairs of items round-robin (causal D=128 1k +24% over one program per item; docs/tuning.md)."""
+    q, k, v, out = tensors["Q"], tensors["K"], tensors["V"], tensors["Out"]
+    # Two Q buffers (the loader fetches an item's Q during the last one) where the shared memory holds
+    # them beside the K/V ring: not at D=128 with 128-key tiles, which takes 224 of 227 KB with one (3 K/V
+    # buffers of 64 KB, Q 32 KB); that one goes back to the loader after the item's last S, O leaving
+    # through a K tile instead (+6..8% at 1k non-causal over O through the Q buffer, released after the
+    # copy).
+    def smem(q_buffers):  # bytes of the Q buffers and the K/V ring
+        return (q_buffers * cfg.consumers * ROWS.value + 2 * cfg.stages * cfg.block_n) * prob.head_dim * 2
+
+    q_buffers = 2 if smem(2) <= 227 * 1024 else 1
+    if smem(q_buffers) > 227 * 1024:
+        raise ValueError(f"the Gluon forward's buffers take {smem(q_buffers)} bytes of shared memory, over 227 KB: "
+                         f"fewer than {cfg.stages} K/V buffers")
+    triton.set_allocator(scratch)  # the kernel builds its tensor descriptors in global scratch
+    qk_scale, _ = logit_scales(params)
+    items = cdiv(prob.seqlen_q, cfg.consumers * ROWS) * prob.batch * prob.nheads
+    # The warps (4 per consumer, 1 loader) run as whole warpgroups that share the register file,
+    # 64K a program, which the partitions trade: 2 consumers: 3 warpgroups of 168 registers a thread,
+    # 240 each for the consumers, 24 for the loader; 3 consumers: 4 of 128, 160 and 24.
+    regs, consumer_regs = (168, 240) if cfg.consumers == 2 else (128, 160)
+    return _attn_fwd_hopper, (min(cdiv(items, 2), num_sms(q.device)),), dict(
+        Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], **box_strides(prob, "q", q), **box_strides(prob, "k", k, "n"),
+        **box_strides(prob, "v", v, "n"), **box_strides(prob, "o", out), **lse_strides(prob, params),
+        batch=prob.batch, nheads=prob.nheads, nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q,
+        seqlen_k=prob.seqlen_k, offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
+        CAUSAL=params.window_right == 0, BLOCK_N=cfg.block_n, HEAD_D=prob.head_dim, STAGES=cfg.stages,
+        CONSUMERS=cfg.consumers, Q_BUFFERS=q_buffers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=regs)

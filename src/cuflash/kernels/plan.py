@@ -1,0 +1,252 @@
+"""Which kernel runs a call and with what launch: `select(problem, params) -> Plan`, from a table per
+GPU architecture (no autotuning at run time, so the first call of a new shape only compiles).
+
+A table entry lists, for each pass (forward, dK/dV, dQ), candidate configurations in order of
+preference; the first whose kernel family accepts the call runs (kernels/gluon/__init__.py says what
+the Gluon kernels accept; the Triton kernels take every call, so each list ends with Triton Tiles).
+Why each entry is what it is, with the measurements: docs/tuning.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import functools
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+from triton.runtime.errors import OutOfResources
+
+from ..errors import ErrorCode, fail
+from ..params import AttentionParams
+from . import gluon
+from .device import arch, padded_head_dim, tf32
+from .triton import Tiles
+from .variant import Problem
+
+Candidate = Union[Tiles, gluon.Forward, gluon.Dkdv, gluon.Dq]
+
+
+class Length(enum.IntEnum):
+    """The sequence-length classes the table distinguishes (the longer of the query and key lengths;
+    the longest sequence of a varlen batch)."""
+    UP_TO_128 = 0
+    UP_TO_256 = 1
+    UP_TO_512 = 2
+    UP_TO_1K = 3
+    UP_TO_2K = 4
+    LONGER = 5
+
+    @classmethod
+    def of(cls, seqlen: int) -> Length:
+        for length, top in zip(cls, (128, 256, 512, 1024, 2048)):
+            if seqlen <= top:
+                return length
+        return cls.LONGER
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A table entry: each pass's candidates, in order of preference."""
+    forward: tuple[Candidate, ...]
+    dkdv: tuple[Candidate, ...]
+    dq: tuple[Candidate, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What runs: the forward's launch, and in a backward (the problem has dO) dK/dV's and dQ's;
+    dq None: the fused dK/dV kernel computes dQ."""
+    forward: Tiles | gluon.Forward
+    dkdv: Tiles | gluon.Dkdv | None = None
+    dq: Tiles | gluon.Dq | None = None
+
+
+def select(prob: Problem, params: AttentionParams, entry: Entry | None = None) -> Plan:
+    """The plan for a call: the entry's (by default the table's, or the tiles the call asks for)
+    first candidate of each pass that its kernel family accepts."""
+    entry = entry or table_entry(prob, params)
+    seqlens = (prob.seqlen_q, prob.seqlen_k)
+    plain = gluon.accepts(prob, params)
+    streamed = () if params.block_table is not None else (prob.k, prob.v)
+    forward = _first(entry.forward, plain, seqlens, streamed)
+    if prob.dout is None:
+        return Plan(forward)
+    dkdv = _first(entry.dkdv, plain, seqlens, (prob.q, prob.dout))
+    if isinstance(dkdv, gluon.Dkdv) and dkdv.fuse_dq:
+        if not params.deterministic:
+            return Plan(forward, dkdv, None)
+        dkdv = dataclasses.replace(dkdv, fuse_dq=False)
+    return Plan(forward, dkdv, _first(entry.dq, plain, seqlens, (prob.k, prob.v)))
+
+
+def _first(candidates: tuple[Candidate, ...], gluon_accepts: bool, seqlens: tuple[int, int],
+           streamed: tuple[torch.Tensor, ...]):
+    for candidate in candidates:
+        if isinstance(candidate, Tiles):
+            return candidate.on(seqlens, *streamed)
+        if gluon_accepts:
+            return candidate
+    raise ValueError(f"no candidate takes the call: {candidates} (an entry must end with Triton Tiles)")
+
+
+def table_entry(prob: Problem, params: AttentionParams) -> Entry:
+    """The table's entry for the call, or Triton tiles of the size the call asks for
+    (AttentionParams.block_m/_n) for every pass."""
+    q = prob.q
+    if params.block_m:
+        tiles = Tiles(params.block_m, params.block_n, 4, 2, "tf32" if tf32(q) else "ieee")
+        return Entry((tiles,), (tiles,), (tiles,))
+    return entry(arch(q.device), prob.block_d, q.dtype == torch.float32, tf32(q),
+                 Length.of(max(prob.seqlen_q, prob.seqlen_k)), params.banded)
+
+
+@functools.lru_cache(maxsize=None)
+def entry(arch: int, block_d: int, fp32: bool, tf32: bool, length: Length, banded: bool) -> Entry:
+    """The table: arch (10 * compute capability; 0 for Triton's interpreter), the padded head dim,
+    fp32 or 16-bit, TF32 allowed, the length class, banded (causal or a sliding window)."""
+    fwd, dkdv, dq = _table(arch, block_d, fp32, length, banded)
+    if tf32:  # the user opted into TF32 matmuls: one TF32 pass per fp32 dot
+        fwd, dkdv, dq = ((dataclasses.replace(c, input_precision="tf32") if isinstance(c, Tiles) else c for c in cs)
+                         for cs in (fwd, dkdv, dq))
+    return Entry(tuple(fwd), tuple(dkdv), tuple(dq))
+
+
+def _table(arch: int, block_d: int, fp32: bool, length: Length, banded: bool):
+    if arch == 0:
+        # Small, unequal tiles: the CPU tests run through the interpreter and must cover the
+        # masked/unmasked split with tiles of different heights and widths.
+        return (Tiles(32, 16, 1, 1),), (Tiles(16, 32, 1, 1),), (Tiles(32, 16, 1, 1),)
+    if fp32:
+        return _fp32(arch, block_d)
+    if arch < 90:
+        # Before Hopper: one generic entry per head dim (not tuned per length).
+        if block_d <= 64:
+            return (Tiles(128, 64, 4, 3),), (Tiles(32, 128, 4, 2),), (Tiles(128, 32, 4, 2),)
+        if block_d <= 128:
+            return (Tiles(128, 32, 4, 2),), (Tiles(32, 64, 4, 2),), (Tiles(64, 32, 4, 2),)
+        return (Tiles(64, 32, 4, 1),), (Tiles(16, 64, 4, 1),), (Tiles(64, 16, 4, 1),)
+    hopper = arch == 90  # wgmma, and with it the Gluon kernels, is Hopper's alone
+    if block_d <= 64:
+        return _hopper_d64(hopper, block_d, length, banded)
+    if block_d <= 128:
+        return _hopper_d128(hopper, length, banded)
+    return _hopper_d256(hopper, length, banded)
+
+
+def _fp32(arch: int, block_d: int):
+    """fp32: exact dots as three TF32 tensor-core passes (tf32x3) on Hopper, IEEE FMA dots before."""
+    if block_d > 128:
+        # D=256: a tf32x3 forward; the backward stays IEEE (a tf32x3 one doubled the error of a dQ that
+        # cancels to zero); larger tiles run out of shared memory.
+        fwd = Tiles(32, 16, 4, 2, "tf32x3") if arch >= 90 else Tiles(16, 16, 4, 1)
+        return (fwd,), (Tiles(16, 16, 4, 1),), (Tiles(16, 16, 4, 1),)
+    if arch >= 90:
+        if block_d <= 64:
+            return ((Tiles(128, 64, 8, 2, "tf32x3"),), (Tiles(64, 128, 8, 2, "tf32x3"),),
+                    (Tiles(128, 64, 8, 2, "tf32x3"),))
+        # The split operands double the shared memory: D=128 takes small tiles.
+        return ((Tiles(128, 32, 8, 3, "tf32x3"),), (Tiles(32, 32, 4, 2, "tf32x3", tma=True),),
+                (Tiles(64, 32, 4, 2, "tf32x3"),))
+    small = Tiles(64, 32, 4, 2) if block_d <= 64 else Tiles(32, 32, 4, 2)  # the forward and dQ
+    dkdv = Tiles(32, 64, 4, 2) if block_d <= 64 else Tiles(32, 32, 4, 2)
+    return (small,), (dkdv,), (small,)
+
+
+def _hopper_d64(hopper: bool, block_d: int, length: Length, banded: bool):
+    L = Length
+    # Triton forward: 128 x 64 tiles without a band; causal 64 x 64 up to 2k keys, beyond with
+    # descriptors; causal up to 128 keys at D=64 64 x 32 (Triton 3.6's ptxas crashes on D <= 32 there).
+    if not banded:
+        fwd = Tiles(128, 64, 8, 3)
+    elif length == L.UP_TO_128 and block_d == 64:
+        fwd = Tiles(64, 32, 4, 2)
+    else:
+        fwd = Tiles(64, 64, 4, 3) if length < L.LONGER else Tiles(128, 64, 4, 3, tma=True)
+    forward: tuple[Candidate, ...] = (fwd,)
+    if hopper and not (banded and length in (L.UP_TO_128, L.UP_TO_512)):
+        # Gluon: three consumers beyond 2k keys, and without a band at 257-512 and 1025-2048 keys;
+        # 64-key tiles in 6 buffers up to 512 keys, and causal up to 1k.
+        three = length == L.LONGER or (length in (L.UP_TO_512, L.UP_TO_2K) and not banded)
+        short = length <= L.UP_TO_512 or (banded and length == L.UP_TO_1K)
+        forward = (gluon.Forward(3 if three else 2, *((64, 6) if short else (128, 3))), fwd)
+    # dK/dV: Gluon at every length, with dQ fused from 2k keys (and without a band from 1k).
+    if length < L.UP_TO_1K:
+        dkdv: tuple[Candidate, ...] = (Tiles(32, 64, 4, 3),)
+        fuse = False
+    else:
+        dkdv = (Tiles(64, 128, 8, 3),)
+        fuse = length >= L.UP_TO_2K or not banded
+    if hopper:
+        dkdv = (gluon.Dkdv(fuse_dq=fuse), *dkdv)
+    return forward, dkdv, (Tiles(64, 64, 4, 3),)
+
+
+def _hopper_d128(hopper: bool, length: Length, banded: bool):
+    L = Length
+    if length == L.UP_TO_128:
+        fwd = Tiles(64, 32, 4, 2) if banded else Tiles(128, 32, 4, 4)
+    elif banded and length in (L.UP_TO_1K, L.UP_TO_2K):
+        fwd = Tiles(64, 64, 4, 3, tma=True)
+    else:
+        fwd = Tiles(64, 64, 4, 3) if length in (L.UP_TO_256, L.UP_TO_512) else Tiles(128, 64, 8, 3)
+    forward: tuple[Candidate, ...] = (fwd,)
+    if hopper and (length > L.UP_TO_128 or not banded):
+        # Gluon but causal up to 128 keys; 64-key tiles in 5 buffers up to 256 keys, and causal up to 1k.
+        short = length <= L.UP_TO_256 or (banded and length <= L.UP_TO_1K)
+        forward = (gluon.Forward(2, *((64, 5) if short else (128, 3))), fwd)
+    # dK/dV: Gluon at every length, dQ fused beyond 2k keys; dQ: Gluon beyond 512 keys, and without a
+    # band from 257.
+    long = length > L.UP_TO_512
+    dkdv: tuple[Candidate, ...] = (Tiles(64, 128, 8, 2, tma=long, warp_specialize=long),)
+    dq: tuple[Candidate, ...] = (Tiles(128, 64, 8, 3),)
+    if hopper:
+        dkdv = (gluon.Dkdv(fuse_dq=length == L.LONGER), *dkdv)
+        if long or (length == L.UP_TO_512 and not banded):
+            dq = (gluon.Dq(), *dq)
+    return forward, dkdv, dq
+
+
+def _hopper_d256(hopper: bool, length: Length, banded: bool):
+    L = Length
+    # Triton forward: 32-key tiles through pointers up to 256 keys (causal up to 512), descriptors beyond.
+    short = length <= L.UP_TO_256 or (banded and length == L.UP_TO_512)
+    fwd = Tiles(128, 32, 8, 3) if short else Tiles(128, 64, 8, 2, tma=True)
+    forward: tuple[Candidate, ...] = (fwd,)
+    if hopper and (banded or length <= L.UP_TO_2K):
+        # Gluon (two consumers) but without a band beyond 2k keys: 32-key tiles in 4 buffers at 257-2048
+        # keys, 64-key tiles in 2 elsewhere.
+        mid = L.UP_TO_512 <= length <= L.UP_TO_2K
+        forward = (gluon.Forward(2, *((32, 4) if mid else (64, 2))), fwd)
+    return forward, (Tiles(64, 64, 8, 2, tma=True),), (Tiles(128, 32, 8, 3),)
+
+
+def decode_tiles(q: torch.Tensor, block_d: int, paged: bool, fills_gpu: bool) -> Tiles:
+    """The decode kernel's launch: block_m is the most query rows (tokens x heads of a GQA group)
+    per program, block_n the key tile. fills_gpu: the sequences x KV heads alone give every SM its
+    programs, so the cache is read unsplit."""
+    precision = "tf32" if tf32(q) else "ieee"
+    if arch(q.device) == 0:
+        return Tiles(16, 16, 1, 1, precision)
+    if q.dtype == torch.float32 or block_d > 128:
+        return Tiles(64, 32, 4, 2, precision)
+    # Many unsplit contiguous sequences read in lock-step: 128-key tiles.
+    return Tiles(64, 128 if fills_gpu and not paged else 64, 4, 3, precision)
+
+
+@contextlib.contextmanager
+def user_tiles_checked(params: AttentionParams, head_dim: int, dtype: torch.dtype):
+    """Turns a launch that the tiles a call asks for cannot fit (shared memory, registers) into a
+    FlashAttentionError naming them; the table's own launches all fit, so anything else propagates."""
+    try:
+        yield
+    except OutOfResources as exc:
+        if not params.block_m:
+            raise
+        fail(ErrorCode.INVALID_ARGUMENT, f"block_m={params.block_m}, block_n={params.block_n} do not fit this GPU at "
+             f"head dim {head_dim} in {str(dtype).replace('torch.', '')} ({exc}); take smaller blocks")
+
+
+__all__ = ["Entry", "Length", "Plan", "Tiles", "decode_tiles", "entry", "padded_head_dim", "select",
+           "table_entry", "user_tiles_checked"]

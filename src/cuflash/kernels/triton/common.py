@@ -1,0 +1,280 @@
+"""Helpers shared by the attention kernels: tile loads/stores, the score of a tile (softcap,
+ALiBi, masks, sliding window), the band of tiles a window leaves, varlen offsets and dropout."""
+import triton
+import triton.language as tl
+
+# exp(x) == exp2(x * LOG2E): the kernels fold LOG2E into the softmax scale and use exp2.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+# attn_mask kinds (constexpr MASK_KIND)
+NO_MASK = tl.constexpr(0)
+BOOL_MASK = tl.constexpr(1)
+ADDITIVE_MASK = tl.constexpr(2)
+
+
+@triton.jit
+def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Loads a [rows, cols] tile, zero-filling out-of-range elements; the checks are compile-time
+    flags so that tiles known to be in range pay for no mask."""
+    if CHECK_ROWS:
+        if CHECK_COLS:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        if CHECK_COLS:
+            tile = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def mma(a, b, acc, INPUT_PRECISION: tl.constexpr):
+    """a @ b (+ acc) in fp32. With TF32, operands are first rounded to nearest TF32: the tensor
+    cores would otherwise drop the 13 low mantissa bits, a bias that triples the error. tf32x3
+    (three TF32 passes on the split operands, as exact as ieee) goes to tl.dot as it is."""
+    if INPUT_PRECISION == "tf32":
+        a = ((a.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        b = ((b.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def tile_ptrs(base, off_b, stride_b, off_h, stride_h, start, stride_row, rows, cols):
+    """Pointers to rows start + rows, columns cols of one (batch, head) of a (B, N, H, D) tensor.
+    off_b and off_h are int64 and start is widened, so offsets past 2^31 elements stay exact."""
+    return (base + off_b * stride_b + off_h * stride_h + tl.cast(start, tl.int64) * stride_row
+            + rows[:, None] * stride_row + cols[None, :])
+
+
+@triton.jit
+def read_tile(base, off_b, stride_b, off_h, stride_h, first, start, stride_row, rows, n_rows, cols, n_cols,
+              CHECK_COLS: tl.constexpr):
+    """Rows start + rows (zero from row n_rows and, with CHECK_COLS, column n_cols on) of the sequence
+    whose first row is `first`, of one (batch, head)."""
+    ptrs = tile_ptrs(base, off_b, stride_b, off_h, stride_h, first + start, stride_row, rows, cols)
+    return load_tile(ptrs, start + rows, n_rows, cols, n_cols, True, CHECK_COLS)
+
+
+@triton.jit
+def row_source(base, off_b, stride_b, off_h, stride_h, first, stride_row, n_rows, n_cols, rows, cols,
+               BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, TMA: tl.constexpr):
+    """What a loop reads its tiles from, rows [first, first + n_rows) of one (batch, head): a
+    tensor descriptor (TMA: the copy engine fetches each tile whole and zero-fills rows and
+    columns past n_rows and n_cols, as the masked loads do) or pointers to the first tile, which
+    the loop advances itself. The launcher turns TMA on only for 16-byte aligned tensors."""
+    if TMA:  # (one return statement: Triton wants every return of a function to have one type)
+        src = tl.make_tensor_descriptor(
+            base + off_b * stride_b + off_h * stride_h + tl.cast(first, tl.int64) * stride_row,
+            shape=[n_rows, n_cols], strides=[stride_row, 1], block_shape=[BLOCK_ROWS, BLOCK_COLS])
+    else:
+        src = tile_ptrs(base, off_b, stride_b, off_h, stride_h, first, stride_row, rows, cols)
+    return src
+
+
+@triton.jit
+def load_rows(src, start, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr,
+              TMA: tl.constexpr):
+    """The tile of rows start + [0, BLOCK_ROWS) from a row_source (pointers: already at start)."""
+    if TMA:
+        tile = src.load([start, 0])
+    else:
+        tile = load_tile(src, rows, n_rows, cols, n_cols, CHECK_ROWS, CHECK_COLS)
+    return tile
+
+
+@triton.jit
+def store_tile(ptrs, tile, rows, n_rows, cols, n_cols, CHECK_COLS: tl.constexpr):
+    if CHECK_COLS:
+        tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+    else:
+        tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
+
+
+@triton.jit
+def sequence(cu_seqlens, off_b, seqlen, VARLEN: tl.constexpr):
+    """(first row, length) of sequence off_b: from the prefix sums of a varlen batch, or (0, seqlen)
+    for a padded batch, whose sequences start at their own batch offset."""
+    if VARLEN:
+        first = tl.load(cu_seqlens + off_b)
+        length = tl.load(cu_seqlens + off_b + 1) - first
+    else:
+        first = 0
+        length = seqlen
+    return first, length
+
+
+@triton.jit
+def query_program(CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, nheads, BLOCK_M: tl.constexpr,
+                  HEAVY_LAST: tl.constexpr, VARLEN: tl.constexpr):
+    """What a program of query tiles works on (grid: query tiles x batch * nheads): (first query row,
+    batch * nheads + head, batch, head, and its sequence's first query row, query count, first key
+    row, key count)."""
+    start_m = query_tile(HEAVY_LAST) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // nheads).to(tl.int64)
+    q_first, seqlen_q = sequence(CuSeqlensQ, off_b, seqlen_q, VARLEN)
+    k_first, seqlen_k = sequence(CuSeqlensK, off_b, seqlen_k, VARLEN)
+    return start_m, off_bh, off_b, (off_bh % nheads).to(tl.int64), q_first, seqlen_q, k_first, seqlen_k
+
+
+@triton.jit
+def query_tile(HEAVY_LAST: tl.constexpr):
+    """The query tile of a program (grid axis 0). Under a causal diagonal (HEAVY_LAST) the last
+    tiles see the most keys: they are handed out first, so that the light ones fill the tail."""
+    if HEAVY_LAST:
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        tile = tl.program_id(0)
+    return tile
+
+
+@triton.jit
+def band(start, BLOCK: tl.constexpr, n_other, BLOCK_OTHER: tl.constexpr, c_lo, c_hi,
+         HAS_LO: tl.constexpr, HAS_HI: tl.constexpr):
+    """For a tile of indices x in [start, start + BLOCK) that sees the other axis' indices y with
+    x + c_lo <= y <= x + c_hi (a bound applies only when HAS_LO / HAS_HI), splits [0, n_other)
+    into tiles of BLOCK_OTHER: [lo, full_lo) and [full_hi, hi) need the mask (the band's edges
+    and the ragged end), [full_lo, full_hi) is visible to the whole tile, the rest is skipped.
+    (The masked ranges may reach a tile past the band, never past the masks. With a single bound
+    the expressions are those of the causal-only kernels: a form that clamps every bound against
+    every other measured 6% slower in the D=128 causal backward on an H200.)"""
+    lo = 0
+    full_lo = 0
+    hi = n_other
+    full_hi = n_other // BLOCK_OTHER * BLOCK_OTHER
+    if HAS_LO:
+        lo = tl.maximum(start + c_lo, 0) // BLOCK_OTHER * BLOCK_OTHER
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(start + BLOCK - 1 + c_lo, 0), BLOCK_OTHER) * BLOCK_OTHER, n_other)
+    if HAS_HI:
+        hi = tl.minimum(tl.maximum(start + BLOCK + c_hi, 0), n_other)
+        full_hi = tl.minimum(full_hi, tl.maximum(start + c_hi + 1, 0) // BLOCK_OTHER * BLOCK_OTHER)
+    full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def tanh(x):
+    """tanh in fp32 from exp2 (the interpreter has no libdevice): an odd polynomial near 0, where
+    (1 - e^-2|x|) / (1 + e^-2|x|) would lose digits to cancellation."""
+    ax = tl.abs(x)
+    e = tl.math.exp2(ax * (-2.0 * LOG2E))
+    big = (1.0 - e) / (1.0 + e)
+    x2 = ax * ax
+    small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    t = tl.where(ax < 0.125, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def logits(qk, scores, SOFTCAP: tl.constexpr):
+    """The logits of a tile in base 2 from q.k, scores = (qk_scale, softcap, ALiBi slope):
+    qk * scale * LOG2E, or with SOFTCAP (qk_scale is then scale / softcap, softcap pre-multiplied by
+    LOG2E) softcap * tanh(qk * scale / softcap)."""
+    if SOFTCAP:
+        return scores[1] * tanh(qk * scores[0])
+    return qk * scores[0]
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i, MAY_BE_EMPTY: tl.constexpr):
+    """One tile of the online softmax over base-2 scores s (rows x keys): returns the new running
+    max, the tile's unnormalized probabilities, alpha (rescales what was summed before) and the new
+    running sum. MAY_BE_EMPTY: a row may have seen no visible key yet (its max is -inf); it is then
+    shifted by 0 so that exp2 sees -inf, not NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MAY_BE_EMPTY:
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    return m_new, p, alpha, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def score_tile(x, rows, cols, bounds, scores, mask, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+               HAS_RIGHT: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr):
+    """Logits x (base 2) plus the ALiBi bias (scores[2], the slope pre-multiplied by LOG2E) and an
+    additive mask, -inf where a key is not visible. rows and cols broadcast against each other (the
+    dK/dV kernel passes them transposed). bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left,
+    window_right); mask = (attn_mask's pointer for this head, its row and column strides). Key j is
+    visible to query row i when i + offset - window_left <= j <= i + offset + window_right (causal:
+    window_right = 0); only MASKED tiles (the band's edges and ragged ends) check that."""
+    seqlen_q, seqlen_k, _, offset, window_left, window_right = bounds
+    mask_ptrs, stride_mask_m, stride_mask_n = mask
+    slope = scores[2]
+    s = x
+    if ALIBI:
+        s -= slope * tl.abs(rows + offset - cols).to(tl.float32)
+    if MASK_KIND != NO_MASK:
+        in_range = (rows < seqlen_q) & (cols < seqlen_k)
+        m = tl.load(mask_ptrs + rows.to(tl.int64) * stride_mask_m + cols.to(tl.int64) * stride_mask_n,
+                    mask=in_range, other=0)
+        if MASK_KIND == BOOL_MASK:
+            s = tl.where(m != 0, s, float("-inf"))
+        else:
+            s += m.to(tl.float32) * LOG2E
+    if MASKED:
+        ok = cols < seqlen_k
+        if HAS_RIGHT:
+            ok = ok & (cols <= rows + offset + window_right)
+        if HAS_LEFT:
+            ok = ok & (cols >= rows + offset - window_left)
+        s = tl.where(ok, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def softcap_grad(x, softcap):
+    """d(softcap * tanh(y / softcap)) / dy, from the capped logit x = logits(...)."""
+    t = x / softcap
+    return 1.0 - t * t
+
+
+@triton.jit
+def head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng, off_b, off_h, off_bh,
+                 ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr):
+    """What a variant needs per (batch, head): the attn_mask's base pointer, the ALiBi slope (times
+    LOG2E) and the dropout key of head off_bh = batch * nheads + head."""
+    mask_ptrs = 0  # (Mask is None without a mask: a function cannot return None)
+    if MASK_KIND != NO_MASK:
+        mask_ptrs = Mask + off_b * stride_mask_b + off_h * stride_mask_h
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(Slopes + off_b * stride_slope_b + off_h) * LOG2E
+    drop_key = 0
+    if DROPOUT:
+        drop_key = dropout_key(Rng, off_bh)
+    return mask_ptrs, slope, drop_key
+
+
+@triton.jit
+def _mix32(x):
+    # A bijective 32-bit integer hash (lowbias32): every output bit depends on every input bit.
+    x ^= x >> 16
+    x *= 0x21F0AAAD
+    x ^= x >> 15
+    x *= 0x735A2D97
+    x ^= x >> 15
+    return x
+
+
+@triton.jit
+def dropout_key(rng, off_bh):
+    """The dropout stream of one (batch, head): hashed from the two seed words drawn from torch's
+    generator. cuflash.dropout.keep_mask computes the same bits with torch ops."""
+    seed0 = tl.load(rng).to(tl.uint32)
+    seed1 = tl.load(rng + 1).to(tl.uint32)
+    return _mix32(seed0 ^ _mix32(seed1 + off_bh.to(tl.uint32)))
+
+
+@triton.jit
+def dropout_keep(drop, rows, cols):
+    """True where element (row, col) is kept: a counter-based draw, so the backward regenerates
+    the forward's mask from (key, row, col) and nothing N x N is stored. drop = (the head's key
+    (dropout_key), threshold, ...): threshold is dropout_p * 2^31, compared with 31 bits of the hash."""
+    u = _mix32(_mix32(drop[0] ^ rows.to(tl.uint32)) ^ cols.to(tl.uint32))
+    return (u >> 1).to(tl.int32) >= drop[1]

@@ -1,0 +1,165 @@
+"""Forward pass: FlashAttention-2, Algorithm 1.
+
+Each program owns one tile of BLOCK_M query rows of one (batch, head) and streams K/V tiles
+through it, keeping the running row max m_i, the running sum l_i and the unnormalized output in
+registers. Logits are kept in base 2 (LOG2E folded into the scale) so the softmax uses exp2.
+Only the K/V tiles inside the band of a causal mask or sliding window are visited.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ...params import AttentionParams
+from ..device import cdiv
+from ..variant import Problem, lse_strides, variant_args
+from . import Tiles
+from .common import LN2, NO_MASK, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, \
+    query_program, read_tile, row_source, score_tile, softmax_step, store_tile, tile_ptrs
+
+
+@triton.jit
+def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, offs, lo, hi, bounds, scores, drop,
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, PAGED: tl.constexpr):
+    """K/V tiles [lo, hi) into the running (acc, m_i, l_i); MASKED applies the key bound and the band's
+    edges (tiles wholly inside need neither). The argument groups are _attn_fwd's."""
+    k_src, v_src, stride_kn, stride_vn = kv
+    pages, page_size, stride_kpage, stride_vpage = paging
+    offs_m, offs_n, offs_d = offs
+    seqlen_k, head_dim = bounds[1], bounds[2]
+    if not TMA and not PAGED:
+        k_src += tl.cast(lo, tl.int64) * stride_kn
+        v_src += tl.cast(lo, tl.int64) * stride_vn
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+        cols = start_n + offs_n
+        if PAGED:  # key j: row j % page_size of page pages[j // page_size], read in place
+            page = tl.load(pages + cols // page_size, mask=cols < seqlen_k, other=0).to(tl.int64)
+            row = (cols % page_size).to(tl.int64)
+            k = load_tile(k_src + (page * stride_kpage + row * stride_kn)[:, None] + offs_d[None, :], cols, seqlen_k,
+                          offs_d, head_dim, MASKED, not EVEN_D)
+        else:
+            k = load_rows(k_src, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
+        x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), scores, SOFTCAP)
+        s = score_tile(x, offs_m[:, None], cols[None, :], bounds, scores, mask, MASKED, HAS_LEFT, HAS_RIGHT, ALIBI,
+                       MASK_KIND)
+        m_new, p, alpha, l_i = softmax_step(s, m_i, l_i, MASKED or MASK_KIND != NO_MASK)
+        if DROPOUT:
+            # The softmax sum counts every probability; only the output sees the dropped ones.
+            p = tl.where(dropout_keep(drop, offs_m[:, None], cols[None, :]), p, 0.0)
+        if PAGED:
+            v = load_tile(v_src + (page * stride_vpage + row * stride_vn)[:, None] + offs_d[None, :], cols, seqlen_k,
+                          offs_d, head_dim, MASKED, not EVEN_D)
+        else:
+            v = load_rows(v_src, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
+        m_i = m_new
+        if not TMA and not PAGED:
+            k_src += BLOCK_N * stride_kn
+            v_src += BLOCK_N * stride_vn
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng, BlockTable,
+              stride_qb, stride_qm, stride_qh,
+              stride_kb, stride_kn, stride_kh,
+              stride_vb, stride_vn, stride_vh,
+              stride_ob, stride_om, stride_oh,
+              stride_lb, stride_lh, stride_slope_b,
+              stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+              stride_tb, page_size, stride_kpage, stride_vpage,
+              nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
+              qk_scale, softcap, drop_threshold, drop_scale,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+              EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+              PAGED: tl.constexpr):
+    start_m, off_bh, off_b, off_h, q_first, seqlen_q, k_first, seqlen_k = query_program(
+        CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, nheads, BLOCK_M, HAS_RIGHT, VARLEN)
+    off_hk = off_h // group_size
+    if VARLEN:
+        if start_m >= seqlen_q:  # the grid covers the longest sequence
+            return
+    offset = bottom_right * (seqlen_k - seqlen_q)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    rows = tl.arange(0, BLOCK_M)
+    pages = 0  # (BlockTable is None unless PAGED: a value of one type either way)
+    if PAGED:  # the pages of sequence off_b; the kernel reads K and V from them
+        pages = BlockTable + off_b * stride_tb
+        k_src = K + off_hk * stride_kh
+        v_src = V + off_hk * stride_vh
+    else:
+        k_src = row_source(K, off_b, stride_kb, off_hk, stride_kh, k_first, stride_kn, seqlen_k, head_dim,
+                           offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
+        v_src = row_source(V, off_b, stride_vb, off_hk, stride_vh, k_first, stride_vn, seqlen_k, head_dim,
+                           offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
+    q = read_tile(Q, off_b, stride_qb, off_h, stride_qh, q_first, start_m, stride_qm, rows, seqlen_q, offs_d, head_dim,
+                  not EVEN_D)
+    mask_ptrs, slope, drop_key = head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng,
+                                              off_b, off_h, off_bh, ALIBI, MASK_KIND, DROPOUT)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # The key tiles in three parts: those a window's left edge cuts (masked; none without a left edge),
+    # those every row sees whole (unmasked, the loop that may be warp-specialized), those the diagonal
+    # or the keys' end cuts (masked).
+    edges = band(start_m, BLOCK_M, seqlen_k, BLOCK_N, offset - window_left, offset + window_right, HAS_LEFT,
+                 HAS_RIGHT)
+    kv = (k_src, v_src, stride_kn, stride_vn)
+    paging = (pages, page_size, stride_kpage, stride_vpage)
+    mask = (mask_ptrs, stride_mask_m, stride_mask_n)
+    offs = (offs_m, offs_n, offs_d)
+    bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right)
+    drop = (drop_key, drop_threshold)
+    for part in tl.static_range(1 - HAS_LEFT, 3):
+        acc, m_i, l_i = _attn_fwd_inner(
+            acc, m_i, l_i, q, kv, paging, mask, offs, edges[part], edges[part + 1], bounds, (qk_scale, softcap, slope),
+            drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+            INPUT_PRECISION, TMA, WS & (part == 1), PAGED)
+
+    # Rows that saw no key at all (l_i == 0) get out = 0 and lse = +inf, so that the backward's
+    # exp(s - lse) is 0 for them.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    lse = tl.where(l_i == 0.0, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    if DROPOUT:
+        acc = acc * drop_scale
+    out = acc / l_safe[:, None]
+    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + q_first + offs_m, lse, mask=offs_m < seqlen_q)
+    o_ptrs = tile_ptrs(Out, off_b, stride_ob, off_h, stride_oh, q_first + start_m, stride_om, rows, offs_d)
+    store_tile(o_ptrs, out.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, not EVEN_D)
+
+
+def launch_args(tensors: dict, prob: Problem, params: AttentionParams, tiles: Tiles):
+    """(kernel, grid, keyword arguments) of the forward for kernels/launch.py: a program per tile of
+    tiles.block_m query rows of one (batch, head)."""
+    q, k, v, out = tensors["Q"], tensors["K"], tensors["V"], tensors["Out"]
+    table = params.block_table
+    paged = table is not None
+    grid = (cdiv(prob.seqlen_q, tiles.block_m), prob.batch * prob.nheads)
+    return _attn_fwd, grid, dict(
+        **tensors, **prob.strides("q", q), **_kv_strides(prob, "k", k, paged), **_kv_strides(prob, "v", v, paged),
+        **prob.strides("o", out), **lse_strides(prob, params), **variant_args(params),
+        **({} if paged else {"BlockTable": None}), stride_tb=table.stride(0) if table is not None else 0,
+        page_size=k.shape[1] if paged else 0, PAGED=paged,
+        nheads=prob.nheads, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
+        group_size=prob.nheads // prob.nheads_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=prob.block_d, EVEN_D=prob.head_dim == prob.block_d,
+        INPUT_PRECISION=tiles.input_precision, TMA=tiles.tma, WS=tiles.warp_specialize,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+
+
+def _kv_strides(prob, name: str, t: torch.Tensor, paged: bool) -> dict:
+    """The strides of k or v: a paged cache's (num_blocks, page, Hk, D) as rows within a page and
+    the page's own stride (stride_{name}page), otherwise as the problem lays them out."""
+    if paged:
+        return {f"stride_{name}b": 0, f"stride_{name}n": t.stride(1), f"stride_{name}h": t.stride(2),
+                f"stride_{name}page": t.stride(0)}
+    return {**prob.strides(name, t, "n"), f"stride_{name}page": 0}
