@@ -18,6 +18,31 @@ ROUNDING_FLOOR = {torch.float32: 2e-6, torch.float16: 0.0, torch.bfloat16: 0.0, 
 interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                reason="needs TRITON_INTERPRET=1 (set by conftest when there is no GPU)")
 
+GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+CPU_DTYPES = [torch.float32, torch.float16]  # (the interpreter has no bf16 dot: bf16 runs in the gpu tests)
+
+
+def flash_fn(causal: bool):
+    """flash_attn_func with this causality, as check_against_oracle takes it."""
+    import cuflash
+    return lambda q, k, v: cuflash.flash_attn_func(q, k, v, causal=causal)
+
+
+def table_cell(q: torch.Tensor, head_dim: int, seqlen: int, banded: bool):
+    """The launch table's entry (kernels/plan.py) for q's dtype at this head dim and length on this GPU."""
+    from cuflash.kernels.plan import Length, entry
+    major, minor = torch.cuda.get_device_capability()
+    return entry(10 * major + minor, head_dim, q.dtype == torch.float32, False, Length.of(seqlen), banded)
+
+
+def force_candidates(monkeypatch, **passes):
+    """select() takes these candidates (forward=, dkdv=, dq=) instead of the table's; the plans made
+    meanwhile stay in a cache of their own."""
+    from cuflash.kernels import launch, plan
+    table = plan.table_entry
+    monkeypatch.setattr(plan, "table_entry", lambda prob, params: dataclasses.replace(table(prob, params), **passes))
+    monkeypatch.setattr(launch, "_plans", {})
+
 
 def seed_of(*parts) -> int:
     """A seed from a test's parameters, the same in every process (hash() of a str is salted per process)."""

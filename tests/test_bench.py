@@ -1,5 +1,6 @@
 """The benchmark harness on the CPU: rows, CSV, markdown table and plot."""
 import csv
+import time
 
 import pytest
 import torch
@@ -95,3 +96,19 @@ def test_bench_without_a_gpu_picks_the_cpu_and_says_so(monkeypatch, capsys, tmp_
     assert "sdpa-cudnn run on CUDA only: left out" in capsys.readouterr().err
     assert main(["--device", "cuda"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.gpu
+def test_bench_times_the_device_not_the_host():
+    """A call whose host work (3 ms) outlasts its kernel: the bench's device time is the kernel's,
+    its host time the 3 ms; timed with events around each call as it runs, it would read ~3 ms."""
+    from cuflash.bench.harness import _device_ms_host_us, _median_ms
+    x = torch.randn(1 << 20, device="cuda")
+
+    def step(i):
+        time.sleep(0.003)
+        x.mul_(1.0)
+
+    ms, host_us = _device_ms_host_us(step, 10, 2, torch.device("cuda"))
+    assert ms < 0.5 and host_us > 2900, (ms, host_us)
+    assert _median_ms(step, 10, 2, torch.device("cuda")) > 2.5  # what the events alone would say

@@ -181,3 +181,16 @@ def test_experiment_writes_one_table(tmp_path, capsys):
     rows = list(csv.DictReader(open(tmp_path / "experiment.csv")))
     assert {r["provider"] for r in rows} >= {"naive (cpu)", "fa1 (cpu)", "fa2 (cpu)", "torch (cpu)"}
     assert all(float(r["rel_err"]) < 1e-5 for r in rows) and (tmp_path / "experiment.png").stat().st_size > 0
+
+
+@pytest.mark.gpu
+def test_cli_run_and_check_on_gpu(tmp_path, capsys):
+    from cuflash.cli import main
+    assert main(["generate", "--batch-size", "2", "--num-heads", "4", "--seq-len", "1000", "--head-dim", "64",
+                 "--dtype", "bfloat16", "--output-dir", str(tmp_path)]) == 0
+    for method in ("naive", "fa1", "fa2"):
+        assert main(["run", "--compute", method, "--mode", "both", "--causal", "--device", "cuda",
+                     "--data", str(tmp_path / "B2_H4_S1000_D64")]) == 0
+    assert "on cuda" in capsys.readouterr().out
+    assert main(["check"]) == 0
+    assert "30 of 30 cases within the bounds" in capsys.readouterr().out

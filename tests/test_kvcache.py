@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import rel_err, rotary_reference
+from attn_testing import BOUNDS, GPU_DTYPES, rel_err, rotary_reference
 from cuflash.reference import attention_reference
 
 
@@ -251,44 +251,89 @@ def test_unused_block_table_entries_are_not_read(backend):
     assert rel_err(out, ref) < 1e-5
 
 
-def check_decode_compiled(device, backend, paged):
-    """A decode step (rotary, append into the cache, attend) under torch.compile(fullgraph=True):
-    no graph break, the same output and cache contents as eager, no recompilation when only the
-    values of cache_seqlens change."""
-    torch.manual_seed(12)
-    batch, nheads, nheads_k, d = 2, 4, 2, 32
-    if paged:
-        k_cache = torch.randn(8, 16, nheads_k, d, device=device)
-        table = torch.tensor([[3, 0, 5], [1, 7, 2]], dtype=torch.int32, device=device)
-    else:
-        k_cache, table = torch.randn(batch, 48, nheads_k, d, device=device), None
-    v_cache = torch.randn_like(k_cache)
-    angles = torch.rand(64, d // 2, device=device) * 6.28
-    cos, sin = angles.cos(), angles.sin()
-
-    def step(q, k, v, k_cache, v_cache, cache_seqlens):
-        return cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
-                                               cache_seqlens=cache_seqlens, block_table=table, causal=True,
-                                               return_softmax_lse=True)
-
-    compiled = torch.compile(step, fullgraph=True, backend=backend)
-    for i, lengths in enumerate(([5, 17], [30, 2], [0, 40])):
-        q = torch.randn(batch, 1, nheads, d, device=device)
-        k, v = (torch.randn(batch, 1, nheads_k, d, device=device) for _ in range(2))
-        seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
-        caches = (k_cache.clone(), v_cache.clone())
-        torch.compiler.set_stance("fail_on_recompile" if i > 0 else "default")
-        try:
-            out, lse = compiled(q, k, v, *caches, seqlens)
-        finally:
-            torch.compiler.set_stance("default")
-        eager_caches = (k_cache.clone(), v_cache.clone())
-        ref, ref_lse = step(q, k, v, *eager_caches, seqlens)
-        assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
-        assert torch.equal(caches[0], eager_caches[0]) and torch.equal(caches[1], eager_caches[1])
+def _kv_caches(layout, batch, capacity, nheads_k, d, dtype):
+    """k_cache, v_cache and block_table (None when contiguous) holding `capacity` keys per sequence."""
+    if layout == "contiguous":
+        k_cache = torch.randn(batch, capacity, nheads_k, d, dtype=dtype, device="cuda")
+        return k_cache, torch.randn_like(k_cache), None
+    page = int(layout[5:])
+    blocks = batch * capacity // page + 3
+    k_cache = torch.randn(blocks, page, nheads_k, d, dtype=dtype, device="cuda")
+    table = torch.randperm(blocks, device="cuda")[:batch * capacity // page].view(batch, -1).int()
+    return k_cache, torch.randn_like(k_cache), table
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_decode_step_compiles_fullgraph_cpu_path(monkeypatch, paged):
-    monkeypatch.setenv("CUFLASH_BACKEND", "cpu")
-    check_decode_compiled("cpu", "aot_eager", paged)
+def _cached(cache, table, b, n):
+    return (cache[table[b].long()].flatten(0, 1) if table is not None else cache[b])[:n]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+@pytest.mark.parametrize("layout", ["contiguous", "paged256", "paged16"])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_kvcache_on_gpu(dtype, seqlen_q, layout, num_splits):
+    """Appending seqlen_q tokens per sequence and attending (GQA 32/8, D=128) equals attention over
+    the updated cache, output and softmax_lse, for every split count."""
+    torch.manual_seed(24)
+    batch, nheads, nheads_k, d = 4, 32, 8, 128
+    seqlens = torch.tensor([0, 700, 4096 - seqlen_q, 255], dtype=torch.int32, device="cuda")
+    k_cache, v_cache, table = _kv_caches(layout, batch, 4096, nheads_k, d, dtype)
+    q = torch.randn(batch, seqlen_q, nheads, d, dtype=dtype, device="cuda")
+    k, v = (torch.randn(batch, seqlen_q, nheads_k, d, dtype=dtype, device="cuda") for _ in range(2))
+    out, lse = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
+                                               causal=True, num_splits=num_splits, return_softmax_lse=True)
+    for b in range(batch):
+        n = int(seqlens[b]) + seqlen_q
+        keys, values = _cached(k_cache, table, b, n), _cached(v_cache, table, b, n)
+        assert torch.equal(keys[-seqlen_q:], k[b]) and torch.equal(values[-seqlen_q:], v[b])
+        ref, ref_lse = attention_reference(q[b:b + 1], keys[None], values[None], causal=True)
+        assert rel_err(out[b:b + 1], ref) < BOUNDS[dtype]
+        assert torch.allclose(lse[b].double(), ref_lse[0], atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,nheads,nheads_k,d,dtype,layout", [
+    (40, 32, 8, 128, torch.bfloat16, "contiguous"),  # fills the GPU unsplit: the 128-key tiles
+    (40, 32, 8, 128, torch.float16, "paged16"),
+    (3, 8, 8, 256, torch.float16, "paged256"),
+    (2, 12, 4, 40, torch.float32, "contiguous"),
+    (5, 16, 2, 64, torch.bfloat16, "paged1"),  # a page per key
+])
+def test_kvcache_launches_on_gpu(batch, nheads, nheads_k, d, dtype, layout):
+    """Each launch configuration of the decode kernel (tile per head dim, dtype, layout, grid size)
+    against the oracle, on sequences of random lengths."""
+    torch.manual_seed(batch + d)
+    k_cache, v_cache, table = _kv_caches(layout, batch, 1024, nheads_k, d, dtype)
+    seqlens = torch.randint(1, 1025, (batch,), dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, 1, nheads, d, dtype=dtype, device="cuda")
+    out = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
+    for b in range(batch):
+        n = int(seqlens[b])
+        keys, values = _cached(k_cache, table, b, n), _cached(v_cache, table, b, n)
+        ref, _ = attention_reference(q[b:b + 1], keys[None], values[None])
+        assert rel_err(out[b:b + 1], ref) < BOUNDS[dtype], b
+
+
+@pytest.mark.gpu
+def test_kvcache_decode_step_in_a_cuda_graph():
+    """A decode step captured once and replayed with new cache_seqlens values (the validation's
+    host read is skipped while capturing) gives what eager calls give."""
+    torch.manual_seed(25)
+    batch, nheads, nheads_k, d = 2, 16, 4, 64
+    k_cache, v_cache, table = _kv_caches("paged16", batch, 1024, nheads_k, d, torch.bfloat16)
+    q = torch.randn(batch, 1, nheads, d, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(batch, 1, nheads_k, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    seqlens = torch.tensor([10, 500], dtype=torch.int32, device="cuda")
+
+    def step():
+        return cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
+                                               causal=True)
+    step()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for lengths in ([11, 501], [1000, 3]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        assert torch.equal(captured, step())

@@ -3,7 +3,7 @@ the interpreter, against the float64 oracle, forward and backward."""
 import pytest
 import torch
 
-from attn_testing import BOUNDS, make_qkv, rel_err, seed_of
+from attn_testing import BOUNDS, GPU_DTYPES, check_against_oracle, make_qkv, rel_err, seed_of
 from cuflash import methods
 from cuflash.reference import attention_reference
 
@@ -45,3 +45,17 @@ def test_methods_autograd_and_errors(backend):
         methods.forward("naive", q, k[:, :, :1], v[:, :, :1])
     with pytest.raises(cuflash.FlashAttentionError, match="fa3"):
         methods.forward("fa3", q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["naive", "fa1", "fa2"])
+@pytest.mark.parametrize("shape", [(2, 1, 1, 4, 64), (2, 17, 300, 4, 40), (1, 1000, 1000, 8, 128),
+                                   (1, 517, 129, 2, 256)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_methods_on_gpu(dtype, causal, shape, method):
+    from cuflash import methods
+    torch.manual_seed(seed_of(shape, method))
+    batch, seqlen_q, seqlen_k, nheads, head_dim = shape
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads, head_dim, dtype, "cuda", layout="bhnd")
+    check_against_oracle(lambda a, b, c: methods.attention(method, a, b, c, causal), q, k, v, causal)

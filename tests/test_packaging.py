@@ -7,13 +7,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 import torch
 
 pytest.importorskip("build")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_wheel_installs_and_runs_in_a_fresh_venv(tmp_path):
     subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path / "dist"), str(ROOT)],
                    check=True, capture_output=True)

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import cuflash
-from attn_testing import BOUNDS, check_against_oracle, make_qkv, paged_cache, rel_err, run_and_grad, seed_of, \
-    varlen_batch, varlen_reference
+from attn_testing import BOUNDS, GPU_DTYPES, check_against_oracle, make_qkv, rel_err, run_and_grad, seed_of
 from cuflash.reference import attention_reference
 
 DTYPES = [torch.float32, torch.float16]
@@ -95,106 +94,6 @@ def test_options_together(backend):
     options = dict(window_size=(9, 3), softcap=5.0, alibi_slopes=slopes)
     check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, softmax_scale=0.4, **options),
                          q, k, v, False, with_sdpa=False, softmax_scale=0.4, **options)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_varlen(backend, causal, dtype):
-    torch.manual_seed(14 + causal)
-    lens_q, lens_k = [1, 17, 0, 40, 9], [5, 17, 3, 33, 20]
-    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    q = torch.randn(sum(lens_q), 4, 24, dtype=dtype)
-    k, v = (torch.randn(sum(lens_k), 2, 24, dtype=dtype) for _ in range(2))
-    slopes = torch.rand(5, 4)
-    dout = torch.randn_like(q)
-
-    def ours(a, b, c):
-        return cuflash.flash_attn_varlen_func(a, b, c, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                              window_size=(12, -1), alibi_slopes=slopes)
-
-    def oracle(a, b, c):
-        return varlen_reference(a, b, c, cu_q.tolist(), cu_k.tolist(), causal=causal, window_size=(12, -1),
-                                 alibi_slopes=slopes)
-
-    got = run_and_grad(ours, q, k, v, dout)
-    ref = run_and_grad(oracle, q.double(), k.double(), v.double(), dout.double())
-    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
-        assert rel_err(x, r) < BOUNDS[dtype], name
-    out, lse, probs = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                                     return_attn_probs=True)
-    assert lse.shape == (4, sum(lens_q)) and probs.shape == (5, 4, max(lens_q), max(lens_k))
-
-
-PAGED_CASES = {  # (page size, nheads, nheads_k, head dim, options)
-    "page1_causal_mqa": (1, 4, 1, 16, dict(causal=True)),
-    "page5_window_alibi_softcap_gqa": (5, 4, 2, 24, dict(window_size=(9, 2), softcap=4.0, alibi=True)),
-    "page16_plain": (16, 2, 2, 40, dict()),
-    "page7_local_causal_interleaved": (7, 6, 3, 16, dict(causal=True, window_size=(5, 0), interleaved=True)),
-    "page256_causal": (256, 2, 1, 32, dict(causal=True)),
-}
-
-
-@pytest.mark.parametrize("case", PAGED_CASES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_varlen_paged_kv(backend, case, dtype):
-    """flash_attn_varlen_func with block_table: k and v as pages of a cache read in place, against
-    the float64 oracle on the same keys packed; causal with seqlen_q != seqlen_k, windows, ALiBi,
-    softcap, GQA/MQA, any page size, a sequence of 1 key, unused pages and table columns."""
-    page, nheads, nheads_k, d, options = PAGED_CASES[case]
-    options = dict(options)
-    torch.manual_seed(seed_of(case, str(dtype)))
-    lens_q, lens_k = [3, 17, 1, 12], [11, 17, 1, 40]
-    q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, nheads, nheads_k, d, dtype, "cpu")
-    k_cache, v_cache, table = paged_cache(k, v, cu_k, page, interleaved=options.pop("interleaved", False))
-    slopes = torch.rand(len(lens_q), nheads) if options.pop("alibi", False) else None
-    out, lse, probs = cuflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                     alibi_slopes=slopes, block_table=table, return_attn_probs=True,
-                                                     **options)
-    ref = varlen_reference(q, k, v, cu_q.tolist(), cu_k.tolist(), alibi_slopes=slopes, **options)
-    assert rel_err(out, ref) < BOUNDS[dtype]
-    dense = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), alibi_slopes=slopes,
-                                           return_attn_probs=True, **options)
-    assert torch.allclose(lse, dense[1], atol=1e-5) and torch.equal(probs, dense[2])
-
-
-def test_varlen_paged_kv_bad_tables_and_no_backward(backend):
-    q, k, v, cu_q, cu_k = varlen_batch([2, 3], [9, 20], 2, 2, 16, torch.float32, "cpu")
-    k_cache, v_cache, table = paged_cache(k, v, cu_k, 8)  # 2 and 3 pages: table (2, 4)
-
-    def call(block_table, **kwargs):
-        return cuflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 3, 20, block_table=block_table,
-                                              **kwargs)
-
-    outside = table.clone()
-    outside[1, 2] = k_cache.shape[0]
-    for bad, code, words in ((outside, "INVALID_ARGUMENT", ["block_table[1, 2]", "outside"]),
-                             (table[:, :2], "SHAPE_MISMATCH", ["block_table", "2 columns", "3 pages"]),
-                             (table.long(), "UNSUPPORTED_DTYPE", ["block_table", "int32"]),
-                             (table[:1], "SHAPE_MISMATCH", ["block_table", "batch"])):
-        with pytest.raises(RuntimeError) as info:  # (a FlashAttentionError, caught as flash-attn's RuntimeError)
-            call(bad)
-        assert info.value.code.name == code and all(w in str(info.value) for w in words), str(info.value)
-    q.requires_grad_()
-    out = call(table)  # the forward runs; a backward through the pages raises, naming block_table
-    with pytest.raises(cuflash.FlashAttentionError, match="block_table"):
-        out.sum().backward()
-
-
-def test_varlen_packed_and_no_padding_compute(backend):
-    """The packed variants are views onto flash_attn_varlen_func; a varlen batch gives what the
-    same sequences give one at a time through flash_attn_func."""
-    torch.manual_seed(15)
-    lens = [7, 19, 2]
-    cu = torch.tensor([0, 7, 26, 28], dtype=torch.int32)
-    qkv = torch.randn(28, 3, 2, 16)
-    out = cuflash.flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), causal=True)
-    for b, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        alone = cuflash.flash_attn_func(qkv[None, s:e, 0], qkv[None, s:e, 1], qkv[None, s:e, 2], causal=True)
-        assert torch.allclose(out[s:e], alone[0], atol=1e-6), f"sequence {b}"
-    q, kv = qkv[:, 0], qkv[:, 1:]
-    packed = cuflash.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, max(lens), max(lens), causal=True)
-    assert torch.equal(packed, out)
 
 
 def test_rows_without_keys(backend):
@@ -325,3 +224,126 @@ def test_sdpa_dropout(backend):
     assert 0.3 < keep.float().mean().item() < 0.7
     ref, _ = attention_reference(q, k, v, dropout_p=0.5, dropout_keep=keep)
     assert rel_err(out.transpose(1, 2), ref) < 1e-5
+
+
+VARIANTS = {
+    "window_causal": dict(causal=True, window_size=(256, 0)),
+    "window_two_sided": dict(window_size=(100, 37)),
+    "alibi_causal": dict(causal=True, alibi="per_head"),
+    "alibi_per_batch": dict(alibi="per_batch"),
+    "softcap": dict(softcap=20.0),
+    "together": dict(window_size=(300, 0), softcap=30.0, alibi="per_head"),
+}
+
+
+def _options(name, batch, nheads):
+    options = dict(VARIANTS[name])
+    alibi = options.pop("alibi", None)
+    if alibi == "per_head":
+        options["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (i + 1) / nheads) for i in range(nheads)],
+                                               device="cuda")
+    elif alibi == "per_batch":
+        options["alibi_slopes"] = torch.rand(batch, nheads, device="cuda")
+    return options
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 1000, 1000, 8, 2, 64), (1, 517, 1030, 4, 4, 128), (2, 300, 300, 2, 1, 256),
+                                   (2, 1030, 17, 4, 2, 96)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_variant_against_oracle(dtype, variant, shape):
+    torch.manual_seed(seed_of(variant, shape))
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim = shape
+    q, k, v = make_qkv(*shape, dtype, "cuda")
+    options = _options(variant, batch, nheads)
+    causal = options.pop("causal", False)
+    check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal, **options),
+                         q, k, v, causal, with_sdpa=False, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_dropout_on_gpu(dtype):
+    torch.manual_seed(21)
+    q, k, v = make_qkv(2, 700, 900, 8, 2, 64, dtype, "cuda")
+    p = 0.2
+    torch.manual_seed(7)
+    _, _, probs = cuflash.flash_attn_func(q, k, v, dropout_p=p, causal=True, return_attn_probs=True)
+    keep = probs >= 0
+    visible = probs != 0
+    kept = keep[visible].float().mean().item()
+    assert abs(kept - (1 - p)) < 0.01, f"keep rate {kept:.4f}"
+
+    def ours(a, b, c):
+        torch.manual_seed(7)
+        return cuflash.flash_attn_func(a, b, c, dropout_p=p, causal=True)
+
+    check_against_oracle(ours, q, k, v, True, with_sdpa=False, dropout_p=p, dropout_keep=keep)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_kind", ["bool_padding", "additive_per_head", "bool_full"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_sdpa_attn_mask_on_gpu(dtype, mask_kind):
+    torch.manual_seed(22)
+    b, h, hk, lq, lk, d = 2, 8, 2, 1000, 1030, 64
+    query = torch.randn(b, h, lq, d, dtype=dtype, device="cuda")
+    key, value = (torch.randn(b, hk, lk, d, dtype=dtype, device="cuda") for _ in range(2))
+    mask = {
+        "bool_padding": torch.arange(lk, device="cuda")[None, None, None, :] < torch.tensor(
+            [900, lk], device="cuda")[:, None, None, None],
+        "additive_per_head": torch.randn(h, 1, lk, dtype=dtype, device="cuda"),
+        "bool_full": torch.rand(b, h, lq, lk, device="cuda") > 0.2,
+    }[mask_kind]
+    dout = torch.randn_like(query)
+    ours = run_and_grad(lambda a, b_, c: cuflash.scaled_dot_product_attention(a, b_, c, attn_mask=mask,
+                                                                               enable_gqa=True),
+                        query, key, value, dout)
+    ref = run_and_grad(lambda a, b_, c: torch.nn.functional.scaled_dot_product_attention(
+        a, b_, c, attn_mask=mask if mask.dtype == torch.bool else mask.double(), enable_gqa=True),
+        query.double(), key.double(), value.double(), dout.double())
+    for name, x, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert rel_err(x, r) < BOUNDS[dtype], name
+
+
+@pytest.mark.gpu
+def test_deterministic_backward_with_variants():
+    """deterministic=True: bitwise identical gradients run to run, here with varlen, a window,
+    ALiBi and dropout together."""
+    torch.manual_seed(23)
+    lens = [300, 1000, 17]
+    cu = torch.tensor([0, 300, 1300, 1317], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(1317, 8, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+    slopes = torch.rand(8, device="cuda")
+    dout = torch.randn_like(q)
+    grads = []
+    for _ in range(3):
+        torch.manual_seed(8)
+        out = cuflash.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), dropout_p=0.1, causal=True,
+                                             window_size=(128, 0), alibi_slopes=slopes, deterministic=True)
+        grads.append(torch.autograd.grad(out, (q, k, v), dout))
+    for again in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], again))
+
+
+@pytest.mark.gpu
+def test_sliding_window_cost_follows_the_window():
+    """A 256-key window at seqlen 16k visits ~1/18 of the tiles of full causal attention. Timed as
+    the fastest of 10 single calls (other test processes share the GPU), it must run at least 3x
+    faster: a window computed by masking every tile would take as long as causal attention."""
+    q, k, v = make_qkv(1, 16384, 16384, 16, 16, 128, torch.bfloat16, "cuda")
+
+    def fastest_ms(**options):
+        times = []
+        for _ in range(13):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            cuflash.flash_attn_func(q, k, v, **options)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return min(times[3:])
+
+    causal, window = fastest_ms(causal=True), fastest_ms(causal=True, window_size=(256, 0))
+    assert window < causal / 3, f"window {window:.2f} ms vs causal {causal:.2f} ms"

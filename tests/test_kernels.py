@@ -1,0 +1,450 @@
+"""Kernel choice and launch: the table's candidates and what each kernel family accepts, tensor
+descriptors, launch plans; on the GPU every length class, the Gluon kernels forced where the table takes
+others, and the Triton kernels they fall back to."""
+import pytest
+import torch
+
+import cuflash
+from attn_testing import BOUNDS, check_against_oracle, check_tile_loads, flash_fn, force_candidates, interpret, \
+    make_qkv, rel_err, run_and_grad, seed_of, table_cell, varlen_batch
+from cuflash.kernels import gluon
+from cuflash.kernels.plan import Plan
+from cuflash.kernels.triton import Tiles
+from cuflash.kernels.variant import problem
+from cuflash.params import AttentionParams
+from cuflash.reference import attention_reference
+
+
+
+def test_tensor_descriptors_only_where_they_compile():
+    tma, n = Tiles(64, 64, 4, 3, tma=True, warp_specialize=True), (17, 33)
+    x = torch.randn(2, 17, 3, 40, dtype=torch.float16)
+
+    def used(tiles, seqlens, *streamed):
+        return tiles.on(seqlens, *streamed).tma
+
+    assert tma.on(n, x, x[:, :, 1:]) == tma  # 80-byte rows and heads
+    assert tma.on(n) == Tiles(64, 64, 4, 3)  # nothing streamed (paged keys): pointers, no warp specialization
+    assert not used(Tiles(64, 64, 4, 3), n, x)  # not asked for
+    assert not used(tma, (1, 33), x) and not used(tma, (17, 1), x)  # a length Triton makes a constant 1
+    assert not used(tma, n, torch.randn(2, 17, 3, 44, dtype=torch.float16))  # 88-byte rows
+    buf = torch.randn(x.numel() + 8, dtype=torch.float16)
+    assert used(tma, n, buf[8:].view(x.shape))  # base 16 bytes in
+    assert not used(tma, n, buf[4:-4].view(x.shape))  # base 8 bytes in
+    assert not used(tma, n, torch.randn(1, 1, 3, 40).expand(2, 17, 3, 40))  # rows at stride 0
+
+
+LENGTH_CLASS_KEYS = (128, 256, 512, 1024, 2048, 4096)  # the longest (or a long) sequence of each class
+
+
+@pytest.mark.parametrize("arch", [80, 90, 100])
+def test_every_table_launch_is_accepted_by_its_kernel(arch):
+    """Every candidate of the table (each head dim class, length class, causal or not, dtype) is one
+    its kernel takes: Triton tiles last (they take every call), power-of-two tiles of 16 to 256 rows,
+    1-8 warps, warp specialization only with tensor descriptors; Gluon candidates only on Hopper for
+    16-bit inputs at D=64/128/256 (what the Gluon kernels take; the backward's at 64/128), with key
+    tiles and buffers that fit their shared memory (launch_args validates them). Which candidate wins
+    where is measured, not restated here (docs/tuning.md); that each compiles and computes the right
+    thing is test_every_length_class_on_gpu below."""
+    from cuflash.kernels import gluon
+    from cuflash.kernels.gluon import forward as gluon_forward
+    from cuflash.kernels.plan import Length, entry
+    from cuflash.kernels.variant import problem
+
+    causal, plain = AttentionParams(0.1, window_right=0), AttentionParams(0.1)
+    for block_d in (16, 32, 64, 128, 256):
+        for fp32 in (False, True):
+            for length, keys in zip(Length, LENGTH_CLASS_KEYS):
+                assert Length.of(keys) == length
+                for banded in (False, True):
+                    cell = entry(arch, block_d, fp32, False, length, banded)
+                    for candidates in (cell.forward, cell.dkdv, cell.dq):
+                        *first, last = candidates
+                        assert isinstance(last, Tiles) and not any(isinstance(c, Tiles) for c in first), cell
+                        for tile in (last.block_m, last.block_n):
+                            assert 16 <= tile <= 256 and tile & (tile - 1) == 0, cell
+                        assert last.num_warps in (1, 2, 4, 8) and last.num_stages >= 1, cell
+                        assert not last.warp_specialize or last.tma, cell
+                    if len(cell.forward) + len(cell.dkdv) + len(cell.dq) == 3:
+                        continue
+                    # (a Gluon kernel is a candidate where it measured faster; it runs only where it
+                    # accepts the call, and the Triton tiles after it elsewhere)
+                    assert arch == 90 and not fp32, (block_d, length, banded)
+                    if block_d not in (64, 128, 256):
+                        continue
+                    q = torch.randn(1, keys, 2, block_d, dtype=torch.bfloat16)
+                    params = causal if banded else plain
+                    if len(cell.forward) > 1:
+                        prob = problem(q, q, q, params)
+                        assert gluon.accepts(prob, params)
+                        gluon_forward.launch_args(dict(Q=q, K=q, V=q, Out=q, Lse=q), prob, params, cell.forward[0])
+                    if len(cell.dkdv) + len(cell.dq) > 2:
+                        assert gluon.accepts(problem(q, q, q, params, q), params), (block_d, length, banded)
+
+
+def test_gluon_kernels_accept_only_what_they_implement(monkeypatch):
+    """The Gluon kernels accept only the plain 16-bit attention they implement (the rest takes the
+    Triton kernels) and refuse configurations that do not fit them (the kernels run on the GPU only:
+    the gpu tests below)."""
+    from cuflash.kernels import gluon
+    from cuflash.kernels.gluon import forward as gluon_forward
+    from cuflash.kernels.variant import problem
+
+    q, k = (torch.randn(2, 600, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+    causal = AttentionParams(128 ** -0.5, window_right=0)
+    assert gluon.accepts(problem(q, k, k, causal), causal)
+    assert gluon.accepts(problem(q[..., :64], k[..., :64], k[..., :64], causal), causal)
+    for kwargs, match in ((dict(consumers=4), "2 or 3 consumer"), (dict(block_n=16), "32-, 64- or 128-key tiles")):
+        with pytest.raises(ValueError, match=match):
+            gluon.Forward(**kwargs)
+    with pytest.raises(ValueError, match="fewer than 7"):
+        gluon_forward.launch_args(dict(Q=q, K=k, V=k, Out=q), problem(q, k, k, causal), causal,
+                                  gluon.Forward(2, 64, 7))
+    wide = torch.randn(2, 600, 4, 256, dtype=torch.bfloat16)  # D=256: one Q buffer, at most 2 K/V buffers of 64 keys
+    assert gluon.accepts(problem(wide, wide, wide, causal), causal)
+    assert not gluon.accepts(problem(wide, wide, wide, causal, wide), causal)  # no Gluon backward at D=256
+    with pytest.raises(ValueError, match="fewer than 3"):
+        gluon_forward.launch_args(dict(Q=wide, K=wide, V=wide, Out=wide), problem(wide, wide, wide, causal), causal,
+                                  gluon.Forward(2, 64, 3))
+    for params in (AttentionParams(0.1, window_left=64, window_right=0), AttentionParams(0.1, softcap=30.0),
+                   AttentionParams(0.1, dropout_p=0.1), AttentionParams(0.1, alibi_slopes=torch.ones(4)),
+                   AttentionParams(0.0)):
+        assert not gluon.accepts(problem(q, k, k, params), params)
+    buf = torch.randn(q.numel() + 4, dtype=torch.bfloat16)
+    for other in (q.float(), q[..., :96], buf[4:].view(q.shape)):  # fp32, D=96, a base 8 bytes off
+        assert not gluon.accepts(problem(other, k, k, causal), causal)
+    cu = torch.tensor([0, 600, 1200], dtype=torch.int32)
+    varlen = AttentionParams(0.1, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=600, max_seqlen_k=600)
+    flat = q.reshape(1200, 4, 128)
+    assert not gluon.accepts(problem(flat, flat, flat, varlen), varlen)
+    assert gluon.accepts(problem(q, k, k, causal, q.transpose(1, 2).contiguous().transpose(1, 2)), causal)
+    assert not gluon.accepts(problem(q, k, k, causal, buf[4:].view(q.shape)), causal)
+    monkeypatch.setattr(gluon, "GLUON_TRITON", False)  # a Triton older than 3.6
+    assert not gluon.accepts(problem(q, k, k, causal), causal)
+    assert not gluon.accepts(problem(q, k, k, causal, q), causal)
+
+
+def test_select_falls_back_and_keeps_determinism():
+    """select() takes each pass's first candidate whose kernel accepts the call: Gluon where it does,
+    the Triton tiles otherwise; a deterministic backward unfuses dQ from the Gluon dK/dV kernel."""
+    from cuflash.kernels import gluon
+    from cuflash.kernels.plan import Entry, select
+    from cuflash.kernels.variant import problem
+
+    q = torch.randn(1, 300, 2, 64, dtype=torch.bfloat16)
+    tiles = Tiles(64, 64, 4, 3)
+    cell = Entry((gluon.Forward(3, 64, 6), tiles), (gluon.Dkdv(fuse_dq=True), tiles), (gluon.Dq(), tiles))
+    plain, softcap = AttentionParams(0.1), AttentionParams(0.1, softcap=5.0)
+    assert select(problem(q, q, q, plain), plain, cell) == Plan(gluon.Forward(3, 64, 6))
+    assert select(problem(q, q, q, plain, q), plain, cell) == Plan(gluon.Forward(3, 64, 6), gluon.Dkdv(True), None)
+    exact = AttentionParams(0.1, deterministic=True)
+    assert select(problem(q, q, q, exact, q), exact, cell) == Plan(gluon.Forward(3, 64, 6), gluon.Dkdv(False),
+                                                                   gluon.Dq())
+    assert select(problem(q, q, q, softcap, q), softcap, cell) == Plan(tiles, tiles, tiles)
+    asked = AttentionParams(0.1, block_m=32, block_n=16)
+    assert select(problem(q, q, q, asked, q), asked) == Plan(*(Tiles(32, 16, 4, 2),) * 3)
+
+
+@interpret
+@pytest.mark.parametrize("varlen", [False, True])
+def test_tensor_descriptor_loads_match_pointer_loads(varlen):
+    """The interpreter runs the descriptor path as the GPU does (zero-filled rows and columns past
+    each sequence's end and the head dim): it must give the pointer path's results."""
+    torch.manual_seed(21)
+    if varlen:
+        q, k, v, cu_q, cu_k = varlen_batch([1, 17, 0, 30], [5, 17, 9, 33], 4, 2, 40, torch.float32, "cpu")
+        params = AttentionParams(40 ** -0.5, window_right=0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 max_seqlen_q=30, max_seqlen_k=33)
+    else:
+        q, k, v = make_qkv(2, 37, 50, 4, 2, 40, torch.float32, "cpu")
+        params = AttentionParams(40 ** -0.5, window_right=0)
+    assert Tiles(16, 16, 1, 1, tma=True).on((30, 33), q, k, v).tma
+    check_tile_loads(q, k, v, params, Tiles(32, 16, 1, 1), Tiles(16, 32, 1, 1), Tiles(32, 16, 1, 1), tol=1e-6)
+
+
+@interpret
+def test_launch_plans_are_reused_per_signature_and_hold_no_tensors():
+    """A launch plan keeps every argument of a signature's first call but its tensors: later
+    calls with new data reuse it, new strides, options or a misaligned base make a new one, and
+    the first call's tensors are not kept alive."""
+    import gc
+    import weakref
+
+    from cuflash.kernels import attention_backward, attention_forward
+    from cuflash.kernels import launch
+
+    def check(q, k, v, causal):
+        params = AttentionParams(40 ** -0.5, window_right=0 if causal else -1)
+        dout = torch.randn_like(q)
+
+        def ours(a, b, c):
+            out, lse = attention_forward(a, b, c, params)
+            return (out,) + attention_backward(dout, a, b, c, out, lse, params)
+
+        ref = run_and_grad(lambda a, b, c: attention_reference(a, b, c, causal=causal)[0],
+                           q.double(), k.double(), v.double(), dout.double())
+        for got, want in zip(ours(q, k, v), ref):
+            assert rel_err(got, want) < 1e-5
+
+    launch._plans.clear()
+    torch.manual_seed(5)
+    first = make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu")
+    check(*first, True)
+    assert len(launch._plans) == 2  # forward, backward
+    watch = weakref.ref(first[0])
+    del first
+    gc.collect()
+    assert watch() is None
+    check(*make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu"), True)  # new data: the same plans
+    assert len(launch._plans) == 2
+    check(*make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu"), False)  # another option
+    assert len(launch._plans) == 4
+    check(*make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu", layout="bhnd"), True)  # other strides
+    assert len(launch._plans) == 6
+    q, k, v = make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu")
+    shifted = torch.empty(q.numel() + 1)[1:].view(q.shape).copy_(q)  # base 4 bytes past 16-byte alignment
+    check(shifted, k, v, True)
+    assert len(launch._plans) == 8
+
+
+@interpret
+def test_launch_plan_workspaces_are_fresh_and_zero_filled():
+    """A tensor that a plan's build adds to the launch's tensors is a workspace: every later call of
+    the signature gets a new zero-filled one (the fused backward's dQ sum), not the first call's."""
+    import triton
+    import triton.language as tl
+
+    from cuflash.kernels import launch
+
+    @triton.jit
+    def increment(Work, Out, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        work = tl.load(Work + offs) + 1
+        tl.store(Work + offs, work)
+        tl.store(Out + offs, work)
+
+    def build(tensors):
+        tensors["Work"] = torch.zeros(8)
+        return [(increment, (1,), dict(Work=tensors["Work"], Out=tensors["Out"], N=8))]
+
+    firsts = []
+    for _ in range(3):
+        tensors = dict(Out=torch.empty(8))
+        launch.launch(("workspace test",), tensors, lambda: build(tensors))
+        assert torch.equal(tensors["Out"], torch.ones(8)) and torch.equal(tensors["Work"], torch.ones(8))
+        firsts.append(tensors["Work"])
+    assert len({w.data_ptr() for w in firsts}) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen", [256, 512, 1024, 2048])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_length_class_on_gpu(causal, head_dim, seqlen):
+    """The table's launches of the length classes test_against_oracle's lengths leave out (129-256,
+    257-512, 513-1024, 1025-2048 keys; Gluon or Triton, as the table picks on this GPU) compile and
+    match the oracle, forward and backward, in bf16."""
+    torch.manual_seed(seed_of(causal, head_dim, seqlen))
+    q, k, v = make_qkv(1, seqlen, seqlen, 2, 2, head_dim, torch.bfloat16, "cuda")
+    check_against_oracle(flash_fn(causal), q, k, v, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_tensor_descriptor_loads_on_gpu(dtype, varlen):
+    """Every kernel of the table's D=128 launches (head dim 96: zero-filled columns) with tiles
+    read through tensor descriptors, the dK/dV loop warp-specialized, against pointer loads;
+    varlen descriptors end at each sequence's own end (one sequence has no queries)."""
+    torch.manual_seed(22)
+    if varlen:
+        lens_q, lens_k = [1, 17, 1000, 0, 513, 64], [5, 17, 1000, 9, 1030, 1000]
+        q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, 8, 2, 96, dtype, "cuda")
+        params = AttentionParams(96 ** -0.5, window_right=0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    else:
+        q, k, v = make_qkv(2, 700, 1500, 8, 2, 96, dtype, "cuda")
+        params = AttentionParams(96 ** -0.5, window_right=0)
+    assert Tiles(64, 64, 4, 3, tma=True).on((700, 1000), q, k, v).tma  # what the test compares exists
+    cell = table_cell(q, 128, 1500, True)
+    check_tile_loads(q, k, v, params, cell.forward[-1], cell.dkdv[-1], cell.dq[-1], tol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_launch_plans_on_gpu(head_dim):
+    """Calls after a signature's first launch the compiled kernels directly (kernels/launch.py):
+    fresh data through the same plans, from the main thread and from another one (descriptor
+    kernels need Triton's per-thread scratch allocator set by the plan; D=128 and 256 use
+    descriptors at these lengths), must match the oracle every time."""
+    import threading
+
+    from cuflash.kernels import launch
+
+    def step(seed):
+        torch.manual_seed(seed)
+        q, k, v = make_qkv(2, 1100, 1100, 8, 2, head_dim, torch.bfloat16, "cuda")
+        check_against_oracle(flash_fn(True), q, k, v, True)
+        return True
+
+    step(1)
+    plans = len(launch._plans)
+    step(2)
+    done = []
+    worker = threading.Thread(target=lambda: done.append(step(3)))
+    worker.start()
+    worker.join()
+    assert done == [True], "the step in another thread failed (its traceback is printed above)"
+    assert len(launch._plans) == plans  # the later steps reused the first one's plans
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 1000), (1000, 1)])
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_length_one_with_descriptor_launches(causal, head_dim, seqlen_q, seqlen_k):
+    """Lengths of 1 under launches that ask for tensor descriptors (D=128 dK/dV beyond 512 keys,
+    D=256): Triton 3.6 fails to compile the descriptor loops for them (seqlen_q 1 with GQA in the
+    dK/dV pipeliner, ptxas on the D=256 causal 1 x 1 forward), so Tiles.on reads through pointers."""
+    torch.manual_seed(seqlen_q + seqlen_k + head_dim)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, torch.bfloat16, "cuda")
+    check_against_oracle(flash_fn(causal), q, k, v, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (4100, 1)])
+@pytest.mark.parametrize("head_dim,causal,consumers,block_n,stages", [
+    (128, False, 2, 128, 3), (128, True, 2, 128, 3), (64, False, 2, 128, 3), (64, True, 2, 128, 3),
+    (64, False, 3, 128, 3), (64, True, 3, 128, 3), (128, False, 2, 64, 5), (128, True, 2, 64, 5),
+    (64, True, 2, 64, 5), (64, False, 3, 64, 5), (64, True, 3, 64, 5), (128, True, 2, 64, 6), (256, False, 2, 64, 2),
+    (256, True, 2, 64, 2), (256, False, 2, 32, 3), (256, True, 2, 32, 3)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, stages, seqlen_q, seqlen_k, layout,
+                        monkeypatch):
+    """The Gluon forward (kernels/gluon/forward.py) with 2 or 3 consumer warpgroups, 128-, 64- or 32-key
+    tiles and rings of K/V buffers (forced here where the table takes others or the Triton kernel; at
+    D=128 with 64-key tiles in 5 buffers and D=256 with 32-key ones in 3 the most shared memory that leaves
+    room for two Q buffers; at D=128 with 6 and at D=256 with 64-key tiles one Q buffer that O leaves
+    through, causal at D=128 without the deferred hand-back) matches float64 like the Triton kernels:
+    ragged tiles, GQA, rows with no visible key (causal, seqlen_q > seqlen_k), non-contiguous inputs; the
+    gradients check its lse."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is for Hopper (sm_90)")
+    from cuflash.kernels.gluon import forward as gluon_forward
+    torch.manual_seed(seqlen_q + seqlen_k)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, dtype, "cuda", layout=layout)
+    params = AttentionParams(head_dim ** -0.5, window_right=0 if causal else -1)
+    assert gluon.accepts(problem(q, k, v, params), params)
+    cfg = gluon.Forward(consumers, block_n, stages)
+    force_candidates(monkeypatch, forward=(cfg, table_cell(q, head_dim, max(seqlen_q, seqlen_k), causal).forward[-1]))
+    launched, launch_args = [], gluon_forward.launch_args
+    monkeypatch.setattr(gluon_forward, "launch_args", lambda *args: launched.append(args[-1]) or launch_args(*args))
+    check_against_oracle(flash_fn(causal), q, k, v, causal)
+    assert launched and set(launched) == {cfg}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (64, False), (64, True)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (129, 500), (500, 17), (17, 200), (1, 100)])
+def test_hopper_short(seqlen_q, seqlen_k, head_dim, causal):
+    """Up to 512 keys the Gluon dK/dV kernel takes the backward, and at D=128 non-causal from 257 keys
+    (the table's length class 2) the Gluon dQ kernel too. The Gluon forward runs but causal up to 64 keys
+    (here 100) and at D=64 causal for 257-512 keys; with 64-key tiles up to 256 keys (D=64: 512) and causal
+    up to 1k."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
+    torch.manual_seed(seqlen_q + seqlen_k)
+    q, k, v = make_qkv(4, seqlen_q, seqlen_k, 8, 2, head_dim, torch.bfloat16, "cuda")
+    n = max(seqlen_q, seqlen_k)
+    cell = table_cell(q, head_dim, n, causal)
+    plain = head_dim == 128 and not causal
+    assert cell.dkdv[0] == gluon.Dkdv(fuse_dq=False)
+    assert isinstance(cell.dq[0], gluon.Dq) == (plain and n > 256)
+    fwd = cell.forward[0]
+    assert isinstance(fwd, gluon.Forward) == (not (causal and (n <= 128 or head_dim == 64 and 256 < n <= 512)))
+    assert not isinstance(fwd, gluon.Forward) or fwd.block_n == (64 if n <= 256 or causal or head_dim == 64 else 128)
+    check_against_oracle(flash_fn(causal), q, k, v, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gluon_forward", [True, False], ids=["table", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (129, 500), (500, 200), (200, 200)])
+def test_d256_short(seqlen_q, seqlen_k, causal, dtype, gluon_forward, monkeypatch):
+    """D=256 at 129-512 keys (the table's length classes 1 and 2): on Hopper the plain forward runs the
+    Gluon kernel; the Triton launch (windows, ALiBi, ... and forced here) 32-key tiles through pointers up
+    to 256 keys and causal up to 512, 64-key tiles through tensor descriptors non-causal beyond 256."""
+    torch.manual_seed(seqlen_q + seqlen_k)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 256, dtype, "cuda")
+    fwd = table_cell(q, 256, max(seqlen_q, seqlen_k), causal).forward
+    if torch.cuda.get_device_capability() == (9, 0):
+        short = causal or max(seqlen_q, seqlen_k) <= 256
+        assert (fwd[-1].block_n, fwd[-1].tma, isinstance(fwd[0], gluon.Forward)) == \
+            ((32, False, True) if short else (64, True, True))
+    if not gluon_forward:
+        force_candidates(monkeypatch, forward=fwd[-1:])
+    check_against_oracle(flash_fn(causal), q, k, v, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (4100, 1)])
+@pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (64, False), (64, True)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fused", [False, True])
+def test_hopper_backward(fused, dtype, head_dim, causal, seqlen_q, seqlen_k, layout, monkeypatch):
+    """The Gluon kernels (kernels/gluon/backward.py) are the ones that run, and the gradients match
+    float64 like the Triton kernels': ragged key and query tiles, GQA (dK/dV summed over the
+    group), keys no query sees and rows that see no key (causal, seqlen_q != seqlen_k),
+    non-contiguous inputs. fused: dQ added by the dK/dV kernel's TMA reductions (forced here
+    where the table does not take it); otherwise the two passes (deterministic=True)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward is for Hopper (sm_90)")
+    from cuflash.kernels import launch
+    torch.manual_seed(seqlen_q + seqlen_k + head_dim)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, dtype, "cuda", layout=layout)
+    params = AttentionParams(head_dim ** -0.5, window_right=0 if causal else -1)
+    cell = table_cell(q, head_dim, max(seqlen_q, seqlen_k), causal)
+    assert isinstance(cell.dkdv[0], gluon.Dkdv) and isinstance(cell.dq[0], gluon.Dq) == (head_dim == 128)
+    assert gluon.accepts(problem(q, k, v, params, torch.empty_like(q)), params)
+    if fused:
+        force_candidates(monkeypatch, dkdv=(gluon.Dkdv(fuse_dq=True), cell.dkdv[-1]))
+    check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal, deterministic=not fused),
+                         q, k, v, causal)
+    if fused:
+        assert any("DQAcc" in workspaces for workspaces, _ in launch._plans.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,causal,fused", [(64, False, True), (64, True, False), (128, False, False),
+                                                (128, True, False), (128, True, True)])
+def test_hopper_backward_persistent(head_dim, causal, fused, monkeypatch):
+    """The persistent dK/dV and dQ kernels with 3 programs: each runs many pairs of work items, so
+    their held buffers, rings and the fused kernel's dS buffers wrap around many times (the other
+    tests' shapes give most programs one pair)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward is for Hopper (sm_90)")
+    from cuflash.kernels import launch
+    from cuflash.kernels.gluon import backward as gluon_backward
+    monkeypatch.setattr(gluon_backward, "num_sms", lambda device: 3)
+    cell = table_cell(torch.empty(1, dtype=torch.bfloat16), head_dim, 1100, causal)
+    force_candidates(monkeypatch, dkdv=(gluon.Dkdv(fuse_dq=fused), cell.dkdv[-1]))
+    torch.manual_seed(head_dim)
+    q, k, v = make_qkv(2, 1000, 1100, 4, 2, head_dim, torch.bfloat16, "cuda")
+    check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal, deterministic=not fused),
+                         q, k, v, causal)
+    assert any("DQAcc" in workspaces for workspaces, _ in launch._plans.values()) == fused
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(3000, 600), (600, 3000)])
+def test_hopper_forward_top_left_causal(seqlen_q, seqlen_k):
+    """SDPA's causal mask (top-left aligned) through the Gluon forward."""
+    torch.manual_seed(seqlen_q)
+    q, k, v = make_qkv(1, seqlen_q, seqlen_k, 4, 4, 128, torch.bfloat16, "cuda", layout="bhnd")
+    ours = cuflash.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2).double() for x in (q, k, v)),
+                                                           is_causal=True)
+    assert rel_err(ours, ref) < BOUNDS[torch.bfloat16]

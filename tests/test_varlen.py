@@ -1,0 +1,146 @@
+"""Variable-length batches (cu_seqlens), also over paged K/V, against the oracle: the CPU path and
+the Triton kernels through the interpreter, and on the GPU."""
+import pytest
+import torch
+
+import cuflash
+from attn_testing import BOUNDS, CPU_DTYPES, GPU_DTYPES, paged_cache, rel_err, run_and_grad, seed_of, varlen_batch, \
+    varlen_reference
+
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_varlen(backend, causal, dtype):
+    torch.manual_seed(14 + causal)
+    lens_q, lens_k = [1, 17, 0, 40, 9], [5, 17, 3, 33, 20]
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(sum(lens_q), 4, 24, dtype=dtype)
+    k, v = (torch.randn(sum(lens_k), 2, 24, dtype=dtype) for _ in range(2))
+    slopes = torch.rand(5, 4)
+    dout = torch.randn_like(q)
+
+    def ours(a, b, c):
+        return cuflash.flash_attn_varlen_func(a, b, c, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                              window_size=(12, -1), alibi_slopes=slopes)
+
+    def oracle(a, b, c):
+        return varlen_reference(a, b, c, cu_q.tolist(), cu_k.tolist(), causal=causal, window_size=(12, -1),
+                                 alibi_slopes=slopes)
+
+    got = run_and_grad(ours, q, k, v, dout)
+    ref = run_and_grad(oracle, q.double(), k.double(), v.double(), dout.double())
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert rel_err(x, r) < BOUNDS[dtype], name
+    out, lse, probs = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                                     return_attn_probs=True)
+    assert lse.shape == (4, sum(lens_q)) and probs.shape == (5, 4, max(lens_q), max(lens_k))
+
+
+PAGED_CASES = {  # (page size, nheads, nheads_k, head dim, options)
+    "page1_causal_mqa": (1, 4, 1, 16, dict(causal=True)),
+    "page5_window_alibi_softcap_gqa": (5, 4, 2, 24, dict(window_size=(9, 2), softcap=4.0, alibi=True)),
+    "page16_plain": (16, 2, 2, 40, dict()),
+    "page7_local_causal_interleaved": (7, 6, 3, 16, dict(causal=True, window_size=(5, 0), interleaved=True)),
+    "page256_causal": (256, 2, 1, 32, dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("case", PAGED_CASES)
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_varlen_paged_kv(backend, case, dtype):
+    """flash_attn_varlen_func with block_table: k and v as pages of a cache read in place, against
+    the float64 oracle on the same keys packed; causal with seqlen_q != seqlen_k, windows, ALiBi,
+    softcap, GQA/MQA, any page size, a sequence of 1 key, unused pages and table columns."""
+    page, nheads, nheads_k, d, options = PAGED_CASES[case]
+    options = dict(options)
+    torch.manual_seed(seed_of(case, str(dtype)))
+    lens_q, lens_k = [3, 17, 1, 12], [11, 17, 1, 40]
+    q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, nheads, nheads_k, d, dtype, "cpu")
+    k_cache, v_cache, table = paged_cache(k, v, cu_k, page, interleaved=options.pop("interleaved", False))
+    slopes = torch.rand(len(lens_q), nheads) if options.pop("alibi", False) else None
+    out, lse, probs = cuflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                     alibi_slopes=slopes, block_table=table, return_attn_probs=True,
+                                                     **options)
+    ref = varlen_reference(q, k, v, cu_q.tolist(), cu_k.tolist(), alibi_slopes=slopes, **options)
+    assert rel_err(out, ref) < BOUNDS[dtype]
+    dense = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), alibi_slopes=slopes,
+                                           return_attn_probs=True, **options)
+    assert torch.allclose(lse, dense[1], atol=1e-5) and torch.equal(probs, dense[2])
+
+
+def test_varlen_paged_kv_bad_tables_and_no_backward(backend):
+    q, k, v, cu_q, cu_k = varlen_batch([2, 3], [9, 20], 2, 2, 16, torch.float32, "cpu")
+    k_cache, v_cache, table = paged_cache(k, v, cu_k, 8)  # 2 and 3 pages: table (2, 4)
+
+    def call(block_table, **kwargs):
+        return cuflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 3, 20, block_table=block_table,
+                                              **kwargs)
+
+    outside = table.clone()
+    outside[1, 2] = k_cache.shape[0]
+    for bad, code, words in ((outside, "INVALID_ARGUMENT", ["block_table[1, 2]", "outside"]),
+                             (table[:, :2], "SHAPE_MISMATCH", ["block_table", "2 columns", "3 pages"]),
+                             (table.long(), "UNSUPPORTED_DTYPE", ["block_table", "int32"]),
+                             (table[:1], "SHAPE_MISMATCH", ["block_table", "batch"])):
+        with pytest.raises(RuntimeError) as info:  # (a FlashAttentionError, caught as flash-attn's RuntimeError)
+            call(bad)
+        assert info.value.code.name == code and all(w in str(info.value) for w in words), str(info.value)
+    q.requires_grad_()
+    out = call(table)  # the forward runs; a backward through the pages raises, naming block_table
+    with pytest.raises(cuflash.FlashAttentionError, match="block_table"):
+        out.sum().backward()
+
+
+def test_varlen_packed_and_no_padding_compute(backend):
+    """The packed variants are views onto flash_attn_varlen_func; a varlen batch gives what the
+    same sequences give one at a time through flash_attn_func."""
+    torch.manual_seed(15)
+    lens = [7, 19, 2]
+    cu = torch.tensor([0, 7, 26, 28], dtype=torch.int32)
+    qkv = torch.randn(28, 3, 2, 16)
+    out = cuflash.flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), causal=True)
+    for b, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        alone = cuflash.flash_attn_func(qkv[None, s:e, 0], qkv[None, s:e, 1], qkv[None, s:e, 2], causal=True)
+        assert torch.allclose(out[s:e], alone[0], atol=1e-6), f"sequence {b}"
+    q, kv = qkv[:, 0], qkv[:, 1:]
+    packed = cuflash.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, max(lens), max(lens), causal=True)
+    assert torch.equal(packed, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_varlen_on_gpu(dtype, causal):
+    torch.manual_seed(20 + causal)
+    lens_q, lens_k = [1, 17, 1000, 0, 513, 64], [5, 17, 1000, 9, 1030, 1]
+    q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, 8, 2, 128, dtype, "cuda")
+    dout = torch.randn_like(q)
+    got = run_and_grad(lambda a, b, c: cuflash.flash_attn_varlen_func(a, b, c, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                                      causal=causal), q, k, v, dout)
+    ref = run_and_grad(lambda a, b, c: varlen_reference(a, b, c, cu_q.tolist(), cu_k.tolist(), causal=causal),
+                       q.double(), k.double(), v.double(), dout.double())
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert rel_err(x, r) < BOUNDS[dtype], name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page,head_dim,options", [
+    (16, 128, dict(causal=True)), (256, 64, dict()), (3, 96, dict(window_size=(100, 7), alibi=True, softcap=8.0)),
+    (64, 256, dict(causal=True, interleaved=True))], ids=["p16_d128_causal", "p256_d64", "p3_d96_variants",
+                                                          "p64_d256_interleaved"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_varlen_paged_kv_on_gpu(dtype, page, head_dim, options):
+    """flash_attn_varlen_func reading K/V pages in place (GQA 8:2) against the float64 oracle."""
+    options = dict(options)
+    torch.manual_seed(seed_of(page, head_dim, str(dtype)))
+    lens_q, lens_k = [1, 17, 1000, 300, 64], [5, 17, 1000, 1030, 1]
+    q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, 8, 2, head_dim, dtype, "cuda")
+    k_cache, v_cache, table = paged_cache(k, v, cu_k, page, interleaved=options.pop("interleaved", False))
+    slopes = torch.rand(len(lens_q), 8, device="cuda") if options.pop("alibi", False) else None
+    out = cuflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k),
+                                         alibi_slopes=slopes, block_table=table, **options)
+    ref = varlen_reference(q.double(), k.double(), v.double(), cu_q.tolist(), cu_k.tolist(), alibi_slopes=slopes,
+                           **options)
+    assert rel_err(out, ref) < BOUNDS[dtype]
