@@ -15,7 +15,7 @@ import torch
 
 from .dropout import head_ids, keep_mask
 from .errors import lse_dtype
-from .params import AttentionParams
+from .params import AttentionParams, cache_row, per_sequence
 
 BLOCK_M = 256  # query rows and keys per tile where the call asks for none (AttentionParams.block_m/_n)
 BLOCK_N = 512
@@ -234,7 +234,6 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad,
     """Same contract as kernels.decode_forward: each sequence's keys (cache positions leftpad[b] ..
     cache_seqlens[b] + seqlen_new - 1) gathered into one packed tensor, attended as a varlen batch.
     num_splits changes only the kernels' rounding: not used here."""
-    from .kvcache import cache_row, per_sequence
     batch, seqlen_q, nheads, head_dim = q.shape
     starts = per_sequence(0 if leftpad is None else leftpad, batch, q.device)
     lengths = per_sequence(cache_seqlens, batch, q.device) + seqlen_new - starts

@@ -16,7 +16,7 @@ import torch
 from . import ops
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_softcap, check_tensor, check_window,
                      fail, resolve_scale)
-from .params import AttentionParams
+from .params import AttentionParams, cache_row, per_sequence
 from .rotary import check_cos_sin, rotate
 
 
@@ -171,21 +171,6 @@ def _rotate_and_append(call: _Call, q, k_cache, v_cache, k, v, rotary_cos, rotar
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, target, k.reshape(-1, *k.shape[2:]))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, target, v.reshape(-1, *v.shape[2:]))
     return q
-
-
-def per_sequence(x: torch.Tensor | int, batch: int, device: torch.device) -> torch.Tensor:
-    """A (batch,) long tensor of x, given per sequence or as one int for all."""
-    return x.long() if isinstance(x, torch.Tensor) else torch.full((batch,), x, dtype=torch.long, device=device)
-
-
-def cache_row(seq: torch.Tensor, positions: torch.Tensor, rows_per_seq: int, table: torch.Tensor | None,
-              rows: torch.Tensor | None) -> torch.Tensor:
-    """Row of the flattened cache ((num_blocks * page) or (batch_cache * seqlen_cache)) holding
-    position `positions` of sequence `seq` (broadcasting long tensors): through the page table, or
-    in the sequence's cache row (cache_batch_idx, default its batch index)."""
-    if table is not None:
-        return table[seq, positions // rows_per_seq].long() * rows_per_seq + positions % rows_per_seq
-    return (seq if rows is None else rows[seq].long()) * rows_per_seq + positions
 
 
 def _check_values(seqlens, seqlen_new, capacity, leftpad, rows, cache_rows, table, rows_per_seq, rotary_cos,

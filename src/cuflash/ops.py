@@ -173,6 +173,24 @@ def _contiguous_last(dout: torch.Tensor) -> torch.Tensor:
     return dout if dout.stride(-1) == 1 else dout.contiguous()
 
 
+def _save(ctx, q, k, v, out, lse, args) -> None:
+    """What both autograd paths keep for the backward: the tensors (the option tensors among them)
+    through save_for_backward, the other AttentionParams fields (args, in order) as they are."""
+    ctx.save_for_backward(q, k, v, out, lse, *(args[i] for i in TENSOR_FIELDS))
+    ctx.params = [None if i in TENSOR_FIELDS else a for i, a in enumerate(args)]
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zero tensor made for lse's gradient on every backward
+
+
+def _restore(ctx) -> tuple:
+    """(q, k, v, out, lse, the AttentionParams fields in order) as _save kept them."""
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    args = list(ctx.params)
+    for i, t in zip(TENSOR_FIELDS, tensors):
+        args[i] = t
+    return q, k, v, out, lse, args
+
+
 class _Attention(torch.autograd.Function):
     """The eager path's autograd: the same kernels as the custom ops, called directly."""
 
@@ -181,20 +199,17 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, params: AttentionParams):
         out, lse = _backend(q.device, q.dtype).attention_forward(q, k, v, params)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.params = params
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # no zero tensor made for lse's gradient on every backward
+        _save(ctx, q, k, v, out, lse, params.as_args())
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # only lse was differentiated (it has no gradient): every gradient is zero
             return None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, args = _restore(ctx)
+        params = AttentionParams(*args)
         with torch.no_grad():
-            grads = _backward_backend(q, ctx.params).attention_backward(_contiguous_last(dout), q, k, v, out, lse,
-                                                                        ctx.params)
+            grads = _backward_backend(q, params).attention_backward(_contiguous_last(dout), q, k, v, out, lse, params)
         if torch.is_grad_enabled():
             # create_graph=True: the gradients get a node that raises if they are differentiated
             # again (the kernels' gradients have no gradient), rather than counting as constants.
@@ -234,23 +249,16 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *params = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *(params[i] for i in TENSOR_FIELDS))
-    ctx.params = [None if i in TENSOR_FIELDS else a for i, a in enumerate(params)]
-    ctx.mark_non_differentiable(lse)
-    ctx.set_materialize_grads(False)
+    q, k, v, *args = inputs
+    _save(ctx, q, k, v, *output, args)
 
 
 def _backward(ctx, dout, _dlse):
-    params = list(ctx.params)
     if dout is None:  # (as _Attention.backward)
-        return (None,) * (3 + len(params))
-    q, k, v, out, lse, *tensors = ctx.saved_tensors
-    for i, t in zip(TENSOR_FIELDS, tensors):
-        params[i] = t
-    dq, dk, dv = attention_backward(_contiguous_last(dout), q, k, v, out, lse, *params)
-    return (dq, dk, dv) + (None,) * len(params)
+        return (None,) * (3 + len(ctx.params))
+    q, k, v, out, lse, args = _restore(ctx)
+    dq, dk, dv = attention_backward(_contiguous_last(dout), q, k, v, out, lse, *args)
+    return (dq, dk, dv) + (None,) * len(args)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -99,6 +99,21 @@ class AttentionParams:
         return tuple(getattr(self, name) for name in FIELD_NAMES)  # (traced by torch.compile)
 
 
+def per_sequence(x: torch.Tensor | int, batch: int, device: torch.device) -> torch.Tensor:
+    """A (batch,) long tensor of x, given per sequence or as one int for all."""
+    return x.long() if isinstance(x, torch.Tensor) else torch.full((batch,), x, dtype=torch.long, device=device)
+
+
+def cache_row(seq: torch.Tensor, positions: torch.Tensor, rows_per_seq: int, table: torch.Tensor | None,
+              rows: torch.Tensor | None) -> torch.Tensor:
+    """Row of the flattened cache ((num_blocks * page) or (batch_cache * seqlen_cache)) holding
+    position `positions` of sequence `seq` (broadcasting long tensors): through the page table, or
+    in the sequence's cache row (cache_batch_idx, default its batch index)."""
+    if table is not None:
+        return table[seq, positions // rows_per_seq].long() * rows_per_seq + positions % rows_per_seq
+    return (seq if rows is None else rows[seq].long()) * rows_per_seq + positions
+
+
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))
 _TENSOR_NAMES = ("alibi_slopes", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k", "block_table")
 # Positions of the tensor fields among FIELD_NAMES (autograd saves those with save_for_backward).

@@ -94,11 +94,11 @@ def _fa1_bwd(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
     row_base = off_bh.to(tl.int64) * seqlen_q
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + cols_in_tile
+        kv_ok = (cols[:, None] < seqlen_k) & d_ok  # (the dK, dV tile's stores)
         k = _kv_tile(K, off_b, stride_kb, off_h, stride_kh, start_n, stride_kn, cols_in_tile, offs_d, seqlen_k,
                      head_dim)
         v = _kv_tile(V, off_b, stride_vb, off_h, stride_vh, start_n, stride_vn, cols_in_tile, offs_d, seqlen_k,
                      head_dim)
-        kv_ok = (cols[:, None] < seqlen_k) & d_ok
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         first_m = 0

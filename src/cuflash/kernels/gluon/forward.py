@@ -155,6 +155,25 @@ def _hand_back_pending(pending, q_empty, kv_empty, O_IN_K: gl.constexpr):
 
 
 @gluon.jit
+def _finish_tiles(acc, p, v_smem, k_ready, v_ready, kv_empty, it, n_mine, end, STAGES: gl.constexpr,
+                  p_layout: gl.constexpr):
+    """The end of a work item's tiles for one warpgroup: those its rows do not see (ring positions
+    it + n_mine to end - 1) released once loaded (the loader refills a buffer only after every consumer's
+    release), then the last seen tile's product with V (p), that tile released too unless it is `end`."""
+    for j in range(it + n_mine, end):
+        mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+        mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
+    if n_mine > 0:
+        last = it + n_mine - 1
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        acc = warpgroup_mma(_unpack(p, v_smem.dtype, p_layout), v_smem.index(last % STAGES), acc)
+        if last < end:
+            mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
+    return acc
+
+
+@gluon.jit
 def _write_out(acc, m_i, l_i, lse_ptrs, row_ok, o_desc, coord, q, k_smem, k_ready, v_ready, q_empty, qb, end, done,
                O_IN_K: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, dtype: gl.constexpr,
                o_layout: gl.constexpr):
@@ -266,17 +285,7 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
                 end = it + n_tiles - 1  # the tiles before `end` go back as soon as they are done
             else:
                 end = it + n_tiles
-            for j in range(it + n_mine, end):
-                # Released once loaded: the loader refills a buffer only after every consumer's release.
-                mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
-                mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-                mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
-            if n_mine > 0:  # the last tile's product with V
-                last = it + n_mine - 1
-                mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-                acc = warpgroup_mma(_unpack(p, dtype, p_layout), v_smem.index(last % STAGES), acc)
-                if last < end:
-                    mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
+            acc = _finish_tiles(acc, p, v_smem, k_ready, v_ready, kv_empty, it, n_mine, end, STAGES, p_layout)
 
             lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows
             buffer = _write_out(acc, m_i, l_i, lse_ptrs, rows < seqlen_q, o_desc, [off_b, row0, off_h, 0], q, k_smem,
