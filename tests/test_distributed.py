@@ -1,5 +1,6 @@
-"""Ring attention on the CPU: 2 and 3 processes over gloo, against single-process attention on
-the whole sequence. Every process run has a deadline, so a hang fails instead of blocking CI."""
+"""Context parallelism on the CPU: the ring and the all-to-all attention with 2 and 3 processes over
+gloo, against single-process attention on the whole sequence. Every process run has a deadline, so a
+hang fails instead of blocking CI."""
 import datetime
 import os
 import tempfile
@@ -11,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import cuflash
-from cuflash.distributed import ring_flash_attn_func, zigzag_shard, zigzag_unshard
+from cuflash.distributed import ring_flash_attn_func, ulysses_flash_attn_func, zigzag_shard, zigzag_unshard
 
 DEADLINE_S = 120
 
@@ -65,7 +66,44 @@ def _check_odd_zigzag(rank, world):
     assert "odd" in str(info.value)
 
 
-CHECKS = {"full": _check_against_full, "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag}
+def _check_ulysses(rank, world):
+    """The all-to-all attention with every option it passes on (causal, window, softcap, ALiBi, GQA),
+    both layouts, forward and backward, against flash_attn_func on the whole sequence."""
+    options = {"plain": {}, "causal": dict(causal=True), "window_softcap": dict(window_size=(7, 2), softcap=5.0),
+               "alibi_causal": dict(causal=True, alibi=True)}
+    for layout in ("contiguous", "zigzag"):
+        for name, opts in options.items():
+            for nheads_k, dtype in ((6, torch.float64), (world, torch.float32)):
+                torch.manual_seed(1)  # the same full problem on every rank
+                seqlen = 10 * world
+                q, k, v, dout = (torch.randn(2, seqlen, h, 8, dtype=dtype) for h in (6, nheads_k, nheads_k, 6))
+                opts = dict(opts)
+                if opts.pop("alibi", False):
+                    opts["alibi_slopes"] = torch.rand(2, 6, dtype=torch.float32)
+                full = [t.clone().requires_grad_() for t in (q, k, v)]
+                ref = cuflash.flash_attn_func(*full, **opts)
+                ref.backward(dout)
+                local = [_shard(t, rank, world, layout).detach().clone().requires_grad_() for t in (q, k, v)]
+                out = ulysses_flash_attn_func(*local, layout=layout, **opts)
+                out.backward(_shard(dout, rank, world, layout))
+                tol = 1e-12 if dtype == torch.float64 else 1e-5
+                what = f"layout={layout} {name} heads=6/{nheads_k} {dtype}"
+                for part, mine, theirs in (("out", out.detach(), ref.detach()), ("dq", local[0].grad, full[0].grad),
+                                           ("dk", local[1].grad, full[1].grad), ("dv", local[2].grad, full[2].grad)):
+                    got = _unshard(mine, world, layout)
+                    err = ((got - theirs).norm() / theirs.norm()).item()
+                    assert err < tol, f"{what}: {part} error {err:.2e}"
+
+
+def _check_ulysses_heads(rank, world):
+    q, k = torch.randn(1, 8, 2 * world + 1, 8), torch.randn(1, 8, 1, 8)
+    with pytest.raises(cuflash.FlashAttentionError) as info:
+        ulysses_flash_attn_func(q, k, k)
+    assert info.value.code == cuflash.ErrorCode.SHAPE_MISMATCH and "nheads" in str(info.value)
+
+
+CHECKS = {"full": _check_against_full, "ulysses": _check_ulysses, "ulysses_heads": _check_ulysses_heads,
+          "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag}
 
 
 def _worker(rank, world, init_file, result_dir, check):
@@ -113,15 +151,21 @@ def test_ring_matches_single_process(world):
     _run(world, "full")
 
 
-@pytest.mark.parametrize("check", ["mismatch", "odd_zigzag"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_ulysses_matches_single_process(world):
+    _run(world, "ulysses")
+
+
+@pytest.mark.parametrize("check", ["mismatch", "odd_zigzag", "ulysses_heads"])
 def test_bad_shards_raise_on_every_rank(check):
     _run(2, check)
 
 
-def test_needs_a_process_group():
+@pytest.mark.parametrize("fn", [ring_flash_attn_func, ulysses_flash_attn_func])
+def test_needs_a_process_group(fn):
     q = torch.randn(1, 8, 2, 8)
     with pytest.raises(cuflash.FlashAttentionError) as info:
-        ring_flash_attn_func(q, q, q)
+        fn(q, q, q)
     assert "init_process_group" in str(info.value)
 
 

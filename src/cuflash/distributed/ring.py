@@ -1,43 +1,16 @@
-"""Ring attention: each rank holds a shard of the sequence; K/V shards travel around the ring
-(torch.distributed batch_isend_irecv, the next transfer in flight while the current block
-computes), partial outputs merge exactly through their log-sum-exps, and the backward sends the
-dK/dV accumulators around the ring with their K/V.
-
-Layouts of the shards along the sequence (world size W, sequence cut into chunks):
-- "contiguous": rank r holds chunk r of W.
-- "zigzag": the sequence is cut into 2W chunks and rank r holds chunks r and 2W-1-r, so that
-  under a causal mask every rank does the same work (zigzag_shard / zigzag_unshard).
-"""
+"""Ring attention: each rank holds a shard of the sequence (a layout of shards.py); K/V shards
+travel around the ring (torch.distributed batch_isend_irecv, the next transfer in flight while the
+current block computes), partial outputs merge exactly through their log-sum-exps, and the
+backward sends the dK/dV accumulators around the ring with their K/V."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..errors import ErrorCode, check_attention_inputs, fail, lse_dtype, resolve_scale
+from ..errors import check_attention_inputs, lse_dtype, resolve_scale
 from ..params import AttentionParams
-
-LAYOUTS = ("contiguous", "zigzag")
-
-
-def zigzag_shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
-    """Rank `rank`'s zigzag shard of the full tensor x: chunks rank and 2*world_size-1-rank of
-    x cut into 2*world_size equal chunks along dim (the sequence dim, 1 in flash-attn's layout)."""
-    if x.shape[dim] % (2 * world_size) != 0:
-        fail(ErrorCode.SHAPE_MISMATCH, f"zigzag needs the sequence length ({x.shape[dim]} in dim {dim}) to be a "
-             f"multiple of 2 * world_size = {2 * world_size}")
-    chunks = x.chunk(2 * world_size, dim=dim)
-    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=dim)
-
-
-def zigzag_unshard(local: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
-    """Inverse of zigzag_shard: gathers every rank's shard and returns the full tensor (on every rank)."""
-    world_size = dist.get_world_size(group)
-    shards = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(shards, local.contiguous(), group=group)
-    halves = [s.chunk(2, dim=dim) for s in shards]
-    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
-
+from .shards import check_shards, require_process_group
 
 class _Ring:
     """Sends a list of tensors to the next rank and receives the previous rank's, asynchronously."""
@@ -160,25 +133,6 @@ class _RingFlashAttn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _check_shards(q, k, group, layout):
-    """Every rank must hold shards of the same shape; all ranks see the same gathered shapes and
-    so raise together, instead of one rank raising and the others hanging in the ring."""
-    size = dist.get_world_size(group)
-    mine = torch.tensor(list(q.shape) + list(k.shape), dtype=torch.int64,
-                        device=q.device if dist.get_backend(group) == "nccl" else "cpu")
-    shapes = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(shapes, mine, group=group)
-    shapes = [tuple(s.tolist()) for s in shapes]
-    if len(set(shapes)) != 1:
-        listing = ", ".join(f"rank {r}: q {s[:4]}, k {s[4:]}" for r, s in enumerate(shapes))
-        fail(ErrorCode.SHAPE_MISMATCH, f"ring attention needs shards of the same shape on every rank; got {listing}")
-    if q.shape[1] != k.shape[1]:
-        fail(ErrorCode.SHAPE_MISMATCH, f"q and k shards must cover the same positions (seqlen {q.shape[1]} vs "
-             f"{k.shape[1]})")
-    if layout == "zigzag" and q.shape[1] % 2 != 0:
-        fail(ErrorCode.SHAPE_MISMATCH, f"a zigzag shard holds two equal chunks; its seqlen {q.shape[1]} is odd")
-
-
 def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, layout="contiguous"):
     """Exact attention over a sequence sharded across the ranks of `group` (default: the world).
 
@@ -193,13 +147,9 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
     Returns:
         this rank's shard of the output, (batch, seqlen_local, nheads, headdim).
     """
-    if not dist.is_available() or not dist.is_initialized():
-        fail(ErrorCode.INVALID_ARGUMENT, "ring_flash_attn_func needs an initialized torch.distributed process "
-             "group (torch.distributed.init_process_group)")
-    if layout not in LAYOUTS:
-        fail(ErrorCode.INVALID_ARGUMENT, f"layout={layout!r}; accepted: {', '.join(LAYOUTS)}")
+    require_process_group("ring_flash_attn_func", layout)
     check_attention_inputs(q, k, v)
     ops.backend_name(q.device, q.dtype)
-    _check_shards(q, k, group, layout)
+    check_shards(q, k, group, layout)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     return _RingFlashAttn.apply(q, k, v, scale, bool(causal), layout, group)

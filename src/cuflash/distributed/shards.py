@@ -1,0 +1,76 @@
+"""How a sequence is cut into shards across the ranks of a process group, shared by the ring and the
+all-to-all attention.
+
+Layouts of the shards along the sequence (world size W):
+- "contiguous": rank r holds chunk r of W.
+- "zigzag": the sequence is cut into 2W chunks and rank r holds chunks r and 2W-1-r, so that
+  under a causal mask every rank does the same work in the ring (zigzag_shard / zigzag_unshard).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ErrorCode, fail
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def zigzag_shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
+    """Rank `rank`'s zigzag shard of the full tensor x: chunks rank and 2*world_size-1-rank of
+    x cut into 2*world_size equal chunks along dim (the sequence dim, 1 in flash-attn's layout)."""
+    if x.shape[dim] % (2 * world_size) != 0:
+        fail(ErrorCode.SHAPE_MISMATCH, f"zigzag needs the sequence length ({x.shape[dim]} in dim {dim}) to be a "
+             f"multiple of 2 * world_size = {2 * world_size}")
+    chunks = x.chunk(2 * world_size, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=dim)
+
+
+def zigzag_unshard(local: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
+    """Inverse of zigzag_shard: gathers every rank's shard and returns the full tensor (on every rank)."""
+    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return join_sequence(shards, "zigzag", dim)
+
+
+def split_sequence(x: torch.Tensor, world_size: int, layout: str, dim: int = 1) -> list[torch.Tensor]:
+    """The shards of every rank, in rank order, of the whole sequence x (along dim)."""
+    if layout == "contiguous":
+        return list(x.chunk(world_size, dim=dim))
+    return [zigzag_shard(x, r, world_size, dim) for r in range(world_size)]
+
+
+def join_sequence(shards: list[torch.Tensor], layout: str, dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's shard, in rank order (split_sequence's inverse)."""
+    if layout == "contiguous":
+        return torch.cat(shards, dim=dim)
+    halves = [s.chunk(2, dim=dim) for s in shards]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
+
+
+def require_process_group(name: str, layout: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        fail(ErrorCode.INVALID_ARGUMENT, f"{name} needs an initialized torch.distributed process group "
+             "(torch.distributed.init_process_group)")
+    if layout not in LAYOUTS:
+        fail(ErrorCode.INVALID_ARGUMENT, f"layout={layout!r}; accepted: {', '.join(LAYOUTS)}")
+
+
+def check_shards(q, k, group, layout: str) -> None:
+    """Every rank must hold shards of the same shape; all ranks see the same gathered shapes and
+    so raise together, instead of one rank raising and the others hanging in a collective."""
+    size = dist.get_world_size(group)
+    mine = torch.tensor(list(q.shape) + list(k.shape), dtype=torch.int64,
+                        device=q.device if dist.get_backend(group) == "nccl" else "cpu")
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=group)
+    shapes = [tuple(s.tolist()) for s in gathered]
+    if len(set(shapes)) != 1:
+        listing = ", ".join(f"rank {r}: q {s[:4]}, k {s[4:]}" for r, s in enumerate(shapes))
+        fail(ErrorCode.SHAPE_MISMATCH,
+             f"context parallelism needs shards of the same shape on every rank; got {listing}")
+    if q.shape[1] != k.shape[1]:
+        fail(ErrorCode.SHAPE_MISMATCH, f"q and k shards must cover the same positions (seqlen {q.shape[1]} vs "
+             f"{k.shape[1]})")
+    if layout == "zigzag" and q.shape[1] % 2 != 0:
+        fail(ErrorCode.SHAPE_MISMATCH, f"a zigzag shard holds two equal chunks; its seqlen {q.shape[1]} is odd")

@@ -1,0 +1,80 @@
+"""All-to-all (DeepSpeed-Ulysses style) attention: each rank holds a shard of the sequence with every
+head; one all-to-all trades it for the whole sequence of nheads / W heads (W ranks), each rank runs
+cuflash on its heads with any option the single-GPU call has (causal, windows, softcap, ALiBi, GQA),
+and a second all-to-all returns the output to the sequence shards. The backward runs the same two
+exchanges in reverse. Per rank it moves q, k, v and out once each way, whatever the sequence length;
+the ring (ring.py) instead moves K/V W - 1 times, but needs no head count divisible by W.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from ..errors import ErrorCode, check_attention_inputs, fail
+from ..interface import flash_attn_func
+from .shards import check_shards, join_sequence, require_process_group, split_sequence
+
+
+def _seq_to_heads(x: torch.Tensor, group, layout: str) -> torch.Tensor:
+    """(B, seqlen_local, H, D) shards of the sequence -> (B, seqlen, H / W, D): this rank's heads."""
+    parts = [p.contiguous() for p in x.chunk(dist.get_world_size(group), dim=2)]
+    received = [torch.empty_like(p) for p in parts]
+    dist.all_to_all(received, parts, group=group)  # received[j]: rank j's shard of this rank's heads
+    return join_sequence(received, layout)
+
+
+def _heads_to_seq(x: torch.Tensor, group, layout: str) -> torch.Tensor:
+    """_seq_to_heads's inverse: (B, seqlen, H / W, D) -> (B, seqlen_local, H, D)."""
+    parts = [p.contiguous() for p in split_sequence(x, dist.get_world_size(group), layout)]
+    received = [torch.empty_like(p) for p in parts]
+    dist.all_to_all(received, parts, group=group)  # received[j]: this rank's shard of rank j's heads
+    return torch.cat(received, dim=2)
+
+
+class _Exchange(torch.autograd.Function):
+    """An all-to-all whose gradient is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group, layout, to_heads: bool):
+        ctx.args = (group, layout, to_heads)
+        return _seq_to_heads(x, group, layout) if to_heads else _heads_to_seq(x, group, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, layout, to_heads = ctx.args
+        return (_heads_to_seq(grad, group, layout) if to_heads else _seq_to_heads(grad, group, layout)), None, None, \
+            None
+
+
+def ulysses_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                            softcap=0.0, alibi_slopes=None, layout="contiguous"):
+    """Exact attention over a sequence sharded across the ranks of `group` (default: the world),
+    by exchanging heads for sequence (all-to-all).
+
+    Args:
+        q: (batch, seqlen_local, nheads, headdim), this rank's shard of the queries.
+        k, v: (batch, seqlen_local, nheads_k, headdim), the same positions' keys and values.
+            nheads and nheads_k must be multiples of the group's size W (each rank attends with
+            nheads / W query heads and their nheads_k / W KV heads).
+        softmax_scale, causal, window_size, softcap: as flash_attn_func, over the global positions.
+        alibi_slopes: (nheads,) or (batch, nheads) fp32, the same on every rank.
+        layout: how the sequence was cut: "contiguous" or "zigzag" (see shards.py).
+    Returns:
+        this rank's shard of the output, (batch, seqlen_local, nheads, headdim).
+    """
+    require_process_group("ulysses_flash_attn_func", layout)
+    check_attention_inputs(q, k, v)
+    ops.backend_name(q.device, q.dtype)
+    check_shards(q, k, group, layout)
+    world = dist.get_world_size(group)
+    for name, heads in (("nheads", q.shape[2]), ("nheads_k", k.shape[2])):
+        if heads % world:
+            fail(ErrorCode.SHAPE_MISMATCH, f"all-to-all attention gives each of the {world} ranks {name} / {world} "
+                 f"heads: {name} = {heads} is not a multiple of {world} (ring_flash_attn_func takes any count)")
+    if alibi_slopes is not None:  # this rank's heads
+        alibi_slopes = alibi_slopes.chunk(world, dim=-1)[dist.get_rank(group)]
+    q, k, v = (_Exchange.apply(t, group, layout, True) for t in (q, k, v))
+    out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                          softcap=softcap, alibi_slopes=alibi_slopes)
+    return _Exchange.apply(out, group, layout, False)
