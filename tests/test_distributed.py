@@ -12,7 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import cuflash
-from cuflash.distributed import ring_flash_attn_func, ulysses_flash_attn_func, zigzag_shard, zigzag_unshard
+from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_func, \
+    ulysses_flash_attn_func, zigzag_shard, zigzag_unshard
+from cuflash.distributed.shards import join_sequence
 
 DEADLINE_S = 120
 
@@ -102,8 +104,48 @@ def _check_ulysses_heads(rank, world):
     assert info.value.code == cuflash.ErrorCode.SHAPE_MISMATCH and "nheads" in str(info.value)
 
 
-CHECKS = {"full": _check_against_full, "ulysses": _check_ulysses, "ulysses_heads": _check_ulysses_heads,
-          "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag}
+def _mesh_unshard(x, mesh, layout):
+    """The whole sequence from every rank's context_parallel_shard (ranks row-major over the mesh)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    if mesh.ndim == 2:  # ring shard i is the concatenation of its all-to-all ranks' parts
+        inner = mesh.size(1)
+        parts = [torch.cat(parts[i * inner:(i + 1) * inner], dim=1) for i in range(mesh.size(0))]
+    return join_sequence(parts, layout)
+
+
+def _check_mesh(rank, world):
+    """context_parallel_attn_func over a DeviceMesh: 2 ranks as a 1-D mesh (the all-to-all where the
+    heads divide, the ring where not), 4 ranks as 2 x 2 (the hybrid: ring over dim 0, all-to-all
+    within dim 1), both layouts, causal or not, GQA, forward and backward, against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,) if world == 2 else (2, world // 2))
+    heads = [(4, 2), (3, 3)] if world == 2 else [(4, 2)]
+    for layout in ("contiguous", "zigzag"):
+        for causal in (False, True):
+            for nheads, nheads_k in heads:
+                torch.manual_seed(2)
+                q, k, v, dout = (torch.randn(2, 8 * world, h, 8, dtype=torch.float64)
+                                 for h in (nheads, nheads_k, nheads_k, nheads))
+                full = [t.clone().requires_grad_() for t in (q, k, v)]
+                ref = cuflash.flash_attn_func(*full, causal=causal)
+                ref.backward(dout)
+                local = [context_parallel_shard(t, mesh, layout).detach().clone().requires_grad_() for t in (q, k, v)]
+                out = context_parallel_attn_func(*local, mesh, causal=causal, layout=layout)
+                out.backward(context_parallel_shard(dout, mesh, layout))
+                what = f"mesh {tuple(mesh.shape)} layout={layout} causal={causal} heads={nheads}/{nheads_k}"
+                for part, mine, theirs in (("out", out.detach(), ref.detach()), ("dq", local[0].grad, full[0].grad),
+                                           ("dk", local[1].grad, full[1].grad), ("dv", local[2].grad, full[2].grad)):
+                    err = ((_mesh_unshard(mine, mesh, layout) - theirs).norm() / theirs.norm()).item()
+                    assert err < 1e-12, f"{what}: {part} error {err:.2e}"
+    q = torch.randn(1, 8, 4, 8)
+    for mode, words in (("hybrid", "2-D") if world == 2 else ("ring", "2-D"), ("sideways", "mode")):
+        with pytest.raises(cuflash.FlashAttentionError, match=words):
+            context_parallel_attn_func(q, q, q, mesh, mode=mode)
+
+
+CHECKS = {"full": _check_against_full, "mesh": _check_mesh, "ulysses": _check_ulysses,
+          "ulysses_heads": _check_ulysses_heads, "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag}
 
 
 def _worker(rank, world, init_file, result_dir, check):
@@ -154,6 +196,11 @@ def test_ring_matches_single_process(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ulysses_matches_single_process(world):
     _run(world, "ulysses")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_over_a_device_mesh(world):
+    _run(world, "mesh")
 
 
 @pytest.mark.parametrize("check", ["mismatch", "odd_zigzag", "ulysses_heads"])

@@ -3,7 +3,8 @@ head; one all-to-all trades it for the whole sequence of nheads / W heads (W ran
 cuflash on its heads with any option the single-GPU call has (causal, windows, softcap, ALiBi, GQA),
 and a second all-to-all returns the output to the sequence shards. The backward runs the same two
 exchanges in reverse. Per rank it moves q, k, v and out once each way, whatever the sequence length;
-the ring (ring.py) instead moves K/V W - 1 times, but needs no head count divisible by W.
+the ring (ring.py) instead moves K/V W - 1 times, but needs no head count divisible by W. The hybrid
+runs the all-to-all inside a node and the ring across nodes.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from .. import ops
 from ..errors import ErrorCode, check_attention_inputs, fail
 from ..interface import flash_attn_func
+from .ring import ring_flash_attn_func
 from .shards import check_shards, join_sequence, require_process_group, split_sequence
 
 
@@ -47,6 +49,14 @@ class _Exchange(torch.autograd.Function):
             None
 
 
+def _check_heads(q: torch.Tensor, k: torch.Tensor, group) -> None:
+    world = dist.get_world_size(group)
+    for name, heads in (("nheads", q.shape[2]), ("nheads_k", k.shape[2])):
+        if heads % world:
+            fail(ErrorCode.SHAPE_MISMATCH, f"all-to-all attention gives each of the {world} ranks {name} / {world} "
+                 f"heads: {name} = {heads} is not a multiple of {world} (ring_flash_attn_func takes any count)")
+
+
 def ulysses_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                             softcap=0.0, alibi_slopes=None, layout="contiguous"):
     """Exact attention over a sequence sharded across the ranks of `group` (default: the world),
@@ -67,14 +77,32 @@ def ulysses_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=Fals
     check_attention_inputs(q, k, v)
     ops.backend_name(q.device, q.dtype)
     check_shards(q, k, group, layout)
-    world = dist.get_world_size(group)
-    for name, heads in (("nheads", q.shape[2]), ("nheads_k", k.shape[2])):
-        if heads % world:
-            fail(ErrorCode.SHAPE_MISMATCH, f"all-to-all attention gives each of the {world} ranks {name} / {world} "
-                 f"heads: {name} = {heads} is not a multiple of {world} (ring_flash_attn_func takes any count)")
+    _check_heads(q, k, group)
     if alibi_slopes is not None:  # this rank's heads
-        alibi_slopes = alibi_slopes.chunk(world, dim=-1)[dist.get_rank(group)]
+        alibi_slopes = alibi_slopes.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)]
     q, k, v = (_Exchange.apply(t, group, layout, True) for t in (q, k, v))
     out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                           softcap=softcap, alibi_slopes=alibi_slopes)
     return _Exchange.apply(out, group, layout, False)
+
+
+def hybrid_flash_attn_func(q, k, v, ring_group, a2a_group, softmax_scale=None, causal=False, layout="contiguous"):
+    """All-to-all inside `a2a_group` (the GPUs of a node), ring across `ring_group` (the nodes): each
+    rank holds shard a2a_rank of its ring shard (hybrid_shard), one all-to-all gives it the ring shard
+    of nheads / A heads (A = a2a_group's size), ring attention runs over ring_group on those, and the
+    output goes back the same way. layout: the ring's ("contiguous" or "zigzag"; see shards.py).
+    nheads and nheads_k must be multiples of A. Returns this rank's shard of the output."""
+    require_process_group("hybrid_flash_attn_func", layout)
+    check_attention_inputs(q, k, v)
+    check_shards(q, k, a2a_group, "contiguous")
+    _check_heads(q, k, a2a_group)
+    q, k, v = (_Exchange.apply(t, a2a_group, "contiguous", True) for t in (q, k, v))
+    out = ring_flash_attn_func(q, k, v, group=ring_group, softmax_scale=softmax_scale, causal=causal, layout=layout)
+    return _Exchange.apply(out, a2a_group, "contiguous", False)
+
+
+def hybrid_shard(x: torch.Tensor, ring_rank: int, ring_size: int, a2a_rank: int, a2a_size: int,
+                 layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+    """The shard of the whole sequence x that hybrid_flash_attn_func expects on the rank at
+    (ring_rank, a2a_rank): chunk a2a_rank of a2a_size of ring shard ring_rank (in `layout`)."""
+    return split_sequence(x, ring_size, layout, dim)[ring_rank].chunk(a2a_size, dim=dim)[a2a_rank]
