@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import cuflash
 from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_func, \
-    ulysses_flash_attn_func, zigzag_shard, zigzag_unshard
+    ulysses_flash_attn_func, ulysses_flash_attn_varlen_func, zigzag_shard, zigzag_unshard
 from cuflash.distributed.shards import join_sequence
 
 DEADLINE_S = 120
@@ -97,6 +97,32 @@ def _check_ulysses(rank, world):
                     assert err < tol, f"{what}: {part} error {err:.2e}"
 
 
+def _check_ulysses_varlen(rank, world):
+    """Packed documents (cu_seqlens) through the all-to-all: each rank holds a contiguous share of the
+    packed tokens, documents crossing the shares' edges; against flash_attn_varlen_func in one process."""
+    lens = [5, 9, 4, 6, 0, 6]  # 30 tokens: a multiple of 2 and 3; one empty document
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    for causal in (False, True):
+        for nheads_k in (6, world):
+            torch.manual_seed(3)
+            q, dout = torch.randn(30, 6, 8, dtype=torch.float64), torch.randn(30, 6, 8, dtype=torch.float64)
+            k, v = (torch.randn(30, nheads_k, 8, dtype=torch.float64) for _ in range(2))
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = cuflash.flash_attn_varlen_func(*full, cu, cu, max(lens), max(lens), causal=causal)
+            ref.backward(dout)
+            local = [t.chunk(world)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
+            out = ulysses_flash_attn_varlen_func(*local, cu, cu, max(lens), max(lens), causal=causal)
+            out.backward(dout.chunk(world)[rank])
+            for part, mine, theirs in (("out", out.detach(), ref.detach()), ("dq", local[0].grad, full[0].grad),
+                                       ("dk", local[1].grad, full[1].grad), ("dv", local[2].grad, full[2].grad)):
+                parts = [torch.empty_like(mine) for _ in range(world)]
+                dist.all_gather(parts, mine.contiguous())
+                err = ((torch.cat(parts) - theirs).norm() / theirs.norm()).item()
+                assert err < 1e-12, f"varlen causal={causal} heads=6/{nheads_k}: {part} error {err:.2e}"
+    with pytest.raises(cuflash.FlashAttentionError, match="pad it"):
+        ulysses_flash_attn_varlen_func(q[:7], k[:7], v[:7], cu, cu, max(lens), max(lens))
+
+
 def _check_ulysses_heads(rank, world):
     q, k = torch.randn(1, 8, 2 * world + 1, 8), torch.randn(1, 8, 1, 8)
     with pytest.raises(cuflash.FlashAttentionError) as info:
@@ -145,6 +171,7 @@ def _check_mesh(rank, world):
 
 
 CHECKS = {"full": _check_against_full, "mesh": _check_mesh, "ulysses": _check_ulysses,
+          "ulysses_varlen": _check_ulysses_varlen,
           "ulysses_heads": _check_ulysses_heads, "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag}
 
 
@@ -196,6 +223,11 @@ def test_ring_matches_single_process(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ulysses_matches_single_process(world):
     _run(world, "ulysses")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ulysses_varlen_matches_single_process(world):
+    _run(world, "ulysses_varlen")
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -4,7 +4,8 @@ DeviceMesh."""
 from .mesh import context_parallel_attn_func, context_parallel_shard
 from .ring import ring_flash_attn_func
 from .shards import zigzag_shard, zigzag_unshard
-from .ulysses import hybrid_flash_attn_func, hybrid_shard, ulysses_flash_attn_func
+from .ulysses import hybrid_flash_attn_func, hybrid_shard, ulysses_flash_attn_func, ulysses_flash_attn_varlen_func
 
 __all__ = ["context_parallel_attn_func", "context_parallel_shard", "hybrid_flash_attn_func", "hybrid_shard",
-           "ring_flash_attn_func", "ulysses_flash_attn_func", "zigzag_shard", "zigzag_unshard"]
+           "ring_flash_attn_func", "ulysses_flash_attn_func", "ulysses_flash_attn_varlen_func", "zigzag_shard",
+           "zigzag_unshard"]

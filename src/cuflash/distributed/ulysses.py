@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .. import ops
 from ..errors import ErrorCode, check_attention_inputs, fail
-from ..interface import flash_attn_func
+from ..interface import flash_attn_func, flash_attn_varlen_func
 from .ring import ring_flash_attn_func
 from .shards import check_shards, join_sequence, require_process_group, split_sequence
 
@@ -74,17 +74,46 @@ def ulysses_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=Fals
         this rank's shard of the output, (batch, seqlen_local, nheads, headdim).
     """
     require_process_group("ulysses_flash_attn_func", layout)
+    if alibi_slopes is not None:  # this rank's heads
+        alibi_slopes = alibi_slopes.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)]
+    return _exchanged(q, k, v, group, layout, lambda a, b, c: flash_attn_func(
+        a, b, c, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes))
+
+
+def ulysses_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, group=None,
+                                   softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                   alibi_slopes=None):
+    """ulysses_flash_attn_func for a packed batch of documents (flash_attn_varlen_func's layout): q
+    (total_q / W, nheads, headdim) is this rank's contiguous share of the packed queries, k and v
+    (total_k / W, nheads_k, headdim) of the keys and values (pad the packed batch to a multiple of W);
+    cu_seqlens_q / cu_seqlens_k, max_seqlen_q / max_seqlen_k describe the whole batch, the same on
+    every rank. Returns this rank's share of the output, (total_q / W, nheads, headdim)."""
+    require_process_group("ulysses_flash_attn_varlen_func", "contiguous")
+    world = dist.get_world_size(group)
+    for name, t, cu in (("q", q, cu_seqlens_q), ("k", k, cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            fail(ErrorCode.INVALID_DIMENSION, f"{name} must be (total / world_size, nheads, headdim), got "
+                 f"{getattr(t, 'shape', t)!r}")
+        if isinstance(cu, torch.Tensor) and t.shape[0] * world != int(cu[-1]):
+            fail(ErrorCode.SHAPE_MISMATCH, f"{name} holds {t.shape[0]} tokens on each of {world} ranks, but the "
+                 f"packed batch has {int(cu[-1])}: pad it to a multiple of {world}")
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.chunk(world, dim=-1)[dist.get_rank(group)]
+    out = _exchanged(q[None], k[None], v[None], group, "contiguous", lambda a, b, c: flash_attn_varlen_func(
+        a[0], b[0], c[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
+        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)[None])
+    return out[0]
+
+
+def _exchanged(q, k, v, group, layout: str, attend):
+    """attend(q, k, v) on the whole sequence of this rank's heads, between the two all-to-alls."""
     check_attention_inputs(q, k, v)
     ops.backend_name(q.device, q.dtype)
     check_shards(q, k, group, layout)
     _check_heads(q, k, group)
-    if alibi_slopes is not None:  # this rank's heads
-        alibi_slopes = alibi_slopes.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)]
     q, k, v = (_Exchange.apply(t, group, layout, True) for t in (q, k, v))
-    out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                          softcap=softcap, alibi_slopes=alibi_slopes)
-    return _Exchange.apply(out, group, layout, False)
-
+    return _Exchange.apply(attend(q, k, v), group, layout, False)
 
 def hybrid_flash_attn_func(q, k, v, ring_group, a2a_group, softmax_scale=None, causal=False, layout="contiguous"):
     """All-to-all inside `a2a_group` (the GPUs of a node), ring across `ring_group` (the nodes): each
@@ -93,12 +122,8 @@ def hybrid_flash_attn_func(q, k, v, ring_group, a2a_group, softmax_scale=None, c
     output goes back the same way. layout: the ring's ("contiguous" or "zigzag"; see shards.py).
     nheads and nheads_k must be multiples of A. Returns this rank's shard of the output."""
     require_process_group("hybrid_flash_attn_func", layout)
-    check_attention_inputs(q, k, v)
-    check_shards(q, k, a2a_group, "contiguous")
-    _check_heads(q, k, a2a_group)
-    q, k, v = (_Exchange.apply(t, a2a_group, "contiguous", True) for t in (q, k, v))
-    out = ring_flash_attn_func(q, k, v, group=ring_group, softmax_scale=softmax_scale, causal=causal, layout=layout)
-    return _Exchange.apply(out, a2a_group, "contiguous", False)
+    return _exchanged(q, k, v, a2a_group, "contiguous", lambda a, b, c: ring_flash_attn_func(
+        a, b, c, group=ring_group, softmax_scale=softmax_scale, causal=causal, layout=layout))
 
 
 def hybrid_shard(x: torch.Tensor, ring_rank: int, ring_size: int, a2a_rank: int, a2a_size: int,
