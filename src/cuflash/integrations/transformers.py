@@ -89,3 +89,27 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out_tokens = flash_attn_varlen_func(q_tokens, k_tokens, v_tokens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, **options)
     return pad_input(out_tokens, q_indices, batch, seqlen_q), None
+
+
+def register_context_parallel(mesh, name: str = "cuflash_cp", layout: str = "contiguous", mode: str = "auto") -> None:
+    """Registers `name` as an attention implementation that attends across the context-parallel
+    DeviceMesh `mesh` (cuflash.distributed.context_parallel_attn_func): each rank runs the model on
+    its shard of the sequence (cuflash.distributed.context_parallel_shard of the input ids and of the
+    global position ids), causal over the global positions. No padding mask (train on packed or
+    full-length sequences)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    from ..distributed import context_parallel_attn_func
+
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs):
+        if attention_mask is not None:
+            raise ValueError(f"{name}: context parallelism takes no padding mask; pass full-length sequences")
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        causal = bool(getattr(module, "is_causal", True))
+        return context_parallel_attn_func(q, k, v, mesh, softmax_scale=scaling, causal=causal, layout=layout,
+                                          mode=mode), None
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, flash_attention_mask)
