@@ -13,26 +13,30 @@ from ..params import AttentionParams
 from .shards import check_shards, require_process_group
 
 class _Ring:
-    """Sends a list of tensors to the next rank and receives the previous rank's, asynchronously."""
+    """Sends lists of tensors to the next rank and receives the previous rank's, asynchronously;
+    several exchanges may be in flight (every rank starts them in the same order, which is how the
+    sends and receives pair up)."""
 
     def __init__(self, group):
         self.group = group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (rank + 1) % size) if group is not None else (rank + 1) % size
         self.prev = dist.get_global_rank(group, (rank - 1) % size) if group is not None else (rank - 1) % size
-        self.pending = []
 
-    def start(self, tensors):
+    def start(self, tensors) -> tuple[list[torch.Tensor], list]:
+        """Starts one exchange; returns (the tensors being received, the requests to wait for)."""
         received = [torch.empty_like(t) for t in tensors]
         ops_ = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops_ += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
-        self.pending = dist.batch_isend_irecv(ops_)
-        return received
+        return received, dist.batch_isend_irecv(ops_)
 
-    def wait(self):
-        for req in self.pending:
+    @staticmethod
+    def wait(exchange) -> list[torch.Tensor]:
+        """The received tensors of an exchange, once it is complete (its sends too)."""
+        received, requests = exchange
+        for req in requests:
             req.wait()
-        self.pending = []
+        return received
 
 
 def _blocks(rank: int, src: int, seqlen: int, causal: bool, layout: str):
@@ -75,46 +79,45 @@ def _ring_forward(q, k, v, scale, causal, layout, group):
     lse = torch.full((batch, nheads, seqlen), float("inf"), dtype=lse_dtype(q.dtype), device=q.device)
     kv = [k, v]
     for step in range(size):
-        if step + 1 < size:
-            incoming = ring.start(kv)
+        incoming = ring.start(kv) if step + 1 < size else None
         src = (rank - step) % size
         for qs, ks, blk_causal in _blocks(rank, src, seqlen, causal, layout):
             o, o_lse = ops.forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], _block_params(scale, blk_causal))
             out[:, qs], lse[..., qs] = _merge(out[:, qs], lse[..., qs], o, o_lse)
-        if step + 1 < size:
-            ring.wait()
-            kv = incoming
+        if incoming is not None:
+            kv = ring.wait(incoming)
     return out.to(q.dtype), lse
 
 
 def _ring_backward(dout, q, k, v, out, lse, scale, causal, layout, group):
+    """At step s a rank holds the K/V shard of rank (rank - s) and computes its gradients' share into
+    fresh buffers while two exchanges run: the next K/V shard, and the dK/dV accumulated for this shard
+    by the ranks before it (sent by the previous rank at the end of its step s - 1). The sum leaves for
+    the next rank at the end of the step; after the last step it arrives home."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     ring = _Ring(group)
     acc_dtype = lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    # K/V travel with the dK/dV accumulated for them so far (fp32, or fp64 for fp64 inputs).
-    travel = [k, v, torch.zeros(k.shape, dtype=acc_dtype, device=k.device),
-              torch.zeros(v.shape, dtype=acc_dtype, device=v.device)]
+    kv, grads_in = [k, v], None
     for step in range(size):
         src = (rank - step) % size
-        kk, vv, dk, dv = travel
-        # The K/V shards can leave as soon as they arrive; the accumulators only after this step.
-        incoming_kv = ring.start([kk, vv]) if step + 1 < size else None
+        kv_in = ring.start(kv) if step + 1 < size else None
+        dk, dv = (torch.zeros(t.shape, dtype=acc_dtype, device=t.device) for t in kv)
         for qs, ks, blk_causal in _blocks(rank, src, q.shape[1], causal, layout):
-            g_q, g_k, g_v = ops.backward(dout[:, qs], q[:, qs], kk[:, ks], vv[:, ks], out[:, qs],
+            g_q, g_k, g_v = ops.backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
                                          lse[..., qs], _block_params(scale, blk_causal))
             dq[:, qs] += g_q
             dk[:, ks] += g_k
             dv[:, ks] += g_v
-        ring.wait()
-        # dK/dV of src's shard move on with it; after the last step they go one more hop, home.
-        incoming_grads = ring.start([dk, dv])
-        ring.wait()
-        if incoming_kv is not None:
-            travel = incoming_kv + incoming_grads
-        else:
-            travel = [None, None] + incoming_grads
-    return dq.to(q.dtype), travel[2].to(k.dtype), travel[3].to(v.dtype)
+        if grads_in is not None:  # what the ranks before this one accumulated for the shard
+            before_k, before_v = ring.wait(grads_in)
+            dk += before_k
+            dv += before_v
+        grads_in = ring.start([dk, dv])
+        if kv_in is not None:
+            kv = ring.wait(kv_in)
+    dk, dv = ring.wait(grads_in)  # this rank's own shard, from the previous rank after the last step
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingFlashAttn(torch.autograd.Function):
