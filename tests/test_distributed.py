@@ -268,12 +268,14 @@ def test_fsdp2_context_parallel_example_matches_one_process(tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "train_llama_cp.py"
     env = dict(os.environ, CUFLASH_BACKEND="cpu", OMP_NUM_THREADS="1")
     runs = {"one": [sys.executable, str(example)],
-            "cp2": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(example), "--cp", "2"]}
+            "cp2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    str(example), "--cp", "2"]}
     losses = {}
     for name, command in runs.items():
         out = tmp_path / f"{name}.json"
-        subprocess.run(command + ["--device", "cpu", "--out", str(out)], check=True, env=env, timeout=DEADLINE_S,
-                       capture_output=True)
+        done = subprocess.run(command + ["--device", "cpu", "--out", str(out)], env=env, timeout=DEADLINE_S,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, f"{name} exited with {done.returncode}:\n{done.stderr[-3000:]}"
         losses[name] = json.loads(out.read_text())
     assert len(losses["one"]) == 3
     for one, cp in zip(losses["one"], losses["cp2"]):

@@ -166,8 +166,8 @@ def _hopper_d64(hopper: bool, block_d: int, length: Length, banded: bool):
         fwd = Tiles(64, 64, 4, 3) if length < L.LONGER else Tiles(128, 64, 4, 3, tma=True)
     forward: tuple[Candidate, ...] = (fwd,)
     if hopper and not (banded and length in (L.UP_TO_128, L.UP_TO_512)):
-        # Gluon: three consumers beyond 2k keys, and without a band at 257-512 and 1025-2048 keys;
-        # 64-key tiles in 6 buffers up to 512 keys, and causal up to 1k.
+        # Gluon but causal up to 128 and at 257-512 keys: three consumers beyond 2k keys, and without a
+        # band at 257-512 and 1025-2048 keys; 64-key tiles in 6 buffers up to 512 keys, and causal up to 1k.
         three = length == L.LONGER or (length in (L.UP_TO_512, L.UP_TO_2K) and not banded)
         short = length <= L.UP_TO_512 or (banded and length == L.UP_TO_1K)
         forward = (gluon.Forward(3 if three else 2, *((64, 6) if short else (128, 3))), fwd)
