@@ -280,3 +280,25 @@ def test_fsdp2_context_parallel_example_matches_one_process(tmp_path):
     assert len(losses["one"]) == 3
     for one, cp in zip(losses["one"], losses["cp2"]):
         assert abs(one - cp) < 1e-5 * abs(one), losses
+
+
+def test_cp_bench_runs_and_writes_its_table(tmp_path):
+    """scripts/cp_bench.py (the multi-GPU benchmark) at toy size on the CPU: its correctness check
+    passes and it writes one CSV row per mode and length."""
+    import csv
+    import subprocess
+    import sys
+    from pathlib import Path
+    bench = Path(__file__).resolve().parents[1] / "scripts" / "cp_bench.py"
+    env = dict(os.environ, CUFLASH_BACKEND="cpu", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(bench), "--device", "cpu", "--tokens", "128,256", "--heads", "4", "--kv-heads", "2",
+                           "--dim", "16", "--check-tokens", "64", "--out", str(tmp_path)],
+                          env=env, timeout=DEADLINE_S, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = [line for line in done.stdout.splitlines() if "vs one process" in line]
+    assert len(errors) == 2 and all(float(e) < 1e-5 for line in errors for e in line.split()[-7::2]), errors
+    rows = list(csv.DictReader(open(tmp_path / "cp_bench.csv")))
+    assert [(r["mode"], r["tokens"]) for r in rows] == [("ring", "128"), ("ring", "256"), ("ulysses", "128"),
+                                                          ("ulysses", "256")]

@@ -1,0 +1,187 @@
+"""Context parallelism on several GPUs: correctness against one process, then per-GPU throughput of the
+ring, the all-to-all and (with --inner) the hybrid against one GPU attending over the same per-GPU
+length, with the time of one exchange. Writes cp_bench.csv (a row per run) and cp_bench.png
+(efficiency against tokens). Causal, bf16, D=128, 32 query heads and 8 KV heads by default.
+
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=src torchrun --nproc_per_node=8 scripts/cp_bench.py \\
+        --tokens 131072,1048576 --modes ring,ulysses --out benchmarks/results/h100x8
+    PYTHONPATH=src torchrun --nproc_per_node=2 scripts/cp_bench.py --device cpu --tokens 256   # a smoke run
+"""
+import argparse
+import csv
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import cuflash
+from cuflash.distributed import context_parallel_attn_func, context_parallel_shard
+
+FIELDS = ["world_size", "tokens", "tokens_per_gpu", "mode", "fwd_ms", "fwdbwd_ms", "tflops_per_gpu_fwd",
+          "tflops_per_gpu_fwdbwd", "one_gpu_tflops_fwd", "one_gpu_tflops_fwdbwd", "efficiency_fwd",
+          "efficiency_fwdbwd", "exchange_ms"]
+
+
+def timed(fn, device, reps=5, warmup=2) -> float:
+    """Median milliseconds of fn() over reps, every rank starting together."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def problem(tokens, heads, kv_heads, dim, dtype, device, seed=0):
+    torch.manual_seed(seed)
+    return [torch.randn(1, tokens, h, dim, dtype=dtype, device=device) for h in (heads, kv_heads, kv_heads, heads)]
+
+
+def check(mesh, mode, args, device, dtype):
+    """Relative error of out, dq, dk, dv against one process on the whole sequence (every rank)."""
+    q, k, v, dout = problem(args.check_tokens, args.heads, args.kv_heads, args.dim, dtype, device)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = cuflash.flash_attn_func(*full, causal=True)
+    ref.backward(dout)
+    local = [context_parallel_shard(t, mesh).detach().clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attn_func(*local, mesh, causal=True, mode=mode)
+    out.backward(context_parallel_shard(dout, mesh))
+    errors = {}
+    for name, mine, theirs in (("out", out.detach(), ref), ("dq", local[0].grad, full[0].grad),
+                               ("dk", local[1].grad, full[1].grad), ("dv", local[2].grad, full[2].grad)):
+        theirs = context_parallel_shard(theirs.detach(), mesh).float()
+        errors[name] = ((mine.float() - theirs).norm() / theirs.norm()).item()
+    return errors
+
+
+def exchange_ms(mesh, mode, local, device) -> float:
+    """One exchange of a step: a K/V hop around the ring, or the all-to-alls of q, k and v (the hybrid's
+    within a node)."""
+    group = mesh.get_group(mesh.ndim - 1 if mode != "ring" else 0)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if mode == "ring":
+        nxt, prv = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
+        recv = [torch.empty_like(t) for t in local[1:3]]
+
+        def hop():
+            ops = [dist.P2POp(dist.isend, t, nxt, group) for t in local[1:3]]
+            ops += [dist.P2POp(dist.irecv, r, prv, group) for r in recv]
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return timed(hop, device)
+    parts = [[p.contiguous() for p in t.chunk(size, dim=2)] for t in local[:3]]
+    recv = [[torch.empty_like(p) for p in ps] for ps in parts]
+
+    def all_to_all():
+        for r, p in zip(recv, parts):
+            dist.all_to_all(r, p, group=group)
+    return timed(all_to_all, device)
+
+
+def run(mesh, mode, tokens, args, device, dtype) -> dict:
+    world = dist.get_world_size()
+    per_gpu = tokens // world
+    flops = 4 * args.heads * tokens * tokens * args.dim / 2  # causal
+    q, k, v, dout = problem(tokens, args.heads, args.kv_heads, args.dim, dtype, device)
+    local = [context_parallel_shard(t, mesh).detach().clone().requires_grad_() for t in (q, k, v)]
+    local_dout = context_parallel_shard(dout, mesh)
+    del q, k, v, dout
+    fwd = timed(lambda: context_parallel_attn_func(*local, mesh, causal=True, mode=mode), device)
+    both = timed(lambda: torch.autograd.grad(context_parallel_attn_func(*local, mesh, causal=True, mode=mode),
+                                             local, local_dout), device)
+    one = [t.detach().clone().requires_grad_() for t in problem(per_gpu, args.heads, args.kv_heads, args.dim,
+                                                                dtype, device)[:3]]
+    one_flops = 4 * args.heads * per_gpu * per_gpu * args.dim / 2
+    one_fwd = timed(lambda: cuflash.flash_attn_func(*one, causal=True), device)
+    one_both = timed(lambda: torch.autograd.grad(cuflash.flash_attn_func(*one, causal=True), one,
+                                                 torch.ones_like(one[0])), device)
+    row = dict(world_size=world, tokens=tokens, tokens_per_gpu=per_gpu, mode=mode, fwd_ms=fwd, fwdbwd_ms=both,
+               tflops_per_gpu_fwd=flops / world / fwd / 1e9, tflops_per_gpu_fwdbwd=3.5 * flops / world / both / 1e9,
+               one_gpu_tflops_fwd=one_flops / one_fwd / 1e9, one_gpu_tflops_fwdbwd=3.5 * one_flops / one_both / 1e9,
+               exchange_ms=exchange_ms(mesh, mode, local, device))
+    row["efficiency_fwd"] = row["tflops_per_gpu_fwd"] / row["one_gpu_tflops_fwd"]
+    row["efficiency_fwdbwd"] = row["tflops_per_gpu_fwdbwd"] / row["one_gpu_tflops_fwdbwd"]
+    return row
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot skipped: matplotlib is not installed")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in sorted({r["mode"] for r in rows}):
+        mine = [r for r in rows if r["mode"] == mode]
+        ax.plot([r["tokens"] for r in mine], [r["efficiency_fwdbwd"] for r in mine], marker="o",
+                label=f"{mode} fwd+bwd")
+        ax.plot([r["tokens"] for r in mine], [r["efficiency_fwd"] for r in mine], marker="x", linestyle="--",
+                label=f"{mode} fwd")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens (whole sequence)")
+    ax.set_ylabel("per-GPU efficiency vs one GPU")
+    ax.set_title(f"context parallelism on {rows[0]['world_size']} ranks")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tokens", default="131072,1048576", help="whole-sequence lengths, comma-separated")
+    p.add_argument("--modes", default="ring,ulysses", help="from ring, ulysses (a 1-D mesh) or hybrid (--inner)")
+    p.add_argument("--inner", type=int, default=0, help="the hybrid's all-to-all size (ranks per node)")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--check-tokens", type=int, default=8192)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    rows = []
+    for mode in args.modes.split(","):
+        shape = (world // args.inner, args.inner) if mode == "hybrid" else (world,)
+        mesh = init_device_mesh(device.type, shape)
+        errors = check(mesh, "auto" if mode == "hybrid" else mode, args, device, dtype)
+        if dist.get_rank() == 0:
+            print(f"{mode}: vs one process " + " ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)
+        for tokens in map(int, args.tokens.split(",")):
+            row = run(mesh, "auto" if mode == "hybrid" else mode, tokens, args, device, dtype)
+            row["mode"] = mode
+            rows.append(row)
+            if dist.get_rank() == 0:
+                print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if dist.get_rank() == 0 and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "cp_bench.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+        plot(rows, os.path.join(args.out, "cp_bench.png"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
