@@ -121,6 +121,16 @@ def _check_ulysses_varlen(rank, world):
                 assert err < 1e-12, f"varlen causal={causal} heads=6/{nheads_k}: {part} error {err:.2e}"
     with pytest.raises(cuflash.FlashAttentionError, match="pad it"):
         ulysses_flash_attn_varlen_func(q[:7], k[:7], v[:7], cu, cu, max(lens), max(lens))
+    # cross-attention: other key counts than query counts
+    lens_k = [3, 1, 8, 2, 4, 0]  # 18 keys
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    k, v = (torch.randn(18, 6, 8, dtype=torch.float64) for _ in range(2))
+    ref = cuflash.flash_attn_varlen_func(q, k, v, cu, cu_k, max(lens), max(lens_k), causal=True)
+    out = ulysses_flash_attn_varlen_func(*(t.chunk(world)[rank] for t in (q, k, v)), cu, cu_k, max(lens), max(lens_k),
+                                         causal=True)
+    parts = [torch.empty_like(out) for _ in range(world)]
+    dist.all_gather(parts, out.contiguous())
+    assert ((torch.cat(parts) - ref).norm() / ref.norm()).item() < 1e-12
 
 
 def _check_ulysses_heads(rank, world):

@@ -56,9 +56,11 @@ def require_process_group(name: str, layout: str) -> None:
         fail(ErrorCode.INVALID_ARGUMENT, f"layout={layout!r}; accepted: {', '.join(LAYOUTS)}")
 
 
-def check_shards(q, k, group, layout: str) -> None:
+def check_shards(q, k, group, layout: str, same_positions: bool = True) -> None:
     """Every rank must hold shards of the same shape; all ranks see the same gathered shapes and
-    so raise together, instead of one rank raising and the others hanging in a collective."""
+    so raise together, instead of one rank raising and the others hanging in a collective.
+    same_positions: q and k shards cover the same positions (not for a packed batch whose key count
+    differs from its query count)."""
     size = dist.get_world_size(group)
     mine = torch.tensor(list(q.shape) + list(k.shape), dtype=torch.int64,
                         device=q.device if dist.get_backend(group) == "nccl" else "cpu")
@@ -69,7 +71,7 @@ def check_shards(q, k, group, layout: str) -> None:
         listing = ", ".join(f"rank {r}: q {s[:4]}, k {s[4:]}" for r, s in enumerate(shapes))
         fail(ErrorCode.SHAPE_MISMATCH,
              f"context parallelism needs shards of the same shape on every rank; got {listing}")
-    if q.shape[1] != k.shape[1]:
+    if same_positions and q.shape[1] != k.shape[1]:
         fail(ErrorCode.SHAPE_MISMATCH, f"q and k shards must cover the same positions (seqlen {q.shape[1]} vs "
              f"{k.shape[1]})")
     if layout == "zigzag" and q.shape[1] % 2 != 0:

@@ -102,15 +102,16 @@ def ulysses_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
         alibi_slopes = alibi_slopes.chunk(world, dim=-1)[dist.get_rank(group)]
     out = _exchanged(q[None], k[None], v[None], group, "contiguous", lambda a, b, c: flash_attn_varlen_func(
         a[0], b[0], c[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
-        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)[None])
+        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)[None],
+        same_positions=False)
     return out[0]
 
 
-def _exchanged(q, k, v, group, layout: str, attend):
+def _exchanged(q, k, v, group, layout: str, attend, same_positions: bool = True):
     """attend(q, k, v) on the whole sequence of this rank's heads, between the two all-to-alls."""
     check_attention_inputs(q, k, v)
     ops.backend_name(q.device, q.dtype)
-    check_shards(q, k, group, layout)
+    check_shards(q, k, group, layout, same_positions)
     _check_heads(q, k, group)
     q, k, v = (_Exchange.apply(t, group, layout, True) for t in (q, k, v))
     return _Exchange.apply(attend(q, k, v), group, layout, False)
