@@ -68,9 +68,9 @@ def main(argv=None) -> list[float]:
             torch.cuda.set_device(device)
         assert dist.get_world_size() == world, f"launch {world} processes (--dp x --cp)"
     model = model_for(args, device)
+    import cuflash.integrations.transformers as cuflash_hf
     loss_scale, dp_rank, cp_mesh = 1.0, 0, None
     if world > 1:
-        import cuflash.integrations.transformers as cuflash_hf
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         inner = args.cp_inner or 1
@@ -89,7 +89,6 @@ def main(argv=None) -> list[float]:
         # loss (normalized by the whole sequence's token count), so their sum is the sequence's gradient.
         loss_scale = float(args.cp)
     else:
-        import cuflash.integrations.transformers as cuflash_hf
         cuflash_hf.register()
         model.config._attn_implementation = "cuflash"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -31,6 +31,22 @@ def _unshard(x, world, layout):
     return torch.cat(parts, dim=1)
 
 
+def _assert_matches(out, local, ref, full, unshard, tol, what):
+    """This rank's output and the gradients of its shards (local), made whole by unshard, against the
+    one-process output ref and the gradients of its inputs (full): relative error under tol."""
+    for name, mine, theirs in (("out", out.detach(), ref.detach()), ("dq", local[0].grad, full[0].grad),
+                               ("dk", local[1].grad, full[1].grad), ("dv", local[2].grad, full[2].grad)):
+        err = ((unshard(mine) - theirs).norm() / theirs.norm()).item()
+        assert err < tol, f"{what}: {name} error {err:.2e}"
+
+
+def _gather_tokens(x):
+    """Every rank's contiguous share of a packed (total, heads, dim) tensor, whole."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
 def _check_against_full(rank, world):
     for layout in ("contiguous", "zigzag"):
         for causal in (False, True):
@@ -47,11 +63,7 @@ def _check_against_full(rank, world):
                 out.backward(_shard(dout, rank, world, layout))
                 tol = 1e-12 if dtype == torch.float64 else 1e-5
                 what = f"layout={layout} causal={causal} heads={nheads}/{nheads_k} {dtype}"
-                for name, mine, theirs in (("out", out.detach(), ref.detach()), ("dq", local[0].grad, full[0].grad),
-                                           ("dk", local[1].grad, full[1].grad), ("dv", local[2].grad, full[2].grad)):
-                    got = _unshard(mine, world, layout)
-                    err = ((got - theirs).norm() / theirs.norm()).item()
-                    assert err < tol, f"{what}: {name} error {err:.2e}"
+                _assert_matches(out, local, ref, full, lambda x: _unshard(x, world, layout), tol, what)
 
 
 def _check_mismatched_shards(rank, world):
@@ -90,11 +102,7 @@ def _check_ulysses(rank, world):
                 out.backward(_shard(dout, rank, world, layout))
                 tol = 1e-12 if dtype == torch.float64 else 1e-5
                 what = f"layout={layout} {name} heads=6/{nheads_k} {dtype}"
-                for part, mine, theirs in (("out", out.detach(), ref.detach()), ("dq", local[0].grad, full[0].grad),
-                                           ("dk", local[1].grad, full[1].grad), ("dv", local[2].grad, full[2].grad)):
-                    got = _unshard(mine, world, layout)
-                    err = ((got - theirs).norm() / theirs.norm()).item()
-                    assert err < tol, f"{what}: {part} error {err:.2e}"
+                _assert_matches(out, local, ref, full, lambda x: _unshard(x, world, layout), tol, what)
 
 
 def _check_ulysses_varlen(rank, world):
@@ -113,12 +121,7 @@ def _check_ulysses_varlen(rank, world):
             local = [t.chunk(world)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
             out = ulysses_flash_attn_varlen_func(*local, cu, cu, max(lens), max(lens), causal=causal)
             out.backward(dout.chunk(world)[rank])
-            for part, mine, theirs in (("out", out.detach(), ref.detach()), ("dq", local[0].grad, full[0].grad),
-                                       ("dk", local[1].grad, full[1].grad), ("dv", local[2].grad, full[2].grad)):
-                parts = [torch.empty_like(mine) for _ in range(world)]
-                dist.all_gather(parts, mine.contiguous())
-                err = ((torch.cat(parts) - theirs).norm() / theirs.norm()).item()
-                assert err < 1e-12, f"varlen causal={causal} heads=6/{nheads_k}: {part} error {err:.2e}"
+            _assert_matches(out, local, ref, full, _gather_tokens, 1e-12, f"varlen causal={causal} heads=6/{nheads_k}")
     with pytest.raises(cuflash.FlashAttentionError, match="pad it"):
         ulysses_flash_attn_varlen_func(q[:7], k[:7], v[:7], cu, cu, max(lens), max(lens))
     # cross-attention: other key counts than query counts
@@ -128,9 +131,7 @@ def _check_ulysses_varlen(rank, world):
     ref = cuflash.flash_attn_varlen_func(q, k, v, cu, cu_k, max(lens), max(lens_k), causal=True)
     out = ulysses_flash_attn_varlen_func(*(t.chunk(world)[rank] for t in (q, k, v)), cu, cu_k, max(lens), max(lens_k),
                                          causal=True)
-    parts = [torch.empty_like(out) for _ in range(world)]
-    dist.all_gather(parts, out.contiguous())
-    assert ((torch.cat(parts) - ref).norm() / ref.norm()).item() < 1e-12
+    assert ((_gather_tokens(out) - ref).norm() / ref.norm()).item() < 1e-12
 
 
 def _check_ulysses_heads(rank, world):
@@ -170,10 +171,7 @@ def _check_mesh(rank, world):
                 out = context_parallel_attn_func(*local, mesh, causal=causal, layout=layout)
                 out.backward(context_parallel_shard(dout, mesh, layout))
                 what = f"mesh {tuple(mesh.shape)} layout={layout} causal={causal} heads={nheads}/{nheads_k}"
-                for part, mine, theirs in (("out", out.detach(), ref.detach()), ("dq", local[0].grad, full[0].grad),
-                                           ("dk", local[1].grad, full[1].grad), ("dv", local[2].grad, full[2].grad)):
-                    err = ((_mesh_unshard(mine, mesh, layout) - theirs).norm() / theirs.norm()).item()
-                    assert err < 1e-12, f"{what}: {part} error {err:.2e}"
+                _assert_matches(out, local, ref, full, lambda x: _mesh_unshard(x, mesh, layout), 1e-12, what)
     q = torch.randn(1, 8, 4, 8)
     for mode, words in (("hybrid", "2-D") if world == 2 else ("ring", "2-D"), ("sideways", "mode")):
         with pytest.raises(cuflash.FlashAttentionError, match=words):
