@@ -41,6 +41,44 @@ def test_cpu_bench_variants(tmp_path):
     assert rows["cuflash", "dropout"]["rel_err"] == ""
 
 
+def test_fa4_provider(monkeypatch, capsys):
+    """fa4 runs FlashAttention-4's flash_attn_func ((B, N, H, D) in, (out, lse) out) on the variants it
+    takes; without it the row says so; on the CPU it is left out with a note. A stand-in module (our own
+    kernels behind FA4's signature) checks the layout and the options handed over."""
+    import sys
+    import types
+
+    import cuflash
+    from cuflash.bench import harness
+
+    harness.fa4_version.cache_clear()
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # (an import of it fails)
+    case = harness.Case(1, 64, 2, 16, True, torch.float32, "fwd")
+    assert "does not import" in harness.run_case("fa4", case, "cpu", iters=1, warmup=0)["note"]
+    assert main(["--device", "cpu", "--providers", "cuflash,fa4", "--seqlens", "32", "--hdims", "16", "--batch",
+                 "1", "--nheads", "2", "--modes", "fwd", "--iters", "1", "--causal", "true"]) == 0
+    assert "fa4 run on CUDA only: left out" in capsys.readouterr().err
+
+    def fa4(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0):
+        window = tuple(-1 if w is None else w for w in window_size)
+        return cuflash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap), None
+
+    package, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func, package.cute = fa4, cute
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    harness.fa4_version.cache_clear()
+    assert harness.fa4_version() == "unknown version"  # (no package metadata)
+    for variant in ("none", "window", "softcap"):
+        for mode in ("fwd", "fwd+bwd"):
+            row = harness.run_case("fa4", harness.Case(1, 64, 2, 16, True, torch.float32, mode, variant), "cpu",
+                                   iters=1, warmup=0)
+            assert row["ms"] > 0 and row["rel_err"] < 1e-5, (variant, mode, row)
+    assert "n/a" in harness.run_case("fa4", harness.Case(1, 64, 2, 16, True, torch.float32, "fwd", "alibi"),
+                                     "cpu")["note"]
+    harness.fa4_version.cache_clear()
+
+
 def test_unknown_provider_is_refused():
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--providers", "cuflash,fastest"])

@@ -145,6 +145,26 @@ def test_select_falls_back_and_keeps_determinism():
     assert select(problem(q, q, q, asked, q), asked) == Plan(*(Tiles(32, 16, 4, 2),) * 3)
 
 
+def test_user_tiles_that_overflow_shared_memory_are_refused_before_compiling(monkeypatch):
+    """Tiles a call asks for whose streamed tiles alone exceed the GPU's shared memory raise a
+    FlashAttentionError naming them at planning (a compile of them can run for minutes); the forward
+    streams block_n-row key and value tiles, the backward also block_m-row query and dO tiles."""
+    from cuflash.kernels import plan
+    from cuflash.kernels.plan import select
+
+    monkeypatch.setattr(plan, "max_shared_memory", lambda device: 64 * 1024)  # bytes
+    q = torch.randn(1, 64, 2, 256)  # fp32 D=256: a 32-row tile is 32 KiB
+    ok = AttentionParams(0.1, block_m=64, block_n=32)
+    assert select(problem(q, q, q, ok), ok).forward == Tiles(64, 32, 4, 2)  # 2 x 32 KiB: fits
+    with pytest.raises(cuflash.FlashAttentionError, match=r"block_m=64, block_n=32 .*128 KiB.*smaller blocks"):
+        select(problem(q, q, q, ok, q), ok)  # the backward's two 64-row tiles do not
+    wide = AttentionParams(0.1, block_m=16, block_n=64)
+    with pytest.raises(cuflash.FlashAttentionError, match="block_n=64"):
+        select(problem(q, q, q, wide), wide)
+    half = q.half()
+    assert select(problem(half, half, half, ok, half), ok).dkdv == Tiles(64, 32, 4, 2)  # 2 x 32 KiB in fp16
+
+
 @interpret
 @pytest.mark.parametrize("varlen", [False, True])
 def test_tensor_descriptor_loads_match_pointer_loads(varlen):

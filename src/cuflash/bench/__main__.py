@@ -12,7 +12,7 @@ import torch
 
 from ..dtypes import DTYPES, dtype_name
 from ..ops import triton_version
-from .harness import CUDA_ONLY, PROVIDERS, VARIANTS, Case, run_case, write_csv
+from .harness import CUDA_ONLY, PROVIDERS, VARIANTS, Case, fa4_version, run_case, write_csv
 
 
 
@@ -108,6 +108,8 @@ def _sweep(args, providers: list[str]) -> int:
     header = (f"{device} | torch {torch.__version__} | triton "
               f"{triton_version() or 'none'} | cuDNN {torch.backends.cudnn.version()} | "
               f"{datetime.date.today()} | python {platform.python_version()}")
+    if "fa4" in providers:
+        header += f" | flash-attn-4 {fa4_version() or 'not installed'}"
     table = _markdown(rows, providers, header, "GFLOP/s" if args.device == "cpu" else "TFLOP/s")
     print(table)
     if args.out:

@@ -32,8 +32,9 @@ _SDPA_BACKENDS = {
     "sdpa-math": "MATH",
 }
 # naive and fa1 (cuflash.methods) time the algorithms FlashAttention-2 replaced; plain attention only.
-PROVIDERS = ("cuflash", "naive", "fa1") + tuple(_SDPA_BACKENDS)
-CUDA_ONLY = ("sdpa-cudnn", "sdpa-efficient")  # torch has no CPU kernel of these
+# fa4: FlashAttention-4 (flash-attn-4's CuTe-DSL kernels), where `flash_attn.cute` imports.
+PROVIDERS = ("cuflash", "naive", "fa1", "fa4") + tuple(_SDPA_BACKENDS)
+CUDA_ONLY = ("fa4", "sdpa-cudnn", "sdpa-efficient")  # no CPU kernel of these
 
 
 # Variants (issue 4): cuflash's option against the same computation in torch SDPA where SDPA can
@@ -111,6 +112,32 @@ def _variant(case: Case, batch: int, seqlen: int, device) -> tuple[dict | None, 
     return None, dict(is_causal=c), dict(causal=c)
 
 
+@functools.lru_cache(maxsize=None)
+def fa4_version() -> str | None:
+    """flash-attn-4's version where FlashAttention-4 imports, else None."""
+    try:
+        import flash_attn.cute  # noqa: F401
+        from importlib.metadata import version
+    except Exception:  # (not installed, or its CUDA libraries do not load)
+        return None
+    try:
+        return version("flash-attn-4")
+    except Exception:
+        return "unknown version"
+
+
+def _fa4_fn(case: Case, ours: dict | None):
+    """FlashAttention-4 on the case's variant (plain, window, softcap: what its flash_attn_func
+    takes), in torch's (B, H, N, D) layout; None for the others."""
+    if case.variant not in ("none", "window", "softcap"):
+        return None
+    from flash_attn.cute import flash_attn_func as fa4
+    options = ours or dict(causal=case.causal)
+    # (this version returns (out, softmax_lse))
+    return lambda q, k, v: fa4(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               **options)[0].transpose(1, 2)
+
+
 def _attention_fn(provider: str, case: Case, batch: int, seqlen: int, device):
     """fn(q, k, v) in torch's (B, H, N, D) layout computing the case's variant, or None."""
     ours, theirs, _ = _variant(case, batch, seqlen, device)
@@ -126,6 +153,8 @@ def _attention_fn(provider: str, case: Case, batch: int, seqlen: int, device):
         flash_options = ours
         return lambda q, k, v: cuflash.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                        **flash_options).transpose(1, 2)
+    if provider == "fa4":
+        return _fa4_fn(case, ours)
     if theirs is None:
         return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -231,6 +260,8 @@ def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: 
     row = {"provider": provider, "batch": case.batch, "seqlen": case.seqlen, "nheads": case.nheads,
            "head_dim": case.head_dim, "causal": case.causal, "dtype": str(case.dtype).replace("torch.", ""),
            "mode": case.mode, "variant": case.variant}
+    if provider == "fa4" and fa4_version() is None:
+        return {**row, "note": "skipped: FlashAttention-4 (flash_attn.cute) does not import here"}
     fn = _attention_fn(provider, case, case.batch, case.seqlen, device)
     if fn is None:
         return {**row, "note": f"n/a: {provider} has no {case.variant}"}

@@ -23,6 +23,16 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use (what Triton checks a compiled kernel against);
+    unbounded under the interpreter."""
+    if arch(device) == 0:
+        return 1 << 62
+    from triton.runtime import driver
+    return driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"]
+
+
 def scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Triton's allocator: global memory where kernels write their tensor descriptors (128 bytes
     each, per program), from torch's caching allocator."""

@@ -21,7 +21,7 @@ from triton.runtime.errors import OutOfResources
 from ..errors import ErrorCode, fail
 from ..params import AttentionParams
 from . import gluon
-from .device import arch, padded_head_dim, tf32
+from .device import arch, max_shared_memory, padded_head_dim, tf32
 from .triton import Tiles
 from .variant import Problem
 
@@ -96,10 +96,25 @@ def table_entry(prob: Problem, params: AttentionParams) -> Entry:
     (AttentionParams.block_m/_n) for every pass."""
     q = prob.q
     if params.block_m:
+        _user_tiles_fit(prob, params)
         tiles = Tiles(params.block_m, params.block_n, 4, 2, "tf32" if tf32(q) else "ieee")
         return Entry((tiles,), (tiles,), (tiles,))
     return entry(arch(q.device), prob.block_d, q.dtype == torch.float32, tf32(q),
                  Length.of(max(prob.seqlen_q, prob.seqlen_k)), params.banded)
+
+
+def _user_tiles_fit(prob: Problem, params: AttentionParams) -> None:
+    """Refuses, before any compile, user tiles whose streamed tiles alone overflow shared memory: the
+    forward stages a key and a value tile (block_n rows each), the backward's dK/dV pass a query and
+    a dO tile (block_m rows). A compile of such tiles can take minutes before the compiler says the same."""
+    q = prob.q
+    rows = params.block_n if prob.dout is None else max(params.block_m, params.block_n)
+    need = 2 * rows * prob.block_d * q.element_size()
+    have = max_shared_memory(q.device)
+    if need > have:
+        fail(ErrorCode.INVALID_ARGUMENT, f"block_m={params.block_m}, block_n={params.block_n} do not fit this GPU at "
+             f"head dim {q.shape[-1]} in {str(q.dtype).replace('torch.', '')} (two {rows} x {prob.block_d} tiles "
+             f"need {need // 1024} KiB of shared memory, it has {have // 1024} KiB); take smaller blocks")
 
 
 @functools.lru_cache(maxsize=None)
