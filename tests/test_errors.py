@@ -267,3 +267,44 @@ def test_backward_argument_checks():
         cuflash.backward(out, q, k, v, out, lse.double())
     with raises(ErrorCode.DTYPE_MISMATCH, "dout"):
         cuflash.backward(out.half(), q, k, v, out, lse)
+
+
+def test_flash_attn_func_checks_each_signature_once(monkeypatch):
+    """A call signature (shapes, strides, dtypes, devices, options, backend settings) whose checks
+    passed is not checked again; a call that differs in any part is, and bad input is still refused
+    after a good call of a signature next to it."""
+    from cuflash import interface
+    from cuflash.reference import attention_reference
+
+    interface._CHECKED.clear()
+    checked = []
+    real = interface.check_attention_inputs
+    monkeypatch.setattr(interface, "check_attention_inputs", lambda *a: checked.append(1) or real(*a))
+    for _ in range(2):  # new data, the same signature: checked once, computed each time
+        q, k, v = qkv(h=4, hk=2)
+        ref, _ = attention_reference(q.double(), k.double(), v.double(), causal=True)
+        assert (cuflash.flash_attn_func(q, k, v, causal=True).double() - ref).abs().max() < 1e-5
+    assert len(checked) == 1
+    cuflash.flash_attn_func(q, k, v, causal=False, window_size=(2, 1))  # other options
+    assert len(checked) == 2
+    with raises(ErrorCode.DTYPE_MISMATCH, "k"):
+        cuflash.flash_attn_func(q, k.double(), v, causal=True)
+    with raises(ErrorCode.DEVICE_MISMATCH, "v"):
+        cuflash.flash_attn_func(q, k, v.to("meta"), causal=True)
+    with raises(ErrorCode.NOT_CONTIGUOUS, "q"):
+        cuflash.flash_attn_func(q.transpose(1, 3).contiguous().transpose(1, 3), k, v, causal=True)
+    with raises(ErrorCode.SHAPE_MISMATCH, "heads"):
+        cuflash.flash_attn_func(q[:, :, :3], k, v, causal=True)
+    with raises(ErrorCode.SHAPE_MISMATCH, "v"):
+        cuflash.flash_attn_func(q, k, v[:, :5], causal=True)
+    with raises(ErrorCode.INVALID_ARGUMENT, "window_size"):
+        cuflash.flash_attn_func(q, k, v, window_size=(-2, 0))
+    monkeypatch.setenv("CUFLASH_BACKEND", "fastest")
+    with raises(ErrorCode.INVALID_ARGUMENT, "CUFLASH_BACKEND"):
+        cuflash.flash_attn_func(q, k, v, causal=True)
+    monkeypatch.delenv("CUFLASH_BACKEND")
+    before = len(checked)
+    for _ in range(2):  # per-call tensors (ALiBi slopes, a dropout seed): never remembered
+        cuflash.flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.ones(4))
+        cuflash.flash_attn_func(q, k, v, causal=True, dropout_p=0.5)
+    assert len(checked) == before + 4

@@ -27,6 +27,49 @@ def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, sof
         deterministic=bool(deterministic), **fields)
 
 
+# flash_attn_func's checked call per signature: its checks (check_attention_inputs, the backend's,
+# _params') read nothing but the tensors' shapes, strides, dtypes and devices, the options and the
+# backend settings, so a signature that passed them once passes again. Only eager calls whose options
+# are plain Python values (no ALiBi tensor, no dropout, whose seed is drawn per call) are remembered.
+_CHECKED: dict[tuple, AttentionParams] = {}
+MAX_CHECKED = 1024  # signatures remembered; the oldest go first
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def _remembered(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                deterministic) -> tuple | None:
+    """The signature under which a plain eager call is remembered, None for the others (under
+    torch.compile the memo would be a guard on every entry: the traced graph holds no checks anyway)."""
+    if torch.compiler.is_compiling() or not (alibi_slopes is None and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and (softmax_scale is None or type(softmax_scale) is float) and type(causal) is bool
+            and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
+            and type(window_size[1]) is int and type(softcap) in (float, int) and type(dropout_p) in (float, int)
+            and dropout_p == 0 and type(deterministic) is bool):
+        return None
+    return (*_meta(q), *_meta(k), *_meta(v), softmax_scale, causal, window_size, softcap, deterministic,
+            ops.backend_settings())
+
+
+def _checked_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                    deterministic) -> AttentionParams:
+    """flash_attn_func's inputs checked and its options as AttentionParams (see _CHECKED)."""
+    key = _remembered(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic)
+    p = _CHECKED.get(key) if key is not None else None
+    if p is None:
+        check_attention_inputs(q, k, v)
+        _check_device(q)
+        p = _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                    deterministic)
+        if key is not None:
+            if len(_CHECKED) >= MAX_CHECKED:
+                del _CHECKED[next(iter(_CHECKED))]
+            _CHECKED[key] = p
+    return p
+
+
 def _check_device(q: torch.Tensor) -> None:
     ops.backend_name(q.device, q.dtype)  # raises if no backend can run here
 
@@ -74,9 +117,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         (out, softmax_lse (batch, nheads, seqlen_q) fp32, probs (batch, nheads, seqlen_q, seqlen_k)).
         Rows that see no key give out = 0 and softmax_lse = +inf.
     """
-    check_attention_inputs(q, k, v)
-    _check_device(q)
-    p = _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic)
+    p = _checked_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                        deterministic)
     out, lse = ops.forward(q, k, v, p)
     if return_attn_probs:
         return out, lse, _probs(q, k, p).to(q.dtype)

@@ -158,18 +158,27 @@ def _rotate_and_append(call: _Call, q, k_cache, v_cache, k, v, rotary_cos, rotar
     if rotary_cos is None and k is None:
         return q
     batch, seqlen_q = q.shape[:2]
-    lengths = per_sequence(call.seqlens, batch, q.device)
-    if rotary_cos is not None:
-        positions_q = lengths[:, None] + (torch.arange(seqlen_q, device=q.device)[None, :] if call.shifted else 0)
-        q = rotate(q, rotary_cos, rotary_sin, positions_q.expand(batch, seqlen_q), interleaved)
-    if k is not None:
-        positions_new = lengths[:, None] + torch.arange(call.seqlen_new, device=q.device)[None, :]
+    # Every sequence appending at the same place of its own cache row takes two slice copies; the
+    # index copies cost several small kernels more (a decode step's host time).
+    by_slice = k is not None and isinstance(call.seqlens, int) and call.table is None and call.rows is None
+    if rotary_cos is not None or not by_slice:
+        lengths = per_sequence(call.seqlens, batch, q.device)
         if rotary_cos is not None:
-            k = rotate(k, rotary_cos, rotary_sin, positions_new, interleaved)
-        target = cache_row(torch.arange(batch, device=q.device)[:, None], positions_new, k_cache.shape[1], call.table,
-                           call.rows).flatten()
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, target, k.reshape(-1, *k.shape[2:]))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, target, v.reshape(-1, *v.shape[2:]))
+            positions_q = lengths[:, None] + (torch.arange(seqlen_q, device=q.device)[None, :] if call.shifted else 0)
+            q = rotate(q, rotary_cos, rotary_sin, positions_q.expand(batch, seqlen_q), interleaved)
+        if k is not None:
+            positions_new = lengths[:, None] + torch.arange(call.seqlen_new, device=q.device)[None, :]
+            if rotary_cos is not None:
+                k = rotate(k, rotary_cos, rotary_sin, positions_new, interleaved)
+            if not by_slice:
+                target = cache_row(torch.arange(batch, device=q.device)[:, None], positions_new, k_cache.shape[1],
+                                   call.table, call.rows).flatten()
+                k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, target, k.reshape(-1, *k.shape[2:]))
+                v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, target, v.reshape(-1, *v.shape[2:]))
+    if by_slice:
+        assert isinstance(call.seqlens, int)  # (for mypy: by_slice says so)
+        k_cache[:batch, call.seqlens:call.seqlens + call.seqlen_new] = k
+        v_cache[:batch, call.seqlens:call.seqlens + call.seqlen_new] = v
     return q
 
 

@@ -42,10 +42,14 @@ def gluon_kernels() -> bool:
     return GLUON_TRITON
 
 
+def backend_settings() -> tuple[str, str | None]:
+    """What the environment says of the backend: CUFLASH_BACKEND (default auto) and TRITON_INTERPRET."""
+    return os.environ.get("CUFLASH_BACKEND", "auto"), os.environ.get("TRITON_INTERPRET")
+
+
 def backend_name(device: torch.device, dtype: torch.dtype) -> str:
     """The backend that will run for tensors on `device`; raises FlashAttentionError when none can."""
-    return _backend_name(os.environ.get("CUFLASH_BACKEND", "auto"), os.environ.get("TRITON_INTERPRET"), device,
-                         dtype)
+    return _backend_name(*backend_settings(), device, dtype)
 
 
 @functools.lru_cache(maxsize=None)  # a driver query inside; errors raise, so they are not cached
