@@ -43,11 +43,12 @@ def _remembered(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slop
                 deterministic) -> tuple | None:
     """The signature under which a plain eager call is remembered, None for the others (under
     torch.compile the memo would be a guard on every entry: the traced graph holds no checks anyway)."""
-    if torch.compiler.is_compiling() or not (alibi_slopes is None and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-            and (softmax_scale is None or type(softmax_scale) is float) and type(causal) is bool
-            and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
-            and type(window_size[1]) is int and type(softcap) in (float, int) and type(dropout_p) in (float, int)
-            and dropout_p == 0 and type(deterministic) is bool):
+    plain = (alibi_slopes is None and type(q) is torch.Tensor and type(k) is torch.Tensor
+             and type(v) is torch.Tensor and (softmax_scale is None or type(softmax_scale) is float)
+             and type(causal) is bool and type(window_size) is tuple and len(window_size) == 2
+             and type(window_size[0]) is int and type(window_size[1]) is int and type(softcap) in (float, int)
+             and type(dropout_p) in (float, int) and dropout_p == 0 and type(deterministic) is bool)
+    if not plain or torch.compiler.is_compiling():
         return None
     return (*_meta(q), *_meta(k), *_meta(v), softmax_scale, causal, window_size, softcap, deterministic,
             ops.backend_settings())
