@@ -10,6 +10,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402 (after the interpreter switch)
 
+# Define the kernels now, while the switch is on: tests that unset TRITON_INTERPRET (to check the
+# errors without it) must not be where the kernels are first defined.
+import cuflash.kernels  # noqa: E402, F401
+
 from attn_testing import interpret  # noqa: E402
 
 
