@@ -117,6 +117,7 @@ def main(argv=None) -> list[float]:
         with open(args.out, "w") as f:
             json.dump(losses, f)
     if world > 1:
+        dist.barrier()
         dist.destroy_process_group()
     return losses
 
