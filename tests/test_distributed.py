@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import cuflash
 from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_func, \
-    ulysses_flash_attn_func, ulysses_flash_attn_varlen_func, zigzag_shard, zigzag_unshard
+    ring_flash_attn_varlen_func, ulysses_flash_attn_func, ulysses_flash_attn_varlen_func, zigzag_shard, zigzag_unshard
 from cuflash.distributed.shards import join_sequence
 
 DEADLINE_S = 120
@@ -134,6 +134,31 @@ def _check_ulysses_varlen(rank, world):
     assert ((_gather_tokens(out) - ref).norm() / ref.norm()).item() < 1e-12
 
 
+def _check_ring_varlen(rank, world):
+    """Packed documents (cu_seqlens) through the ring: contiguous shares of the packed tokens, documents
+    crossing the shares' edges (one longer than a share, one empty, one inside a share), causal or not,
+    GQA, fp64 and fp32, forward and backward, against flash_attn_varlen_func in one process."""
+    lens = [5, 13, 1, 0, 4, 7]  # 30 tokens: a multiple of 2 and 3
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    for causal in (False, True):
+        for nheads_k, dtype in ((6, torch.float64), (2, torch.float64), (3, torch.float32)):
+            torch.manual_seed(4)
+            q, dout = (torch.randn(30, 6, 8, dtype=dtype) for _ in range(2))
+            k, v = (torch.randn(30, nheads_k, 8, dtype=dtype) for _ in range(2))
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = cuflash.flash_attn_varlen_func(*full, cu, cu, max(lens), max(lens), causal=causal)
+            ref.backward(dout)
+            local = [t.chunk(world)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
+            out = ring_flash_attn_varlen_func(*local, cu, max(lens), causal=causal)
+            out.backward(dout.chunk(world)[rank])
+            tol = 1e-12 if dtype == torch.float64 else 1e-5
+            _assert_matches(out, local, ref, full, _gather_tokens, tol, f"causal={causal} heads=6/{nheads_k} {dtype}")
+    with pytest.raises(cuflash.FlashAttentionError, match="pad it"):
+        ring_flash_attn_varlen_func(q[:7], k[:7], v[:7], cu, max(lens))
+    with pytest.raises(cuflash.FlashAttentionError, match="max_seqlen"):
+        ring_flash_attn_varlen_func(*(t.chunk(world)[rank] for t in (q, k, v)), cu, 4)
+
+
 def _check_ulysses_heads(rank, world):
     q, k = torch.randn(1, 8, 2 * world + 1, 8), torch.randn(1, 8, 1, 8)
     with pytest.raises(cuflash.FlashAttentionError) as info:
@@ -179,7 +204,7 @@ def _check_mesh(rank, world):
 
 
 CHECKS = {"full": _check_against_full, "mesh": _check_mesh, "ulysses": _check_ulysses,
-          "ulysses_varlen": _check_ulysses_varlen,
+          "ulysses_varlen": _check_ulysses_varlen, "ring_varlen": _check_ring_varlen,
           "ulysses_heads": _check_ulysses_heads, "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag}
 
 
@@ -226,6 +251,11 @@ def _run(world, check):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_matches_single_process(world):
     _run(world, "full")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_varlen_matches_single_process(world):
+    _run(world, "ring_varlen")
 
 
 @pytest.mark.parametrize("world", [2, 3])

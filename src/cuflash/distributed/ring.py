@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..errors import check_attention_inputs, lse_dtype, resolve_scale
+from ..errors import check_attention_inputs, check_cu_seqlens, check_tensor, lse_dtype, resolve_scale
 from ..params import AttentionParams
 from .shards import check_shards, require_process_group
 
@@ -39,19 +39,52 @@ class _Ring:
         return received
 
 
-def _blocks(rank: int, src: int, seqlen: int, causal: bool, layout: str):
-    """What rank's queries attend to in src's K/V shard: a list of (q slice, kv slice, causal)."""
+# A block of one ring step: this rank's query rows, the rows of the K/V shard it holds, and the
+# call (AttentionParams) attending from those to these.
+Block = tuple[slice, slice, AttentionParams]
+
+
+def _dense_blocks(rank: int, src: int, seqlen: int, causal: bool, layout: str, scale: float) -> list[Block]:
+    """What rank's queries attend to in src's K/V shard of a (batch, seqlen_local) sharding."""
     everything = slice(0, seqlen)
+    # Causal blocks are the square diagonal blocks: top-left aligned, row i sees keys j <= i.
+    full, diagonal = AttentionParams(scale), AttentionParams(scale, window_right=0, bottom_right=False)
     if not causal:
-        return [(everything, everything, False)]
+        return [(everything, everything, full)]
     if src == rank:
-        return [(everything, everything, True)]  # zigzag: both halves keep their order, so one causal mask
+        return [(everything, everything, diagonal)]  # zigzag: both halves keep their order, so one causal mask
     if layout == "contiguous":
-        return [(everything, everything, False)] if src < rank else []
+        return [(everything, everything, full)] if src < rank else []
     half = seqlen // 2
     if src < rank:
-        return [(everything, slice(0, half), False)]  # all of q after src's first chunk, before its second
-    return [(slice(half, seqlen), everything, False)]  # only q's second chunk comes after both of src's
+        return [(everything, slice(0, half), full)]  # all of q after src's first chunk, before its second
+    return [(slice(half, seqlen), everything, full)]  # only q's second chunk comes after both of src's
+
+
+def _packed_blocks(bounds: list[int], rank: int, src: int, share: int, causal: bool, scale: float,
+                   device: torch.device) -> list[Block]:
+    """What rank's queries attend to in src's K/V shard of a packed batch of documents (prefix sums
+    `bounds`) cut into contiguous shares of `share` tokens: one varlen call over the documents that
+    meet rank's share, each document's queries in the share against its keys in src's share (none:
+    a zero-length part; causal: every key when src's share comes first, the diagonal's causal mask
+    when it is rank's own share, nothing after)."""
+    if causal and src > rank:
+        return []
+    q_lo, q_hi, k_lo, k_hi = rank * share, (rank + 1) * share, src * share, (src + 1) * share
+    docs = [(a, b) for a, b in zip(bounds, bounds[1:]) if a < q_hi and b > q_lo]
+    cu_q = [max(a, q_lo) - q_lo for a, _ in docs] + [share]
+    cu_k = [min(max(a, k_lo), k_hi) for a, _ in docs] + [min(max(docs[-1][1], k_lo), k_hi)]
+    first = cu_k[0]
+    cu_k = [c - first for c in cu_k]
+    if cu_k[-1] == 0:  # no key of src's share in these documents
+        return []
+    params = AttentionParams(
+        scale, window_right=0 if causal and src == rank else -1,
+        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+        max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
+        max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])))
+    return [(slice(0, share), slice(first - k_lo, first - k_lo + cu_k[-1]), params)]
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -65,47 +98,50 @@ def _merge(out, lse, block_out, block_lse):
     return out * wa + block_out.to(out.dtype) * wb, torch.where(torch.isneginf(new), float("inf"), new)
 
 
-def _block_params(scale: float, causal: bool) -> AttentionParams:
-    # Causal blocks are the square diagonal blocks: top-left aligned, row i sees keys j <= i.
-    return AttentionParams(scale, window_right=0 if causal else -1, bottom_right=False)
+def _unbatched(packed: bool, *tensors):
+    """A packed batch travels as one sequence of a batch of one; the varlen calls take it without."""
+    return tuple(t[0] for t in tensors) if packed else tensors
 
 
-def _ring_forward(q, k, v, scale, causal, layout, group):
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
+def _batched(packed: bool, *tensors):
+    return tuple(t[None] for t in tensors) if packed else tensors
+
+
+def _ring_forward(q, k, v, steps: list[list[Block]], packed: bool, group):
+    """steps[s]: the blocks of step s, whose K/V shard is that of rank (rank - s)."""
     ring = _Ring(group)
     batch, seqlen, nheads, _ = q.shape
     acc_dtype = lse_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     lse = torch.full((batch, nheads, seqlen), float("inf"), dtype=lse_dtype(q.dtype), device=q.device)
     kv = [k, v]
-    for step in range(size):
-        incoming = ring.start(kv) if step + 1 < size else None
-        src = (rank - step) % size
-        for qs, ks, blk_causal in _blocks(rank, src, seqlen, causal, layout):
-            o, o_lse = ops.forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], _block_params(scale, blk_causal))
+    for step, blocks in enumerate(steps):
+        incoming = ring.start(kv) if step + 1 < len(steps) else None
+        for qs, ks, params in blocks:
+            q_b, k_b, v_b = _unbatched(packed, q[:, qs], kv[0][:, ks], kv[1][:, ks])
+            o, o_lse = _batched(packed, *ops.forward(q_b, k_b, v_b, params))
             out[:, qs], lse[..., qs] = _merge(out[:, qs], lse[..., qs], o, o_lse)
         if incoming is not None:
             kv = ring.wait(incoming)
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, scale, causal, layout, group):
+def _ring_backward(dout, q, k, v, out, lse, steps: list[list[Block]], packed: bool, group):
     """At step s a rank holds the K/V shard of rank (rank - s) and computes its gradients' share into
     fresh buffers while two exchanges run: the next K/V shard, and the dK/dV accumulated for this shard
     by the ranks before it (sent by the previous rank at the end of its step s - 1). The sum leaves for
     the next rank at the end of the step; after the last step it arrives home."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
     ring = _Ring(group)
     acc_dtype = lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     kv, grads_in = [k, v], None
-    for step in range(size):
-        src = (rank - step) % size
-        kv_in = ring.start(kv) if step + 1 < size else None
+    for step, blocks in enumerate(steps):
+        kv_in = ring.start(kv) if step + 1 < len(steps) else None
         dk, dv = (torch.zeros(t.shape, dtype=acc_dtype, device=t.device) for t in kv)
-        for qs, ks, blk_causal in _blocks(rank, src, q.shape[1], causal, layout):
-            g_q, g_k, g_v = ops.backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
-                                         lse[..., qs], _block_params(scale, blk_causal))
+        for qs, ks, params in blocks:
+            d_o, q_b, k_b, v_b, o_b, lse_b = _unbatched(packed, dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks],
+                                                        out[:, qs], lse[..., qs])
+            g_q, g_k, g_v = _batched(packed, *ops.backward(d_o, q_b, k_b, v_b, o_b, lse_b, params))
             dq[:, qs] += g_q
             dk[:, ks] += g_k
             dv[:, ks] += g_v
@@ -121,11 +157,13 @@ def _ring_backward(dout, q, k, v, out, lse, scale, causal, layout, group):
 
 
 class _RingFlashAttn(torch.autograd.Function):
+    """q, k, v (batch, seqlen_local, heads, headdim); a packed batch as a batch of one."""
+
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, layout, group):
-        out, lse = _ring_forward(q, k, v, scale, causal, layout, group)
+    def forward(ctx, q, k, v, steps, packed, group):
+        out, lse = _ring_forward(q, k, v, steps, packed, group)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, causal, layout, group)
+        ctx.args = (steps, packed, group)
         return out
 
     @staticmethod
@@ -133,7 +171,7 @@ class _RingFlashAttn(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
 def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, layout="contiguous"):
@@ -155,4 +193,31 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
     ops.backend_name(q.device, q.dtype)
     check_shards(q, k, group, layout)
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    return _RingFlashAttn.apply(q, k, v, scale, bool(causal), layout, group)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    steps = [_dense_blocks(rank, (rank - s) % size, q.shape[1], bool(causal), layout, scale) for s in range(size)]
+    return _RingFlashAttn.apply(q, k, v, steps, False, group)
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, softmax_scale=None, causal=False):
+    """ring_flash_attn_func for a packed batch of documents (flash_attn_varlen_func's layout, self-
+    attention): q (total / W, nheads, headdim) is this rank's contiguous share of the packed tokens,
+    k and v (total / W, nheads_k, headdim) of the same tokens' keys and values (pad the packed batch
+    to a multiple of W; documents may cross the shares' edges). cu_seqlens ((batch + 1,) int32) and
+    max_seqlen describe the whole batch, the same on every rank; causal masks within each document.
+    Returns this rank's share of the output, (total / W, nheads, headdim)."""
+    require_process_group("ring_flash_attn_varlen_func", "contiguous")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, 3, "(total / world_size, heads, headdim)")
+    check_attention_inputs(q[None], k[None], v[None])
+    ops.backend_name(q.device, q.dtype)
+    check_shards(q[None], k[None], group, "contiguous")
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    share = q.shape[0]
+    check_cu_seqlens("cu_seqlens", cu_seqlens, "max_seqlen", max_seqlen, share * size,
+                     f"the packed batch ({share} tokens on each of {size} ranks: pad it to a multiple of {size})",
+                     q.device)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    bounds = cu_seqlens.tolist()
+    steps = [_packed_blocks(bounds, rank, (rank - s) % size, share, bool(causal), scale, q.device)
+             for s in range(size)]
+    return _RingFlashAttn.apply(q[None], k[None], v[None], steps, True, group)[0]
