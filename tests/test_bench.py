@@ -84,14 +84,15 @@ def test_unknown_provider_is_refused():
         main(["--device", "cpu", "--providers", "cuflash,fastest"])
 
 
-def test_seqlen_experiment_on_cpu(tmp_path):
-    rc = main(["--device", "cpu", "--seqlen-experiment", "--seqlens", "64,96", "--batch", "1", "--nheads", "2",
-               "--dtype", "fp32", "--iters", "1", "--causal", "true", "--out", str(tmp_path)])
+def test_methods_side_by_side_on_cpu(tmp_path):
+    """naive, fa1 and fa2 (cuflash) as bench providers: every row timed and exact."""
+    rc = main(["--device", "cpu", "--providers", "naive,fa1,cuflash", "--seqlens", "64,96", "--hdims", "64",
+               "--batch", "1", "--nheads", "2", "--modes", "fwd,fwd+bwd", "--dtype", "fp32", "--iters", "1",
+               "--causal", "true", "--out", str(tmp_path)])
     assert rc == 0
     with open(tmp_path / "results.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {r["provider"] for r in rows} == {"naive", "fa1", "cuflash"}
-    assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"} and {r["head_dim"] for r in rows} == {"64"}
+    assert {r["provider"] for r in rows} == {"naive", "fa1", "cuflash"} and len(rows) == 3 * 2 * 2
     assert all(float(r["ms"]) > 0 and float(r["rel_err"]) < 1e-5 for r in rows)
 
 

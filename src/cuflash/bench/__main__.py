@@ -41,16 +41,9 @@ def main(argv=None) -> int:
                    help="default: cuda where there is a GPU, else cpu with a one-minute default sweep")
     p.add_argument("--iters", type=int, default=None, help="timed calls per case (default 30, 3 on the CPU)")
     p.add_argument("--out", default=None, help="folder for results.csv and results.md")
-    p.add_argument("--seqlen-experiment", action="store_true",
-                   help="naive vs fa1 vs fa2 (cuflash): batch 4, 8 heads, D 64, seqlen 128 to 4096, fwd and fwd+bwd")
     args = p.parse_args(argv)
     defaults = ("2048,8192", "64,128", "fwd,bwd") if args.quick else \
         ("512,1024,2048,4096,8192,16384", "64,128,256", "fwd,bwd,fwd+bwd")
-    if args.seqlen_experiment:
-        defaults = ("128,256,512,1024,2048,4096", "64", "fwd,fwd+bwd")
-        args.batch, args.nheads = args.batch or 4, args.nheads or 8
-        if args.providers == p.get_default("providers"):
-            args.providers = "naive,fa1,cuflash"
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.device == "cpu":  # a sweep that finishes in about a minute on a few cores

@@ -1,5 +1,5 @@
-"""The three attention methods side by side, for comparison and teaching (`cuflash run`, the
-bench's `--seqlen-experiment`):
+"""The three attention methods side by side, for comparison and teaching (`cuflash run`,
+`cuflash experiment`, the bench's providers naive and fa1):
 
   naive  materializes the (seqlen_q x seqlen_k) scores and probabilities, forward and backward;
   fa1    FlashAttention-1's loop order: the outer loop runs over K/V tiles, the inner one over
