@@ -272,7 +272,7 @@ def test_backward_argument_checks():
 def test_flash_attn_func_checks_each_signature_once(monkeypatch):
     """A call signature (shapes, strides, dtypes, devices, options, backend settings) whose checks
     passed is not checked again; a call that differs in any part is, and bad input is still refused
-    after a good call of a signature next to it."""
+    after a good call of a signature next to it. (scaled_dot_product_attention: the next test.)"""
     from cuflash import interface
     from cuflash.reference import attention_reference
 
@@ -307,4 +307,35 @@ def test_flash_attn_func_checks_each_signature_once(monkeypatch):
     for _ in range(2):  # per-call tensors (ALiBi slopes, a dropout seed): never remembered
         cuflash.flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.ones(4))
         cuflash.flash_attn_func(q, k, v, causal=True, dropout_p=0.5)
+    assert len(checked) == before + 4
+
+
+def test_sdpa_checks_each_signature_once(monkeypatch):
+    """scaled_dot_product_attention remembers its checked calls as flash_attn_func does: once per
+    signature, every part of it in the key, masks and dropout never remembered."""
+    from cuflash import interface
+    from cuflash.reference import attention_reference
+
+    interface._CHECKED.clear()
+    checked = []
+    real = interface._sdpa_params
+    monkeypatch.setattr(interface, "_sdpa_params", lambda *a: checked.append(1) or real(*a))
+    for _ in range(2):
+        q, k, v = (t.transpose(1, 2) for t in qkv(h=4, hk=2))  # (B, H, N, D)
+        ref, _ = attention_reference(*(t.transpose(1, 2).double() for t in (q, k, v)), causal=True)
+        out = cuflash.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert (out.transpose(1, 2).double() - ref).abs().max() < 1e-5
+    assert len(checked) == 1
+    with raises(ErrorCode.SHAPE_MISMATCH, "enable_gqa"):
+        cuflash.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with raises(ErrorCode.DTYPE_MISMATCH, "key"):
+        cuflash.scaled_dot_product_attention(q, k.double(), v, is_causal=True, enable_gqa=True)
+    with raises(ErrorCode.SHAPE_MISMATCH, "value"):
+        cuflash.scaled_dot_product_attention(q, k, v[..., :4], is_causal=True, enable_gqa=True)
+    with raises(ErrorCode.INVALID_ARGUMENT, "scale"):
+        cuflash.scaled_dot_product_attention(q, k, v, is_causal=True, scale=-1.0, enable_gqa=True)
+    before = len(checked)
+    for _ in range(2):
+        cuflash.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool), enable_gqa=True)
+        cuflash.scaled_dot_product_attention(q, k, v, dropout_p=0.5, enable_gqa=True)
     assert len(checked) == before + 4

@@ -2,6 +2,8 @@
 Each validates its arguments, describes the call as one AttentionParams and calls the custom ops."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from . import ops
@@ -27,48 +29,55 @@ def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, sof
         deterministic=bool(deterministic), **fields)
 
 
-# flash_attn_func's checked call per signature: its checks (check_attention_inputs, the backend's,
-# _params') read nothing but the tensors' shapes, strides, dtypes and devices, the options and the
-# backend settings, so a signature that passed them once passes again. Only eager calls whose options
-# are plain Python values (no ALiBi tensor, no dropout, whose seed is drawn per call) are remembered.
+# The checked call per signature: the checks of flash_attn_func and scaled_dot_product_attention
+# (shapes, dtypes, devices, strides, options, the backend's) read nothing but the tensors' shapes,
+# strides, dtypes and devices, the options and the backend settings, so a signature that passed them
+# once passes again. Only eager calls whose options are plain Python values are remembered (no ALiBi
+# slopes or mask, which are tensors; no dropout, whose seed is drawn per call).
 _CHECKED: dict[tuple, AttentionParams] = {}
 MAX_CHECKED = 1024  # signatures remembered; the oldest go first
 
 
-def _meta(t: torch.Tensor) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.device
-
-
-def _remembered(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                deterministic) -> tuple | None:
-    """The signature under which a plain eager call is remembered, None for the others (under
-    torch.compile the memo would be a guard on every entry: the traced graph holds no checks anyway)."""
-    plain = (alibi_slopes is None and type(q) is torch.Tensor and type(k) is torch.Tensor
-             and type(v) is torch.Tensor and (softmax_scale is None or type(softmax_scale) is float)
-             and type(causal) is bool and type(window_size) is tuple and len(window_size) == 2
-             and type(window_size[0]) is int and type(window_size[1]) is int and type(softcap) in (float, int)
-             and type(dropout_p) in (float, int) and dropout_p == 0 and type(deterministic) is bool)
-    if not plain or torch.compiler.is_compiling():
+def _signature(tensors: tuple, *options) -> tuple | None:
+    """The key of a call on plain tensors with plain options; None under torch.compile (the memo would
+    be a guard on every entry; the traced graph holds no checks anyway) or for tensor subclasses."""
+    if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors):
         return None
-    return (*_meta(q), *_meta(k), *_meta(v), softmax_scale, causal, window_size, softcap, deterministic,
+    return (*(m for t in tensors for m in (t.shape, t.stride(), t.dtype, t.device)), *options,
             ops.backend_settings())
 
 
-def _checked_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                    deterministic) -> AttentionParams:
-    """flash_attn_func's inputs checked and its options as AttentionParams (see _CHECKED)."""
-    key = _remembered(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic)
+def _remember(key: tuple | None, build: Callable[[], AttentionParams]) -> AttentionParams:
+    """build()'s checked AttentionParams, run once per key (every time without one)."""
     p = _CHECKED.get(key) if key is not None else None
     if p is None:
-        check_attention_inputs(q, k, v)
-        _check_device(q)
-        p = _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                    deterministic)
+        p = build()
         if key is not None:
             if len(_CHECKED) >= MAX_CHECKED:
                 del _CHECKED[next(iter(_CHECKED))]
             _CHECKED[key] = p
     return p
+
+
+def _number(x) -> bool:
+    return type(x) is float or type(x) is int
+
+
+def _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                  deterministic) -> AttentionParams:
+    """flash_attn_func's inputs checked and its options as AttentionParams (see _CHECKED)."""
+    plain = (alibi_slopes is None and (softmax_scale is None or type(softmax_scale) is float)
+             and type(causal) is bool and type(window_size) is tuple and len(window_size) == 2
+             and type(window_size[0]) is int and type(window_size[1]) is int and _number(softcap)
+             and _number(dropout_p) and dropout_p == 0 and type(deterministic) is bool)
+    key = _signature((q, k, v), softmax_scale, causal, window_size, softcap, deterministic) if plain else None
+
+    def build():
+        check_attention_inputs(q, k, v)
+        _check_device(q)
+        return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                       deterministic)
+    return _remember(key, build)
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -118,8 +127,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         (out, softmax_lse (batch, nheads, seqlen_q) fp32, probs (batch, nheads, seqlen_q, seqlen_k)).
         Rows that see no key give out = 0 and softmax_lse = +inf.
     """
-    p = _checked_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                        deterministic)
+    p = _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic)
     out, lse = ops.forward(q, k, v, p)
     if return_attn_probs:
         return out, lse, _probs(q, k, p).to(q.dtype)
@@ -242,11 +250,30 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         (..., nheads, L, E), a view in torch's layout of a (batch, L, nheads, E) buffer. Rows that
         see no key give 0 (torch gives NaN).
     """
+    plain = (attn_mask is None and _number(dropout_p) and dropout_p == 0 and type(is_causal) is bool
+             and (scale is None or type(scale) is float) and type(enable_gqa) is bool)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    sig = _signature((query, key, value), is_causal, scale, enable_gqa, deterministic) if plain else None
+    p = _remember(sig, lambda: _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                            deterministic))
+    out, _ = ops.forward(_to_flash(query), _to_flash(key), _to_flash(value), p)
+    out = out.transpose(1, 2)
+    return out if query.ndim == 4 else out.reshape(query.shape)
+
+
+def _to_flash(t):
+    """(..., H, N, D) -> (B, N, H, D), a view (4-D inputs skip the reshape: ~2 us each)."""
+    return (t if t.ndim == 4 else t.reshape(-1, *t.shape[-3:])).transpose(1, 2)
+
+
+def _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                 deterministic: bool) -> AttentionParams:
+    """scaled_dot_product_attention's inputs checked and its options as AttentionParams."""
     dropout_p = check_dropout(dropout_p)
     names = ("query", "key", "value")
     for name, t in zip(names, (query, key, value)):
-        # What the views below need (a tensor of rank >= 3 with elements) is checked as given, the rest
-        # on the views (each tensor once: these checks run on every call).
+        # What the views need (a tensor of rank >= 3 with elements) is checked as given, the rest on
+        # the views.
         if not isinstance(t, torch.Tensor) or t.ndim < 3 or t.numel() == 0:
             check_tensor(name, t, max(3, getattr(t, "ndim", 3)), "(..., nheads, seqlen, headdim)")
     if not (query.ndim == key.ndim == value.ndim) or query.shape[:-3] != key.shape[:-3]:
@@ -258,11 +285,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if value.shape[-1] != query.shape[-1]:
         fail(ErrorCode.SHAPE_MISMATCH, f"value has head dim {value.shape[-1]} but query has {query.shape[-1]}; "
              f"cuflash needs them equal")
-
-    def to_flash(t):  # (..., H, N, D) -> (B, N, H, D), a view (4-D inputs skip the reshape: ~2 us each)
-        return (t if t.ndim == 4 else t.reshape(-1, *t.shape[-3:])).transpose(1, 2)
-
-    q, k, v = to_flash(query), to_flash(key), to_flash(value)
+    q, k, v = _to_flash(query), _to_flash(key), _to_flash(value)
     check_attention_inputs(q, k, v, names)
     _check_device(q)
     mask = None
@@ -271,13 +294,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             fail(ErrorCode.INVALID_ARGUMENT, "pass either attn_mask or is_causal=True, not both (as torch)")
         mask = check_attn_mask(attn_mask, (*query.shape[:-1], key.shape[-2]), q.device)
         mask = mask.reshape(-1, *mask.shape[-3:])
-    p = AttentionParams(resolve_scale(scale, q.shape[-1], "scale"), window_right=0 if is_causal else -1,
-                        bottom_right=False, attn_mask=mask, dropout_p=dropout_p,
-                        rng_seed=draw_seed(q.device) if dropout_p > 0 else None,
-                        deterministic=torch.are_deterministic_algorithms_enabled())
-    out, _ = ops.forward(q, k, v, p)
-    out = out.transpose(1, 2)
-    return out if query.ndim == 4 else out.reshape(query.shape)
+    return AttentionParams(resolve_scale(scale, q.shape[-1], "scale"), window_right=0 if is_causal else -1,
+                           bottom_right=False, attn_mask=mask, dropout_p=dropout_p,
+                           rng_seed=draw_seed(q.device) if dropout_p > 0 else None, deterministic=deterministic)
 
 
 def _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, block_m, block_n,
