@@ -1,7 +1,8 @@
 """Context parallelism on several GPUs: correctness against one process, then per-GPU throughput of the
-ring, the all-to-all and (with --inner) the hybrid against one GPU attending over the same per-GPU
-length, with the time of one exchange. Writes cp_bench.csv (a row per run) and cp_bench.png
-(efficiency against tokens). Causal, bf16, D=128, 32 query heads and 8 KV heads by default.
+ring, the all-to-all, (with --inner) the hybrid and (packed) the ring over packed documents of
+--doc-tokens each, against one GPU attending over the same per-GPU length (of such documents), with the
+time of one exchange. Writes cp_bench.csv (a row per run) and cp_bench.png (efficiency against tokens).
+Causal, bf16, D=128, 32 query heads and 8 KV heads by default.
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=src torchrun --nproc_per_node=8 scripts/cp_bench.py \\
         --tokens 131072,1048576 --modes ring,ulysses --out benchmarks/results/h100x8
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import cuflash
-from cuflash.distributed import context_parallel_attn_func, context_parallel_shard
+from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_varlen_func
 
 FIELDS = ["world_size", "tokens", "tokens_per_gpu", "mode", "fwd_ms", "fwdbwd_ms", "tflops_per_gpu_fwd",
           "tflops_per_gpu_fwdbwd", "one_gpu_tflops_fwd", "one_gpu_tflops_fwdbwd", "efficiency_fwd",
@@ -45,19 +46,38 @@ def problem(tokens, heads, kv_heads, dim, dtype, device, seed=0):
     return [torch.randn(1, tokens, h, dim, dtype=dtype, device=device) for h in (heads, kv_heads, kv_heads, heads)]
 
 
+def setup(mesh, mode, tokens, args, device, dtype):
+    """One whole problem of `tokens` tokens: (q, k, v, dout; this rank's shard of a tensor; the
+    context-parallel call on shards; the one-process call on whole tensors; its causal FLOPs)."""
+    q, k, v, dout = problem(tokens, args.heads, args.kv_heads, args.dim, dtype, device)
+    if mode != "packed":
+        return ((q, k, v, dout), lambda t: context_parallel_shard(t, mesh),
+                lambda a, b, c: context_parallel_attn_func(a, b, c, mesh, causal=True, mode=mode),
+                lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=True),
+                4 * args.heads * tokens * tokens * args.dim / 2)
+    # Packed documents of doc_tokens (the last one shorter), one (total, heads, dim) batch.
+    lengths = [min(args.doc_tokens, tokens - start) for start in range(0, tokens, args.doc_tokens)]
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+    longest, world, rank = max(lengths), dist.get_world_size(), dist.get_rank()
+    return ((q[0], k[0], v[0], dout[0]), lambda t: t.chunk(world)[rank],
+            lambda a, b, c: ring_flash_attn_varlen_func(a, b, c, cu, longest, group=mesh.get_group(0), causal=True),
+            lambda a, b, c: cuflash.flash_attn_varlen_func(a, b, c, cu, cu, longest, longest, causal=True),
+            sum(4 * args.heads * n * n * args.dim / 2 for n in lengths))
+
+
 def check(mesh, mode, args, device, dtype):
     """Relative error of out, dq, dk, dv against one process on the whole sequence (every rank)."""
-    q, k, v, dout = problem(args.check_tokens, args.heads, args.kv_heads, args.dim, dtype, device)
+    (q, k, v, dout), shard, attend, whole, _ = setup(mesh, mode, args.check_tokens, args, device, dtype)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = cuflash.flash_attn_func(*full, causal=True)
+    ref = whole(*full)
     ref.backward(dout)
-    local = [context_parallel_shard(t, mesh).detach().clone().requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attn_func(*local, mesh, causal=True, mode=mode)
-    out.backward(context_parallel_shard(dout, mesh))
+    local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    out = attend(*local)
+    out.backward(shard(dout))
     errors = {}
     for name, mine, theirs in (("out", out.detach(), ref), ("dq", local[0].grad, full[0].grad),
                                ("dk", local[1].grad, full[1].grad), ("dv", local[2].grad, full[2].grad)):
-        theirs = context_parallel_shard(theirs.detach(), mesh).float()
+        theirs = shard(theirs.detach()).float()
         errors[name] = ((mine.float() - theirs).norm() / theirs.norm()).item()
     return errors
 
@@ -65,9 +85,10 @@ def check(mesh, mode, args, device, dtype):
 def exchange_ms(mesh, mode, local, device) -> float:
     """One exchange of a step: a K/V hop around the ring, or the all-to-alls of q, k and v (the hybrid's
     within a node)."""
-    group = mesh.get_group(mesh.ndim - 1 if mode != "ring" else 0)
+    ring = mode in ("ring", "packed")
+    group = mesh.get_group(0 if ring else mesh.ndim - 1)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if mode == "ring":
+    if ring:
         nxt, prv = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
         recv = [torch.empty_like(t) for t in local[1:3]]
 
@@ -77,7 +98,7 @@ def exchange_ms(mesh, mode, local, device) -> float:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
         return timed(hop, device)
-    parts = [[p.contiguous() for p in t.chunk(size, dim=2)] for t in local[:3]]
+    parts = [[p.contiguous() for p in t.chunk(size, dim=-2)] for t in local[:3]]
     recv = [[torch.empty_like(p) for p in ps] for ps in parts]
 
     def all_to_all():
@@ -89,20 +110,16 @@ def exchange_ms(mesh, mode, local, device) -> float:
 def run(mesh, mode, tokens, args, device, dtype) -> dict:
     world = dist.get_world_size()
     per_gpu = tokens // world
-    flops = 4 * args.heads * tokens * tokens * args.dim / 2  # causal
-    q, k, v, dout = problem(tokens, args.heads, args.kv_heads, args.dim, dtype, device)
-    local = [context_parallel_shard(t, mesh).detach().clone().requires_grad_() for t in (q, k, v)]
-    local_dout = context_parallel_shard(dout, mesh)
+    (q, k, v, dout), shard, attend, _, flops = setup(mesh, mode, tokens, args, device, dtype)
+    local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    local_dout = shard(dout)
     del q, k, v, dout
-    fwd = timed(lambda: context_parallel_attn_func(*local, mesh, causal=True, mode=mode), device)
-    both = timed(lambda: torch.autograd.grad(context_parallel_attn_func(*local, mesh, causal=True, mode=mode),
-                                             local, local_dout), device)
-    one = [t.detach().clone().requires_grad_() for t in problem(per_gpu, args.heads, args.kv_heads, args.dim,
-                                                                dtype, device)[:3]]
-    one_flops = 4 * args.heads * per_gpu * per_gpu * args.dim / 2
-    one_fwd = timed(lambda: cuflash.flash_attn_func(*one, causal=True), device)
-    one_both = timed(lambda: torch.autograd.grad(cuflash.flash_attn_func(*one, causal=True), one,
-                                                 torch.ones_like(one[0])), device)
+    fwd = timed(lambda: attend(*local), device)
+    both = timed(lambda: torch.autograd.grad(attend(*local), local, local_dout), device)
+    (q, k, v, _), _, _, whole, one_flops = setup(mesh, mode, per_gpu, args, device, dtype)
+    one = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    one_fwd = timed(lambda: whole(*one), device)
+    one_both = timed(lambda: torch.autograd.grad(whole(*one), one, torch.ones_like(one[0])), device)
     row = dict(world_size=world, tokens=tokens, tokens_per_gpu=per_gpu, mode=mode, fwd_ms=fwd, fwdbwd_ms=both,
                tflops_per_gpu_fwd=flops / world / fwd / 1e9, tflops_per_gpu_fwdbwd=3.5 * flops / world / both / 1e9,
                one_gpu_tflops_fwd=one_flops / one_fwd / 1e9, one_gpu_tflops_fwdbwd=3.5 * one_flops / one_both / 1e9,
@@ -141,7 +158,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tokens", default="131072,1048576", help="whole-sequence lengths, comma-separated")
-    p.add_argument("--modes", default="ring,ulysses", help="from ring, ulysses (a 1-D mesh) or hybrid (--inner)")
+    p.add_argument("--modes", default="ring,ulysses",
+                   help="from ring, ulysses (a 1-D mesh), hybrid (--inner), packed (the ring over documents)")
+    p.add_argument("--doc-tokens", type=int, default=16384, help="packed: tokens per document (the last shorter)")
     p.add_argument("--inner", type=int, default=0, help="the hybrid's all-to-all size (ranks per node)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)

@@ -332,11 +332,12 @@ def test_cp_bench_runs_and_writes_its_table(tmp_path):
                PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(bench), "--device", "cpu", "--tokens", "128,256", "--heads", "4", "--kv-heads", "2",
-                           "--dim", "16", "--check-tokens", "64", "--out", str(tmp_path)],
+                           "--dim", "16", "--check-tokens", "64", "--modes", "ring,ulysses,packed", "--doc-tokens",
+                           "40", "--out", str(tmp_path)],
                           env=env, timeout=DEADLINE_S, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     errors = [line for line in done.stdout.splitlines() if "vs one process" in line]
-    assert len(errors) == 2 and all(float(e) < 1e-5 for line in errors for e in line.split()[-7::2]), errors
+    assert len(errors) == 3 and all(float(e) < 1e-5 for line in errors for e in line.split()[-7::2]), errors
     rows = list(csv.DictReader(open(tmp_path / "cp_bench.csv")))
     assert [(r["mode"], r["tokens"]) for r in rows] == [("ring", "128"), ("ring", "256"), ("ulysses", "128"),
-                                                          ("ulysses", "256")]
+                                                          ("ulysses", "256"), ("packed", "128"), ("packed", "256")]
