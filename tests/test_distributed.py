@@ -248,24 +248,11 @@ def _run(world, check):
             assert result == "ok", f"rank {rank}:\n{result}"
 
 
+@pytest.mark.parametrize("check", ["full", "ring_varlen", "ulysses", "ulysses_varlen"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_ring_matches_single_process(world):
-    _run(world, "full")
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_ring_varlen_matches_single_process(world):
-    _run(world, "ring_varlen")
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_ulysses_matches_single_process(world):
-    _run(world, "ulysses")
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_ulysses_varlen_matches_single_process(world):
-    _run(world, "ulysses_varlen")
+def test_matches_single_process(world, check):
+    """The ring and the all-to-all, dense and packed, with 2 and 3 processes (the CHECKS above)."""
+    _run(world, check)
 
 
 @pytest.mark.parametrize("world", [2, 4])
