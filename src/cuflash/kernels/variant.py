@@ -42,12 +42,12 @@ class Problem:
     def block_d(self) -> int:
         return padded_head_dim(self.head_dim)
 
-    def strides(self, name: str, t: torch.Tensor, row: str = "m") -> dict:
-        """stride_{name}b, stride_{name}{row}, stride_{name}h of t, shaped like q or k (3-D when
-        varlen, with batch stride 0: the batch is one row of sequences)."""
+    def strides(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """The (batch, row, head) strides of t, shaped like q or k (3-D when varlen, with batch stride
+        0: the batch is one row of sequences)."""
         if self.varlen:
-            return {f"stride_{name}b": 0, f"stride_{name}{row}": t.stride(0), f"stride_{name}h": t.stride(1)}
-        return {f"stride_{name}b": t.stride(0), f"stride_{name}{row}": t.stride(1), f"stride_{name}h": t.stride(2)}
+            return 0, t.stride(0), t.stride(1)
+        return t.stride(0), t.stride(1), t.stride(2)
 
 
 def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams,
@@ -60,11 +60,12 @@ def problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParam
     return Problem(q, k, v, q.shape[0], q.shape[1], k.shape[1], False, dout)
 
 
-def lse_strides(prob: Problem, p: AttentionParams) -> dict:
-    """softmax_lse is (batch, nheads, seqlen_q), or (nheads, total_q) for varlen."""
+def lse_strides(prob: Problem, p: AttentionParams) -> tuple[int, int]:
+    """The (batch, head) strides of softmax_lse: (batch, nheads, seqlen_q), or (nheads, total_q) for
+    varlen."""
     if p.varlen:
-        return {"stride_lb": 0, "stride_lh": prob.q.shape[1]}
-    return {"stride_lb": prob.nheads * prob.seqlen_q, "stride_lh": prob.seqlen_q}
+        return 0, prob.q.shape[1]
+    return prob.nheads * prob.seqlen_q, prob.seqlen_q
 
 
 def logit_scales(p: AttentionParams) -> tuple[float, float]:
@@ -102,8 +103,7 @@ def variant_args(p: AttentionParams) -> dict:
     return dict(
         **{name: None for name, t in _tensor_fields(p).items() if t is None},
         stride_slope_b=0 if slopes is None or slopes.dim() == 1 else slopes.stride(0),
-        stride_mask_b=mask_strides[0], stride_mask_h=mask_strides[1],
-        stride_mask_m=mask_strides[2], stride_mask_n=mask_strides[3],
+        stride_mask=mask_strides,
         bottom_right=int(p.bottom_right), window_left=p.window_left, window_right=p.window_right,
         qk_scale=qk_scale, softcap=softcap,
         drop_threshold=int(p.dropout_p * 2**31), drop_scale=1.0 / (1.0 - p.dropout_p),

@@ -13,18 +13,14 @@ from ..kernels.device import arch, padded_head_dim
 
 
 @triton.jit
-def _kv_tile(base, off_b, stride_b, off_h, stride_h, start_n, stride_n, cols, offs_d, seqlen_k, head_dim):
+def _kv_tile(base, strides, off_b, off_h, start_n, cols, offs_d, seqlen_k, head_dim):
     """Keys (or values) start_n + cols of one (batch, head), zero past seqlen_k and head_dim."""
     ok = ((start_n + cols)[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
-    return tl.load(tile_ptrs(base, off_b, stride_b, off_h, stride_h, start_n, stride_n, cols, offs_d), mask=ok,
-                   other=0.0)
+    return tl.load(tile_ptrs(base, strides, off_b, off_h, start_n, cols, offs_d), mask=ok, other=0.0)
 
 
 @triton.jit
-def _fa1_fwd(Q, K, V, Out, M, L,
-             stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-             stride_vb, stride_vn, stride_vh,
-             nheads, seqlen_q, seqlen_k, head_dim, qk_scale,
+def _fa1_fwd(Q, K, V, Out, M, L, stride_q, stride_k, stride_v, nheads, seqlen_q, seqlen_k, head_dim, qk_scale,
              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     off_bh = tl.program_id(0)
     off_b = (off_bh // nheads).to(tl.int64)
@@ -39,17 +35,15 @@ def _fa1_fwd(Q, K, V, Out, M, L,
     ml_base = off_bh.to(tl.int64) * seqlen_q
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + cols_in_tile
-        k = _kv_tile(K, off_b, stride_kb, off_h, stride_kh, start_n, stride_kn, cols_in_tile, offs_d, seqlen_k,
-                     head_dim)
-        v = _kv_tile(V, off_b, stride_vb, off_h, stride_vh, start_n, stride_vn, cols_in_tile, offs_d, seqlen_k,
-                     head_dim)
+        k = _kv_tile(K, stride_k, off_b, off_h, start_n, cols_in_tile, offs_d, seqlen_k, head_dim)
+        v = _kv_tile(V, stride_v, off_b, off_h, start_n, cols_in_tile, offs_d, seqlen_k, head_dim)
         first_m = 0
         if CAUSAL:  # query tiles entirely above the diagonal see nothing of this K/V tile
             first_m = tl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
         for start_m in range(first_m, seqlen_q, BLOCK_M):
             rows = start_m + rows_in_tile
             row_ok = rows < seqlen_q
-            q = tl.load(tile_ptrs(Q, off_b, stride_qb, off_h, stride_qh, start_m, stride_qm, rows_in_tile, offs_d),
+            q = tl.load(tile_ptrs(Q, stride_q, off_b, off_h, start_m, rows_in_tile, offs_d),
                         mask=row_ok[:, None] & d_ok, other=0.0)
             o_ptrs = o_base + rows[:, None] * BLOCK_D + offs_d[None, :]
             o = tl.load(o_ptrs, mask=row_ok[:, None], other=0.0)
@@ -76,10 +70,7 @@ def _fa1_fwd(Q, K, V, Out, M, L,
 
 
 @triton.jit
-def _fa1_bwd(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
-             stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-             stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-             stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+def _fa1_bwd(Q, K, V, DO, Lse, Delta, DQ, DK, DV, stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv,
              nheads, seqlen_q, seqlen_k, head_dim, qk_scale, softmax_scale,
              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     off_bh = tl.program_id(0)
@@ -95,10 +86,8 @@ def _fa1_bwd(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + cols_in_tile
         kv_ok = (cols[:, None] < seqlen_k) & d_ok  # (the dK, dV tile's stores)
-        k = _kv_tile(K, off_b, stride_kb, off_h, stride_kh, start_n, stride_kn, cols_in_tile, offs_d, seqlen_k,
-                     head_dim)
-        v = _kv_tile(V, off_b, stride_vb, off_h, stride_vh, start_n, stride_vn, cols_in_tile, offs_d, seqlen_k,
-                     head_dim)
+        k = _kv_tile(K, stride_k, off_b, off_h, start_n, cols_in_tile, offs_d, seqlen_k, head_dim)
+        v = _kv_tile(V, stride_v, off_b, off_h, start_n, cols_in_tile, offs_d, seqlen_k, head_dim)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         first_m = 0
@@ -108,10 +97,8 @@ def _fa1_bwd(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
             rows = start_m + rows_in_tile
             row_ok = rows < seqlen_q
             tile_ok = row_ok[:, None] & d_ok
-            q = tl.load(tile_ptrs(Q, off_b, stride_qb, off_h, stride_qh, start_m, stride_qm, rows_in_tile, offs_d),
-                        mask=tile_ok, other=0.0)
-            do = tl.load(tile_ptrs(DO, off_b, stride_dob, off_h, stride_doh, start_m, stride_dom, rows_in_tile,
-                                   offs_d), mask=tile_ok, other=0.0)
+            q = tl.load(tile_ptrs(Q, stride_q, off_b, off_h, start_m, rows_in_tile, offs_d), mask=tile_ok, other=0.0)
+            do = tl.load(tile_ptrs(DO, stride_do, off_b, off_h, start_m, rows_in_tile, offs_d), mask=tile_ok, other=0.0)
             lse = tl.load(Lse + row_base + rows, mask=row_ok, other=float("inf")) * LOG2E
             delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
@@ -129,10 +116,10 @@ def _fa1_bwd(Q, K, V, DO, Lse, Delta, DQ, DK, DV,
             tl.store(dq_ptrs, dq, mask=row_ok[:, None])
             tl.debug_barrier()
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
-        tl.store(tile_ptrs(DK, off_b, stride_dkb, off_h, stride_dkh, start_n, stride_dkn, cols_in_tile, offs_d),
+        tl.store(tile_ptrs(DK, stride_dk, off_b, off_h, start_n, cols_in_tile, offs_d),
                  (dk * softmax_scale).to(DK.dtype.element_ty), mask=kv_ok)
-        tl.store(tile_ptrs(DV, off_b, stride_dvb, off_h, stride_dvh, start_n, stride_dvn, cols_in_tile, offs_d),
-                 dv.to(DV.dtype.element_ty), mask=kv_ok)
+        tl.store(tile_ptrs(DV, stride_dv, off_b, off_h, start_n, cols_in_tile, offs_d), dv.to(DV.dtype.element_ty),
+                 mask=kv_ok)
 
 
 def _tiles(head_dim: int, device) -> tuple[int, int, int]:
@@ -148,9 +135,8 @@ def attention_forward(q, k, v, scale: float, causal: bool):
     o = torch.zeros(batch * nheads, seqlen_q, block_d, dtype=torch.float32, device=q.device)
     m = torch.full((batch * nheads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
     l = torch.zeros_like(m)  # noqa: E741
-    _fa1_fwd[(batch * nheads,)](q, k, v, o, m, l, q.stride(0), q.stride(1), q.stride(2),
-                                k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                                nheads, seqlen_q, k.shape[1], head_dim, scale * LOG2E.value, CAUSAL=causal,
+    _fa1_fwd[(batch * nheads,)](q, k, v, o, m, l, *(x.stride()[:3] for x in (q, k, v)), nheads,
+                                seqlen_q, k.shape[1], head_dim, scale * LOG2E.value, CAUSAL=causal,
                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
     lse = torch.where(l == 0, float("inf"), (m + torch.log2(torch.where(l == 0, 1.0, l))) * LN2.value)
     out = o[..., :head_dim].view(batch, nheads, seqlen_q, head_dim).transpose(1, 2).to(q.dtype).contiguous()
@@ -164,11 +150,8 @@ def attention_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
     dq = torch.zeros(batch * nheads, seqlen_q, block_d, dtype=torch.float32, device=q.device)
     dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (k, v))
     _fa1_bwd[(batch * nheads,)](q, k, v, dout, lse.contiguous(), delta, dq, dk, dv,
-                                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1),
-                                dout.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
-                                dv.stride(0), dv.stride(1), dv.stride(2),
-                                nheads, seqlen_q, k.shape[1], head_dim, scale * LOG2E.value, scale, CAUSAL=causal,
+                                *(x.stride()[:3] for x in (q, k, v, dout, dk, dv)), nheads,
+                                seqlen_q, k.shape[1], head_dim, scale * LOG2E.value, scale, CAUSAL=causal,
                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
     dq = dq[..., :head_dim].view(batch, nheads, seqlen_q, head_dim).transpose(1, 2).to(q.dtype).contiguous()
     return dq, dk, dv

@@ -155,32 +155,28 @@ def _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL: gl.constexpr):
 @gluon.jit
 def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
-     do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
-     stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
-     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, padded_q, batch, nheads,
-     nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+     do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do, stride_dk,
+     stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
     init_desc = _init_descriptor(AccInit, batch * nheads, padded_q)
-    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
-    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
-    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, ROWS, HEAD_D)
-    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, ROWS, HEAD_D)
+    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D)
+    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_do, ROWS, HEAD_D)
+    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, ROWS, HEAD_D)
+    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, ROWS, HEAD_D)
     n_n, items = tiles_of(seqlen_k, batch, nheads_k, 2 * ROWS)
     group = nheads // nheads_k
     it = 0  # query tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
     for c in range(count(items)):
-        w = work(c)
-        if w < items:
-            start_n, off_b, off_hk, lo, hi = _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL)
-            _load_held(done, k_desc, v_desc, start_n, off_b, off_hk, k_smem, v_smem, kv_ready, kv_free)
-            for g in range(group):
-                off_h = off_hk * group + g
-                bh = off_b * nheads + off_h
-                for j in range(lo, hi):
-                    load_pair(it, q_desc, do_desc, [off_b, j * ROWS, off_h, 0], q_smem, do_smem, q_ready, do_ready,
-                               empty, STAGES, (init_desc, init_smem, bh, batch * nheads + bh))
-                    it += 1
-            done += 1
+        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL)
+        _load_held(done, k_desc, v_desc, start_n, off_b, off_hk, k_smem, v_smem, kv_ready, kv_free)
+        for g in range(group):
+            off_h = off_hk * group + g
+            bh = off_b * nheads + off_h
+            for j in range(lo, hi):
+                load_pair(it, q_desc, do_desc, [off_b, j * ROWS, off_h, 0], q_smem, do_smem, q_ready, do_ready,
+                           empty, STAGES, (init_desc, init_smem, bh, batch * nheads + bh))
+                it += 1
+        done += 1
 
 
 @gluon.jit
@@ -242,19 +238,17 @@ def _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, f
 def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
              WG: gl.constexpr):
     (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
-     do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn,
-     stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
-     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, padded_q, batch, nheads,
-     nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+     do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do, stride_dk,
+     stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     if FUSED:
-        dq_desc = descriptor(DQAcc, batch, seqlen_q, nheads, stride_ab, stride_am, stride_ah, ROWS, HEAD_D, ROWS)
-    dk_desc = descriptor(DK, batch, seqlen_k, nheads_k, stride_dkb, stride_dkn, stride_dkh, ROWS, HEAD_D)
-    dv_desc = descriptor(DV, batch, seqlen_k, nheads_k, stride_dvb, stride_dvn, stride_dvh, ROWS, HEAD_D)
+        dq_desc = descriptor(DQAcc, batch, seqlen_q, nheads, stride_a, ROWS, HEAD_D, ROWS)
+    dk_desc = descriptor(DK, batch, seqlen_k, nheads_k, stride_dk, ROWS, HEAD_D)
+    dv_desc = descriptor(DV, batch, seqlen_k, nheads_k, stride_dv, ROWS, HEAD_D)
     # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
     n_n, items = tiles_of(seqlen_k, batch, nheads_k, 2 * ROWS)
     KV_BUFFERS: gl.constexpr = kv_ready.shape[0]
@@ -262,55 +256,50 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
     it = 0  # query tiles consumed so far: the ring's position
     done = 0  # work items done so far
     for c in range(count(items)):
-        w = work(c)
-        if w < items:
-            start_n, off_b, off_hk, lo, hi = _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL)
-            key0 = start_n + WG * ROWS
-            keys = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            # Query tiles before `full` hold rows that do not see every key of this warpgroup.
-            full = lo
-            if CAUSAL:
-                full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(key0 + ROWS - 1 - offset, 0), ROWS), lo), hi)
-            dk = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
-            dv = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
-            kb = done % KV_BUFFERS
-            k = k_smem.index(2 * kb + WG)
-            v = v_smem.index(2 * kb + WG)
-            mbarrier.wait(kv_ready.index(kb), (done // KV_BUFFERS) & 1)
-            base = it - lo  # tile j of head g at ring position it + g * (hi - lo) + j - lo
-            for g in range(group):
-                fused = None
-                if FUSED:
-                    fused = (ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_hk * group + g,
-                             softmax_scale)
-                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, lo,
-                                full, keys, offset, qk_scale, True, FUSED, STAGES, HEAD_D, WG, s_layout, a_layout)
-                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, full,
-                                hi, keys, offset, qk_scale, False, FUSED, STAGES, HEAD_D, WG, s_layout, a_layout)
-                base += hi - lo
-            it += group * (hi - lo)
+        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL)
+        key0 = start_n + WG * ROWS
+        keys = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        # Query tiles before `full` hold rows that do not see every key of this warpgroup.
+        full = lo
+        if CAUSAL:
+            full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(key0 + ROWS - 1 - offset, 0), ROWS), lo), hi)
+        dk = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+        dv = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+        kb = done % KV_BUFFERS
+        k = k_smem.index(2 * kb + WG)
+        v = v_smem.index(2 * kb + WG)
+        mbarrier.wait(kv_ready.index(kb), (done // KV_BUFFERS) & 1)
+        base = it - lo  # tile j of head g at ring position it + g * (hi - lo) + j - lo
+        for g in range(group):
+            fused = None
             if FUSED:
-                if it > 0:  # the other consumer's dQ parts of the last tile read this one's K tile
-                    mbarrier.wait(ds_free.index((it - 1) % 2), ((it - 1) // 2) & 1)
-            # dK and dV leave through this consumer's K and V tiles, which go back to the loader
-            # once the copies have read them.
-            copy_out(dv_desc, [off_b, key0, off_hk, 0], v, dv.to(DV.dtype.element_ty))
-            copy_out(dk_desc, [off_b, key0, off_hk, 0], k, (dk * softmax_scale).to(DK.dtype.element_ty))
-            tma.store_wait(0)
-            barrier()  # the thread that issued the copies has seen them read the tiles
-            mbarrier.arrive(kv_free.index(kb), count=1)
-            done += 1
+                fused = (ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_hk * group + g,
+                         softmax_scale)
+            dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, lo,
+                            full, keys, offset, qk_scale, True, FUSED, STAGES, HEAD_D, WG, s_layout, a_layout)
+            dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, full,
+                            hi, keys, offset, qk_scale, False, FUSED, STAGES, HEAD_D, WG, s_layout, a_layout)
+            base += hi - lo
+        it += group * (hi - lo)
+        if FUSED:
+            if it > 0:  # the other consumer's dQ parts of the last tile read this one's K tile
+                mbarrier.wait(ds_free.index((it - 1) % 2), ((it - 1) // 2) & 1)
+        # dK and dV leave through this consumer's K and V tiles, which go back to the loader
+        # once the copies have read them.
+        copy_out(dv_desc, [off_b, key0, off_hk, 0], v, dv.to(DV.dtype.element_ty))
+        copy_out(dk_desc, [off_b, key0, off_hk, 0], k, (dk * softmax_scale).to(DK.dtype.element_ty))
+        tma.store_wait(0)
+        barrier()  # the thread that issued the copies has seen them read the tiles
+        mbarrier.arrive(kv_free.index(kb), count=1)
+        done += 1
 
 
 @gluon.jit
 def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc,
-                          stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                          stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                          stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                          stride_ab, stride_am, stride_ah, padded_q, batch, nheads, nheads_k, seqlen_q,
-                          seqlen_k, offset, qk_scale, softmax_scale, CAUSAL: gl.constexpr, FUSED: gl.constexpr,
-                          HEAD_D: gl.constexpr, STAGES: gl.constexpr, KV_BUFFERS: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr):
+                          stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_a, padded_q, batch,
+                          nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
+                          CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                          KV_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     # kv_free: both consumers' dK and dV have left the item's K/V buffer.
     k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, q_ready, do_ready, empty = _buffers(
         Q.dtype.element_ty, HEAD_D, ROWS, STAGES, KV_BUFFERS)
@@ -321,10 +310,9 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc,
     if FUSED:
         ds_smem, dq_smem, ds_ready, ds_free = _dq_buffers(Q.dtype.element_ty)
     args = (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free,
-            q_ready, do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_qb, stride_qm, stride_qh, stride_kb,
-            stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb,
-            stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_am, stride_ah, padded_q,
-            batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale)
+            q_ready, do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do,
+            stride_dk, stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
+            softmax_scale)
     gl.warp_specialize([(_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 0)),
                         (_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 1)),
                         (_load, (args, CAUSAL, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
@@ -333,25 +321,22 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc,
 @gluon.jit
 def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty,
-     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-     stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
-     stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
-    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
-    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_dob, stride_dom, stride_doh, ROWS, HEAD_D)
-    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
-    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
+     stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset,
+     qk_scale, softmax_scale) = args
+    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D)
+    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_do, ROWS, HEAD_D)
+    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, BLOCK_N, HEAD_D)
+    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, BLOCK_N, HEAD_D)
     n_m, items = tiles_of(seqlen_q, batch, nheads, 2 * ROWS)
     it = 0  # K/V tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
     for c in range(count(items)):
-        w = work(c)
-        if w < items:
-            start_m, off_b, off_h, n_tiles = query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, 2)
-            off_hk = off_h // (nheads // nheads_k)
-            _load_held(done, q_desc, do_desc, start_m, off_b, off_h, q_smem, do_smem, qdo_ready, qdo_free)
-            it = load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                         BLOCK_N, STAGES)
-            done += 1
+        start_m, off_b, off_h, n_tiles = query_item(work(c), n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, 2)
+        off_hk = off_h // (nheads // nheads_k)
+        _load_held(done, q_desc, do_desc, start_m, off_b, off_h, q_smem, do_smem, qdo_ready, qdo_free)
+        it = load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                     BLOCK_N, STAGES)
+        done += 1
 
 
 @gluon.jit
@@ -387,15 +372,14 @@ def _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta,
 def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                 WG: gl.constexpr):
     (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty,
-     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-     stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
-     stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+     stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset,
+     qk_scale, softmax_scale) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    dq_desc = descriptor(DQ, batch, seqlen_q, nheads, stride_dqb, stride_dqm, stride_dqh, ROWS, HEAD_D)
+    dq_desc = descriptor(DQ, batch, seqlen_q, nheads, stride_dq, ROWS, HEAD_D)
     q = q_smem.index(WG)
     do = do_smem.index(WG)
     # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
@@ -403,46 +387,42 @@ def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.co
     it = 0  # K/V tiles consumed so far: the ring's position
     done = 0  # work items done so far
     for c in range(count(items)):
-        w = work(c)
-        if w < items:
-            start_m, off_b, off_h, n_tiles = query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, 2)
-            row0 = start_m + WG * ROWS
-            rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            row_ptrs = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
-            # Rows past seqlen_q read lse = +inf: their P is 0.
-            lse = gl.load(Lse + row_ptrs, mask=rows < seqlen_q, other=float("inf")) * LOG2E
-            delta = gl.load(Delta + row_ptrs, mask=rows < seqlen_q, other=0.0)
-            # Tiles every row of this warpgroup sees whole (below its first row's diagonal) come first.
-            n_full = n_tiles
-            if CAUSAL:
-                n_full = gl.minimum(gl.maximum(row0 + offset + 1, 0) // BLOCK_N, n_tiles)
-            end = it + n_tiles - 1  # the item's last K/V buffer, which dQ leaves through
-            dq = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
-            mbarrier.wait(qdo_ready.index(0), done & 1)
-            dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, 0, n_full, end, rows,
-                           offset, qk_scale, False, BLOCK_N, STAGES, s_layout, a_layout)
-            dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, n_full, n_tiles, end,
-                           rows, offset, qk_scale, True, BLOCK_N, STAGES, s_layout, a_layout)
-            # Q and dO go back to the loader, which fetches the next item's while this one finishes;
-            # once both consumers have released them, no product reads the last K/V buffer either:
-            # dQ leaves through its V tile, which then goes back too.
-            mbarrier.arrive(qdo_free.index(0), count=1)
-            mbarrier.wait(qdo_free.index(0), done & 1)
-            copy_out(dq_desc, [off_b, row0, off_h, 0], v_smem.index(end % STAGES),
-                      (dq * softmax_scale).to(DQ.dtype.element_ty), PART=WG)
-            tma.store_wait(0)
-            barrier()  # the thread that issued the copy has seen it read the tile
-            mbarrier.arrive(kv_empty.index(end % STAGES), count=1)
-            it += n_tiles
-            done += 1
+        start_m, off_b, off_h, n_tiles = query_item(work(c), n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, 2)
+        row0 = start_m + WG * ROWS
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        row_ptrs = off_b.to(gl.int64) * stride_l[0] + off_h.to(gl.int64) * stride_l[1] + rows
+        # Rows past seqlen_q read lse = +inf: their P is 0.
+        lse = gl.load(Lse + row_ptrs, mask=rows < seqlen_q, other=float("inf")) * LOG2E
+        delta = gl.load(Delta + row_ptrs, mask=rows < seqlen_q, other=0.0)
+        # Tiles every row of this warpgroup sees whole (below its first row's diagonal) come first.
+        n_full = n_tiles
+        if CAUSAL:
+            n_full = gl.minimum(gl.maximum(row0 + offset + 1, 0) // BLOCK_N, n_tiles)
+        end = it + n_tiles - 1  # the item's last K/V buffer, which dQ leaves through
+        dq = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+        mbarrier.wait(qdo_ready.index(0), done & 1)
+        dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, 0, n_full, end, rows,
+                       offset, qk_scale, False, BLOCK_N, STAGES, s_layout, a_layout)
+        dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, n_full, n_tiles, end,
+                       rows, offset, qk_scale, True, BLOCK_N, STAGES, s_layout, a_layout)
+        # Q and dO go back to the loader, which fetches the next item's while this one finishes;
+        # once both consumers have released them, no product reads the last K/V buffer either:
+        # dQ leaves through its V tile, which then goes back too.
+        mbarrier.arrive(qdo_free.index(0), count=1)
+        mbarrier.wait(qdo_free.index(0), done & 1)
+        copy_out(dq_desc, [off_b, row0, off_h, 0], v_smem.index(end % STAGES),
+                  (dq * softmax_scale).to(DQ.dtype.element_ty), PART=WG)
+        tma.store_wait(0)
+        barrier()  # the thread that issued the copy has seen it read the tile
+        mbarrier.arrive(kv_empty.index(end % STAGES), count=1)
+        it += n_tiles
+        done += 1
 
 
 @gluon.jit
 def _attn_bwd_dq_hopper(Q, K, V, DO, Lse, Delta, DQ,
-                        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                        stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                        stride_dqb, stride_dqm, stride_dqh, stride_lb, stride_lh,
-                        batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
+                        stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, batch, nheads, nheads_k,
+                        seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
                         CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr):
     gl.static_assert(BLOCK_N == 2 * ROWS, "dQ leaves through a V tile: both consumers' rows")
@@ -450,9 +430,8 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, Lse, Delta, DQ,
     q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty = _buffers(
         Q.dtype.element_ty, HEAD_D, BLOCK_N, STAGES, 1)
     args = (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready,
-            kv_empty, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-            stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
-            stride_lb, stride_lh, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale)
+            kv_empty, stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, batch, nheads, nheads_k, seqlen_q,
+            seqlen_k, offset, qk_scale, softmax_scale)
     gl.warp_specialize([(_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 0)),
                         (_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 1)),
                         (_dq_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
@@ -463,8 +442,8 @@ def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
     triton.set_allocator(scratch)  # the kernels build their tensor descriptors in global scratch
     qk_scale, _ = logit_scales(params)
     return dict(Q=q, K=k, V=v, DO=dout,
-                **box_strides(prob, "q", q), **box_strides(prob, "k", k, "n"), **box_strides(prob, "v", v, "n"),
-                **box_strides(prob, "do", dout), batch=prob.batch, nheads=prob.nheads,
+                stride_q=box_strides(prob, q), stride_k=box_strides(prob, k), stride_v=box_strides(prob, v),
+                stride_do=box_strides(prob, dout), batch=prob.batch, nheads=prob.nheads,
                 nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k,
                 offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
                 softmax_scale=params.softmax_scale, CAUSAL=params.window_right == 0, HEAD_D=prob.head_dim,
@@ -485,10 +464,10 @@ def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dkdv
     # Two K/V buffers (the loader fetches the next item's K and V during the last one) where shared
     # memory holds them: all but the fused kernel at D=128 (one: 192 of 227 KB).
     kv_buffers = 1 if acc is not None and prob.head_dim == 128 else 2
-    acc_strides = box_strides(prob, "a", acc) if acc is not None else dict(stride_ab=0, stride_am=0, stride_ah=0)
+    acc_strides = box_strides(prob, acc) if acc is not None else (0, 0, 0)
     return _attn_bwd_dkdv_hopper, (min(cdiv(items, 2), num_sms(dk.device)),), dict(
         **_shared_args(tensors, prob, params), AccInit=init, padded_q=init.shape[2], DK=dk, DV=dv, DQAcc=acc,
-        **box_strides(prob, "dk", dk, "n"), **box_strides(prob, "dv", dv, "n"), **acc_strides,
+        stride_dk=box_strides(prob, dk), stride_dv=box_strides(prob, dv), stride_a=acc_strides,
         FUSED=cfg.fuse_dq, STAGES=cfg.stages, KV_BUFFERS=kv_buffers)
 
 
@@ -501,5 +480,5 @@ def dq_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dq):
     grid = (min(cdiv(items, 2), num_sms(dq.device)),)
     return _attn_bwd_dq_hopper, grid, dict(
         **_shared_args(tensors, prob, params), Lse=tensors["Lse"], Delta=tensors["Delta"],
-        **lse_strides(prob, params), DQ=dq, **box_strides(prob, "dq", dq), BLOCK_N=cfg.block_n,
+        stride_l=lse_strides(prob, params), DQ=dq, stride_dq=box_strides(prob, dq), BLOCK_N=cfg.block_n,
         STAGES=cfg.stages)

@@ -14,9 +14,11 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M
 
 @gluon.jit
 def count(items):
-    """How many work items this program runs (work), the last maybe past the end: programs take
-    pairs of consecutive items, round-robin."""
-    return 2 * gl.cdiv(gl.cdiv(items, 2) - gl.program_id(0), gl.num_programs(0))
+    """How many work items this program runs (work): programs take pairs of consecutive items,
+    round-robin; the last pair of an odd count is one item."""
+    pairs = gl.cdiv(gl.cdiv(items, 2) - gl.program_id(0), gl.num_programs(0))
+    last = gl.program_id(0) + (pairs - 1) * gl.num_programs(0)  # this program's last pair
+    return 2 * pairs - (2 * last + 1 >= items).to(gl.int32)
 
 
 @gluon.jit
@@ -46,7 +48,7 @@ def load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready,
 
 @gluon.jit
 def query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-          CONSUMERS: gl.constexpr):
+               CONSUMERS: gl.constexpr):
     """(first query row, batch, head, K/V tiles to visit) of work item w. The query tiles of one
     (batch, head) are consecutive items (their K/V stay in L2). Under a causal mask heavy and light
     tiles alternate (the last, the first, the second last, ...), so that a pair of items costs
@@ -64,14 +66,14 @@ def query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
-def descriptor(T, batch, seqlen, nheads, stride_b, stride_n, stride_h, BOX_ROWS: gl.constexpr, HEAD_D: gl.constexpr,
-                BOX_COLS: gl.constexpr = None):
-    """The TMA descriptor of a (batch, seqlen, nheads, HEAD_D) tensor, one for a whole program: a box
-    is BOX_ROWS rows (of BOX_COLS columns, all by default) of one (batch, head), cut (zero-filled)
-    at its sequence's end."""
+def descriptor(T, batch, seqlen, nheads, strides, BOX_ROWS: gl.constexpr, HEAD_D: gl.constexpr,
+               BOX_COLS: gl.constexpr = None):
+    """The TMA descriptor of a (batch, seqlen, nheads, HEAD_D) tensor with (batch, row, head) strides,
+    one for a whole program: a box is BOX_ROWS rows (of BOX_COLS columns, all by default) of one
+    (batch, head), cut (zero-filled) at its sequence's end."""
     box: gl.constexpr = [1, BOX_ROWS, 1, HEAD_D if BOX_COLS is None else BOX_COLS]
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(box, T.dtype.element_ty)
-    return tma.make_tensor_descriptor(T, [batch, seqlen, nheads, HEAD_D], [stride_b, stride_n, stride_h, 1], box,
+    return tma.make_tensor_descriptor(T, [batch, seqlen, nheads, HEAD_D], [strides[0], strides[1], strides[2], 1], box,
                                       layout)
 
 
@@ -135,7 +137,7 @@ def ring(dtype: gl.constexpr, BLOCK: gl.constexpr, HEAD_D: gl.constexpr, STAGES:
     return a_smem, b_smem, barriers(STAGES, 1), barriers(STAGES, 1), barriers(STAGES, CONSUMERS)
 
 
-def box_strides(prob: Problem, name: str, t: torch.Tensor, row: str = "m") -> dict:
+def box_strides(prob: Problem, t: torch.Tensor) -> tuple[int, ...]:
     """prob.strides for a tensor descriptor: a dim of size 1 is never stepped over, but the
     descriptor still wants a positive multiple of 16 bytes there."""
-    return {key: stride if n > 1 else 128 for (key, stride), n in zip(prob.strides(name, t, row).items(), t.shape)}
+    return tuple(stride if n > 1 else 128 for stride, n in zip(prob.strides(t), t.shape))

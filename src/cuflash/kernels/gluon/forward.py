@@ -38,31 +38,27 @@ from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, lo
 @gluon.jit
 def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
           CONSUMERS: gl.constexpr):
-    (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-     stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-     batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale) = args
-    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_qb, stride_qm, stride_qh, ROWS, HEAD_D)
-    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_D)
-    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_D)
+    (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, stride_q, stride_k,
+     stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale) = args
+    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D)
+    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, BLOCK_N, HEAD_D)
+    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, BLOCK_N, HEAD_D)
     n_m, items = tiles_of(seqlen_q, batch, nheads, CONSUMERS * ROWS)
     it = 0  # K/V tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     for k in range(count(items)):
-        w = work(k)
-        if w < items:
-            start_m, off_b, off_h, n_tiles = query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS)
-            off_hk = off_h // (nheads // nheads_k)
-            qb = done % Q_BUFFERS
-            mbarrier.wait(q_empty.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(qb), CONSUMERS * q_desc.block_type.nbytes)
-            for part in gl.static_range(CONSUMERS):
-                tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready.index(qb),
-                          q_smem.index(qb * CONSUMERS + part).reshape([1, ROWS, 1, HEAD_D]))
-            it = load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                         BLOCK_N, STAGES)
-            done += 1
+        start_m, off_b, off_h, n_tiles = query_item(work(k), n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS)
+        off_hk = off_h // (nheads // nheads_k)
+        qb = done % Q_BUFFERS
+        mbarrier.wait(q_empty.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(qb), CONSUMERS * q_desc.block_type.nbytes)
+        for part in gl.static_range(CONSUMERS):
+            tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready.index(qb),
+                      q_smem.index(qb * CONSUMERS + part).reshape([1, ROWS, 1, HEAD_D]))
+        it = load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                     BLOCK_N, STAGES)
+        done += 1
 
 
 @gluon.jit
@@ -202,17 +198,15 @@ def _write_out(acc, m_i, l_i, lse_ptrs, row_ok, o_desc, coord, q, k_smem, k_read
 @gluon.jit
 def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
              CONSUMERS: gl.constexpr, WG: gl.constexpr):
-    (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-     stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-     batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale) = args
+    (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, stride_q, stride_k,
+     stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = Q.dtype.element_ty
-    o_desc = descriptor(Out, batch, seqlen_q, nheads, stride_ob, stride_om, stride_oh, ROWS, HEAD_D)
+    o_desc = descriptor(Out, batch, seqlen_q, nheads, stride_o, ROWS, HEAD_D)
     # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
     n_m, items = tiles_of(seqlen_q, batch, nheads, CONSUMERS * ROWS)
     it = 0  # K/V tiles consumed so far: the ring's position
@@ -228,82 +222,79 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
     DEFER: gl.constexpr = HEAD_D == 128 and CAUSAL and (O_IN_K or Q_BUFFERS == 2)
     pending = -1  # the buffer that the last item's O is leaving through, until it goes back
     for k in range(count(items)):
-        w = work(k)
-        if w < items:
-            start_m, off_b, off_h, n_tiles = query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS)
-            row0 = start_m + WG * ROWS
-            rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            # The item's tiles that this warpgroup's rows see (none past the last query, under a causal
-            # mask those up to its last row's diagonal), of them those every row sees whole (below its
-            # first row's diagonal, within the keys). The tiles that only other warpgroups' rows see it
-            # just releases.
-            n_mine = gl.where(row0 < seqlen_q, n_tiles, 0)
-            n_full = seqlen_k // BLOCK_N
-            if CAUSAL:
-                n_mine = gl.minimum(n_mine, gl.cdiv(gl.minimum(gl.maximum(row0 + ROWS + offset, 0), seqlen_k), BLOCK_N))
-                n_full = gl.minimum(n_full, gl.maximum(row0 + offset + 1, 0) // BLOCK_N)
-            n_full = gl.maximum(gl.minimum(n_full, n_mine), 1)
+        start_m, off_b, off_h, n_tiles = query_item(work(k), n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS)
+        row0 = start_m + WG * ROWS
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        # The item's tiles that this warpgroup's rows see (none past the last query, under a causal
+        # mask those up to its last row's diagonal), of them those every row sees whole (below its
+        # first row's diagonal, within the keys). The tiles that only other warpgroups' rows see it
+        # just releases.
+        n_mine = gl.where(row0 < seqlen_q, n_tiles, 0)
+        n_full = seqlen_k // BLOCK_N
+        if CAUSAL:
+            n_mine = gl.minimum(n_mine, gl.cdiv(gl.minimum(gl.maximum(row0 + ROWS + offset, 0), seqlen_k), BLOCK_N))
+            n_full = gl.minimum(n_full, gl.maximum(row0 + offset + 1, 0) // BLOCK_N)
+        n_full = gl.maximum(gl.minimum(n_full, n_mine), 1)
 
-            m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-            p = _pack(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), dtype)
-            qb = done % Q_BUFFERS
-            q = q_smem.index(qb * CONSUMERS + WG)
-            mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
-            if n_mine > 0:
-                # Tile 0 alone (its softmax masked: it may hold the diagonal or the key bound), then
-                # the pipelined loops.
-                mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
-                s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)),
-                                  gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N,
-                                              s_layout)
-                p = _pack(p, dtype)
-                if DEFER:  # the last item's O has left its buffer during tile 0: the buffer goes back
-                    # (before any wait for a tile that the loader may need it for)
-                    _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
-                    pending = -1
-                acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, 1,
-                                          n_full, rows, seqlen_k, offset, qk_scale, False, CAUSAL, BLOCK_N, STAGES,
-                                          s_layout, p_layout, o_layout)
-                acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, n_full,
-                                          n_mine, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N, STAGES,
-                                          s_layout, p_layout, o_layout)
-            if DEFER:  # (where this warpgroup's rows see no tile)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+        p = _pack(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), dtype)
+        qb = done % Q_BUFFERS
+        q = q_smem.index(qb * CONSUMERS + WG)
+        mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
+        if n_mine > 0:
+            # Tile 0 alone (its softmax masked: it may hold the diagonal or the key bound), then
+            # the pipelined loops.
+            mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)),
+                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N,
+                                          s_layout)
+            p = _pack(p, dtype)
+            if DEFER:  # the last item's O has left its buffer during tile 0: the buffer goes back
+                # (before any wait for a tile that the loader may need it for)
                 _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
                 pending = -1
-            # Each consumer's rows of O leave through shared memory, copied out by the TMA: through the
-            # consumer's part of the item's Q buffer, which goes back to the loader once the copy has read
-            # it; or (O_IN_K: one Q buffer, as at D=128 with 128-key tiles, where there is no room for a
-            # second) the Q buffer goes back once every consumer's last S is done, so that the next item's
-            # Q arrives while this one finishes, and O leaves through the item's last K tile (S products
-            # only read it), held until the copy has read it. (D=256 has one Q buffer but 32- or 64-key
-            # tiles, narrower than O: the next Q waits for the copy.)
-            if O_IN_K:
-                mbarrier.arrive(q_empty.index(qb), count=1)
-                end = it + n_tiles - 1  # the tiles before `end` go back as soon as they are done
-            else:
-                end = it + n_tiles
-            acc = _finish_tiles(acc, p, v_smem, k_ready, v_ready, kv_empty, it, n_mine, end, STAGES, p_layout)
+            acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, 1,
+                                      n_full, rows, seqlen_k, offset, qk_scale, False, CAUSAL, BLOCK_N, STAGES,
+                                      s_layout, p_layout, o_layout)
+            acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, n_full,
+                                      n_mine, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N, STAGES,
+                                      s_layout, p_layout, o_layout)
+        if DEFER:  # (where this warpgroup's rows see no tile)
+            _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
+            pending = -1
+        # Each consumer's rows of O leave through shared memory, copied out by the TMA: through the
+        # consumer's part of the item's Q buffer, which goes back to the loader once the copy has read
+        # it; or (O_IN_K: one Q buffer, as at D=128 with 128-key tiles, where there is no room for a
+        # second) the Q buffer goes back once every consumer's last S is done, so that the next item's
+        # Q arrives while this one finishes, and O leaves through the item's last K tile (S products
+        # only read it), held until the copy has read it. (D=256 has one Q buffer but 32- or 64-key
+        # tiles, narrower than O: the next Q waits for the copy.)
+        if O_IN_K:
+            mbarrier.arrive(q_empty.index(qb), count=1)
+            end = it + n_tiles - 1  # the tiles before `end` go back as soon as they are done
+        else:
+            end = it + n_tiles
+        acc = _finish_tiles(acc, p, v_smem, k_ready, v_ready, kv_empty, it, n_mine, end, STAGES, p_layout)
 
-            lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows
-            buffer = _write_out(acc, m_i, l_i, lse_ptrs, rows < seqlen_q, o_desc, [off_b, row0, off_h, 0], q, k_smem,
-                                k_ready, v_ready, q_empty, qb, end, done, O_IN_K, STAGES, WG, dtype, o_layout)
-            if DEFER:
-                pending = buffer
-            else:
-                _hand_back(buffer, q_empty, kv_empty, O_IN_K)
-            it += n_tiles
-            done += 1
+        lse_ptrs = Lse + off_b.to(gl.int64) * stride_l[0] + off_h * stride_l[1] + rows
+        buffer = _write_out(acc, m_i, l_i, lse_ptrs, rows < seqlen_q, o_desc, [off_b, row0, off_h, 0], q, k_smem,
+                            k_ready, v_ready, q_empty, qb, end, done, O_IN_K, STAGES, WG, dtype, o_layout)
+        if DEFER:
+            pending = buffer
+        else:
+            _hand_back(buffer, q_empty, kv_empty, O_IN_K)
+        it += n_tiles
+        done += 1
     if DEFER:  # (shared memory must outlive the copies)
         _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
 
 
 @gluon.jit
 def _attn_fwd_hopper(Q, K, V, Out, Lse,
-                     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-                     stride_vh, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+                     stride_q, stride_k, stride_v, stride_o, stride_l,
                      batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
                      CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
@@ -314,9 +305,8 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse,
     q_ready = barriers(Q_BUFFERS, 1)
     q_empty = barriers(Q_BUFFERS, CONSUMERS)  # every consumer releases a buffer
     args = (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-            stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-            batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale)
+            stride_q, stride_k, stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset,
+            qk_scale)
     if CONSUMERS == 3:
         gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 0)),
                             (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 1)),
@@ -357,8 +347,8 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Forw
     # 240 each for the consumers, 24 for the loader; 3 consumers: 4 of 128, 160 and 24.
     regs, consumer_regs = (168, 240) if cfg.consumers == 2 else (128, 160)
     return _attn_fwd_hopper, (min(cdiv(items, 2), num_sms(q.device)),), dict(
-        Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], **box_strides(prob, "q", q), **box_strides(prob, "k", k, "n"),
-        **box_strides(prob, "v", v, "n"), **box_strides(prob, "o", out), **lse_strides(prob, params),
+        Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], stride_q=box_strides(prob, q), stride_k=box_strides(prob, k),
+        stride_v=box_strides(prob, v), stride_o=box_strides(prob, out), stride_l=lse_strides(prob, params),
         batch=prob.batch, nheads=prob.nheads, nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q,
         seqlen_k=prob.seqlen_k, offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
         CAUSAL=params.window_right == 0, BLOCK_N=cfg.block_n, HEAD_D=prob.head_dim, STAGES=cfg.stages,

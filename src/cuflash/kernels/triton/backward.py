@@ -23,18 +23,15 @@ from ...params import AttentionParams
 from ..device import cdiv
 from ..variant import Problem, lse_strides, variant_args, variant_tensors
 from . import Tiles
-from .common import LOG2E, band, dropout_keep, head_options, load_rows, logits, mma, query_program, \
-    read_tile, row_source, score_tile, sequence, softcap_grad, store_tile, tile_ptrs
+from .common import LOG2E, advance, band, dropout_keep, head_options, load_pair, logits, mma, query_program, \
+    read_tile, row_source, score_tile, sequence, softcap_grad, store_tile, tile_aranges, tile_ptrs
 
 ROWS_PER_PROGRAM = 64  # query rows per program of the delta and cast kernels (the Gluon kernels' tile)
 
 
 @triton.jit
-def _attn_bwd_delta(Out, DO, Lse, Delta, AccInit,
-                    stride_ob, stride_om, stride_oh,
-                    stride_dob, stride_dom, stride_doh,
-                    stride_lb, stride_lh,
-                    nheads, seqlen_q, head_dim, padded_q, softmax_scale,
+def _attn_bwd_delta(Out, DO, Lse, Delta, AccInit, stride_o, stride_do, stride_l, nheads, seqlen_q, head_dim, padded_q,
+                    softmax_scale,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC_INIT: tl.constexpr):
     """delta of BLOCK_M rows of a (batch, head). ACC_INIT: also the Gluon dK/dV kernel's starting
     values of its S^T and dP^T accumulators per query row, -lse / softmax_scale and -delta
@@ -47,12 +44,10 @@ def _attn_bwd_delta(Out, DO, Lse, Delta, AccInit,
     rows = tl.arange(0, BLOCK_M)
     offs_m = start_m + rows
     offs_d = tl.arange(0, BLOCK_D)
-    o = read_tile(Out, off_b, stride_ob, off_h, stride_oh, 0, start_m, stride_om, rows, seqlen_q, offs_d, head_dim,
-                  True).to(tl.float32)
-    do = read_tile(DO, off_b, stride_dob, off_h, stride_doh, 0, start_m, stride_dom, rows, seqlen_q, offs_d, head_dim,
-                   True).to(tl.float32)
+    o = read_tile(Out, stride_o, off_b, off_h, 0, start_m, rows, seqlen_q, offs_d, head_dim, True).to(tl.float32)
+    do = read_tile(DO, stride_do, off_b, off_h, 0, start_m, rows, seqlen_q, offs_d, head_dim, True).to(tl.float32)
     delta = tl.sum(o * do, 1)
-    row_ptr = off_b * stride_lb + off_h * stride_lh + offs_m
+    row_ptr = off_b * stride_l[0] + off_h * stride_l[1] + offs_m
     tl.store(Delta + row_ptr, delta, mask=offs_m < seqlen_q)
     if ACC_INIT:
         lse = tl.load(Lse + row_ptr, mask=offs_m < seqlen_q, other=float("inf"))
@@ -63,17 +58,16 @@ def _attn_bwd_delta(Out, DO, Lse, Delta, AccInit,
 
 
 @triton.jit
-def _attn_bwd_dq_cast(DQAcc, DQ, stride_ab, stride_am, stride_ah, stride_dqb, stride_dqm, stride_dqh,
-                      nheads, seqlen_q, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attn_bwd_dq_cast(DQAcc, DQ, stride_a, stride_dq, nheads, seqlen_q, head_dim, BLOCK_M: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
     """DQ = DQAcc in DQ's dtype, one program per BLOCK_M rows of a (batch, head)."""
     start_m = tl.program_id(0) * BLOCK_M
     off_b = (tl.program_id(1) // nheads).to(tl.int64)
     off_h = (tl.program_id(1) % nheads).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    dq_ptrs = tile_ptrs(DQ, off_b, stride_dqb, off_h, stride_dqh, start_m, stride_dqm, rows, offs_d)
-    dq = read_tile(DQAcc, off_b, stride_ab, off_h, stride_ah, 0, start_m, stride_am, rows, seqlen_q, offs_d, head_dim,
-                   True)
+    dq_ptrs = tile_ptrs(DQ, stride_dq, off_b, off_h, start_m, rows, offs_d)
+    dq = read_tile(DQAcc, stride_a, off_b, off_h, 0, start_m, rows, seqlen_q, offs_d, head_dim, True)
     store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), start_m + rows, seqlen_q, offs_d, head_dim, True)
 
 
@@ -86,16 +80,13 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, mask, offs, lo, hi, bounds, scor
     """Query tiles [lo, hi) of one head into (dk, dv); MASKED applies the query bound and the band's
     edges. Works on transposed scores (keys along rows) so that dK, dV need no transposes. The argument
     groups are _attn_bwd_dkdv's."""
-    q_src, do_src, stride_qm, stride_dom, lse_ptr, delta_ptr = rows_in
+    q_do, row_strides, lse_ptr, delta_ptr = rows_in
     offs_n, offs_m, offs_d = offs
     seqlen_q, head_dim = bounds[0], bounds[2]
-    if not TMA:
-        q_src += tl.cast(lo, tl.int64) * stride_qm
-        do_src += tl.cast(lo, tl.int64) * stride_dom
+    q_do = advance(q_do, row_strides, tl.cast(lo, tl.int64), TMA)
     for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
         rows = start_m + offs_m
-        q = load_rows(q_src, start_m, rows, seqlen_q, offs_d, head_dim, MASKED, not EVEN_D, TMA)
-        do = load_rows(do_src, start_m, rows, seqlen_q, offs_d, head_dim, MASKED, not EVEN_D, TMA)
+        q, do = load_pair(q_do, start_m, rows, seqlen_q, offs_d, head_dim, MASKED, not EVEN_D, TMA)
         if MASKED:
             # Rows past seqlen_q read lse = +inf, so that their P is exactly 0.
             lse = tl.load(lse_ptr + rows, mask=rows < seqlen_q, other=float("inf"))
@@ -119,22 +110,13 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, mask, offs, lo, hi, bounds, scor
         if SOFTCAP:
             ds_t *= softcap_grad(x_t, scores[1])
         dk = mma(ds_t.to(q.dtype), q, dk, INPUT_PRECISION)
-        if not TMA:
-            q_src += BLOCK_M * stride_qm
-            do_src += BLOCK_M * stride_dom
+        q_do = advance(q_do, row_strides, BLOCK_M, TMA)
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
-                   stride_qb, stride_qm, stride_qh,
-                   stride_kb, stride_kn, stride_kh,
-                   stride_vb, stride_vn, stride_vh,
-                   stride_dob, stride_dom, stride_doh,
-                   stride_dkb, stride_dkn, stride_dkh,
-                   stride_dvb, stride_dvn, stride_dvh,
-                   stride_lb, stride_lh, stride_slope_b,
-                   stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                   stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_l, stride_slope_b, stride_mask,
                    nheads_k, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
                    softmax_scale, qk_scale, softcap, drop_threshold, drop_scale,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -152,15 +134,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Slop
         if start_n >= seqlen_k:  # the grid covers the longest sequence
             return
     offset = bottom_right * (seqlen_k - seqlen_q)
-    cols = tl.arange(0, BLOCK_N)
-    offs_n = start_n + cols
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    cols, offs_n, offs_m, offs_d = tile_aranges(start_n, BLOCK_N, BLOCK_M, BLOCK_D)
 
-    k = read_tile(K, off_b, stride_kb, off_hk, stride_kh, k_first, start_n, stride_kn, cols, seqlen_k, offs_d,
-                  head_dim, not EVEN_D)
-    v = read_tile(V, off_b, stride_vb, off_hk, stride_vh, k_first, start_n, stride_vn, cols, seqlen_k, offs_d,
-                  head_dim, not EVEN_D)
+    k = read_tile(K, stride_k, off_b, off_hk, k_first, start_n, cols, seqlen_k, offs_d, head_dim, not EVEN_D)
+    v = read_tile(V, stride_v, off_b, off_hk, k_first, start_n, cols, seqlen_k, offs_d, head_dim, not EVEN_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -180,20 +157,18 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Slop
             dk_head = dk
             dv_head = dv
         off_h = off_hk * group_size + g
-        q_src = row_source(Q, off_b, stride_qb, off_h, stride_qh, q_first, stride_qm, seqlen_q, head_dim,
-                           offs_m, offs_d, BLOCK_M, BLOCK_D, TMA)
-        do_src = row_source(DO, off_b, stride_dob, off_h, stride_doh, q_first, stride_dom, seqlen_q, head_dim,
-                            offs_m, offs_d, BLOCK_M, BLOCK_D, TMA)
-        lse_ptr = Lse + off_b * stride_lb + off_h * stride_lh + q_first
-        delta_ptr = Delta + off_b * stride_lb + off_h * stride_lh + q_first
-        mask_ptrs, slope, drop_key = head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng,
-                                                  off_b, off_h, off_b * nheads_k * group_size + off_h,
-                                                  ALIBI, MASK_KIND, DROPOUT)
+        q_src = row_source(Q, stride_q, off_b, off_h, q_first, seqlen_q, head_dim, offs_m, offs_d, BLOCK_M, BLOCK_D,
+                           TMA)
+        do_src = row_source(DO, stride_do, off_b, off_h, q_first, seqlen_q, head_dim, offs_m, offs_d, BLOCK_M,
+                            BLOCK_D, TMA)
+        row_first = off_b * stride_l[0] + off_h * stride_l[1] + q_first
+        mask_ptrs, slope, drop_key = head_options(Mask, stride_mask, Slopes, stride_slope_b, Rng, off_b, off_h,
+                                                  off_b * nheads_k * group_size + off_h, ALIBI, MASK_KIND, DROPOUT)
         # The query tiles in three parts: those a causal diagonal or window's right edge cuts (masked;
         # none without a right edge), those that see every key of the tile (unmasked, the loop that may be
         # warp-specialized), those a window's left edge or the queries' end cuts (masked).
-        rows_in = (q_src, do_src, stride_qm, stride_dom, lse_ptr, delta_ptr)
-        mask = (mask_ptrs, stride_mask_m, stride_mask_n)
+        rows_in = ((q_src, do_src), (stride_q[1], stride_do[1]), Lse + row_first, Delta + row_first)
+        mask = (mask_ptrs, stride_mask[2], stride_mask[3])
         scores = (qk_scale, softcap, slope)
         drop = (drop_key, drop_threshold, drop_scale)
         for part in tl.static_range(1 - HAS_RIGHT, 3):
@@ -210,8 +185,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Slop
 
     if DROPOUT:
         dv = dv * drop_scale
-    dk_ptrs = tile_ptrs(DK, off_b, stride_dkb, off_hk, stride_dkh, k_first + start_n, stride_dkn, cols, offs_d)
-    dv_ptrs = tile_ptrs(DV, off_b, stride_dvb, off_hk, stride_dvh, k_first + start_n, stride_dvn, cols, offs_d)
+    dk_ptrs = tile_ptrs(DK, stride_dk, off_b, off_hk, k_first + start_n, cols, offs_d)
+    dv_ptrs = tile_ptrs(DV, stride_dv, off_b, off_hk, k_first + start_n, cols, offs_d)
     store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, head_dim, not EVEN_D)
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, head_dim, not EVEN_D)
 
@@ -224,16 +199,12 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, offs, lo, hi, bounds, sc
                        INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """K/V tiles [lo, hi) into dq; MASKED applies the key bound and the band's edges. The argument
     groups are _attn_bwd_dq's."""
-    k_src, v_src, stride_kn, stride_vn = kv
+    kv, row_strides = kv
     offs_m, offs_n, offs_d = offs
-    seqlen_k, head_dim = bounds[1], bounds[2]
-    if not TMA:
-        k_src += tl.cast(lo, tl.int64) * stride_kn
-        v_src += tl.cast(lo, tl.int64) * stride_vn
+    kv = advance(kv, row_strides, tl.cast(lo, tl.int64), TMA)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
-        k = load_rows(k_src, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
-        v = load_rows(v_src, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
+        k, v = load_pair(kv, start_n, cols, bounds[1], offs_d, bounds[2], MASKED, not EVEN_D, TMA)
         x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), scores, SOFTCAP)
         s = score_tile(x, offs_m[:, None], cols[None, :], bounds, scores, mask, MASKED, HAS_LEFT, HAS_RIGHT, ALIBI,
                        MASK_KIND)
@@ -246,21 +217,13 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, offs, lo, hi, bounds, sc
         if SOFTCAP:
             ds *= softcap_grad(x, scores[1])
         dq = mma(ds.to(k.dtype), k, dq, INPUT_PRECISION)
-        if not TMA:
-            k_src += BLOCK_N * stride_kn
-            v_src += BLOCK_N * stride_vn
+        kv = advance(kv, row_strides, BLOCK_N, TMA)
     return dq
 
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
-                 stride_qb, stride_qm, stride_qh,
-                 stride_kb, stride_kn, stride_kh,
-                 stride_vb, stride_vn, stride_vh,
-                 stride_dob, stride_dom, stride_doh,
-                 stride_dqb, stride_dqm, stride_dqh,
-                 stride_lb, stride_lh, stride_slope_b,
-                 stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                 stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, stride_slope_b, stride_mask,
                  nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
                  softmax_scale, qk_scale, softcap, drop_threshold, drop_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -274,31 +237,24 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Ma
         if start_m >= seqlen_q:
             return
     offset = bottom_right * (seqlen_k - seqlen_q)
-    rows = tl.arange(0, BLOCK_M)
-    offs_m = start_m + rows
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    rows, offs_m, offs_n, offs_d = tile_aranges(start_m, BLOCK_M, BLOCK_N, BLOCK_D)
 
-    q = read_tile(Q, off_b, stride_qb, off_h, stride_qh, q_first, start_m, stride_qm, rows, seqlen_q, offs_d, head_dim,
-                  not EVEN_D)
-    do = read_tile(DO, off_b, stride_dob, off_h, stride_doh, q_first, start_m, stride_dom, rows, seqlen_q, offs_d,
-                   head_dim, not EVEN_D)
-    row_ptr = off_b * stride_lb + off_h * stride_lh + q_first + offs_m
+    q = read_tile(Q, stride_q, off_b, off_h, q_first, start_m, rows, seqlen_q, offs_d, head_dim, not EVEN_D)
+    do = read_tile(DO, stride_do, off_b, off_h, q_first, start_m, rows, seqlen_q, offs_d, head_dim, not EVEN_D)
+    row_ptr = off_b * stride_l[0] + off_h * stride_l[1] + q_first + offs_m
     lse = tl.load(Lse + row_ptr, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
     delta = tl.load(Delta + row_ptr, mask=offs_m < seqlen_q, other=0.0)
-    k_src = row_source(K, off_b, stride_kb, off_hk, stride_kh, k_first, stride_kn, seqlen_k, head_dim,
-                       offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
-    v_src = row_source(V, off_b, stride_vb, off_hk, stride_vh, k_first, stride_vn, seqlen_k, head_dim,
-                       offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
-    mask_ptrs, slope, drop_key = head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng,
-                                              off_b, off_h, off_bh, ALIBI, MASK_KIND, DROPOUT)
+    k_src = row_source(K, stride_k, off_b, off_hk, k_first, seqlen_k, head_dim, offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
+    v_src = row_source(V, stride_v, off_b, off_hk, k_first, seqlen_k, head_dim, offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
+    mask_ptrs, slope, drop_key = head_options(Mask, stride_mask, Slopes, stride_slope_b, Rng, off_b, off_h, off_bh,
+                                              ALIBI, MASK_KIND, DROPOUT)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # The key tiles in three parts, as in the forward's _attn_fwd.
     edges = band(start_m, BLOCK_M, seqlen_k, BLOCK_N, offset - window_left, offset + window_right, HAS_LEFT,
                  HAS_RIGHT)
-    kv = (k_src, v_src, stride_kn, stride_vn)
-    mask = (mask_ptrs, stride_mask_m, stride_mask_n)
+    kv = ((k_src, v_src), (stride_k[1], stride_v[1]))
+    mask = (mask_ptrs, stride_mask[2], stride_mask[3])
     bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right)
     drop = (drop_key, drop_threshold, drop_scale)
     for part in tl.static_range(1 - HAS_LEFT, 3):
@@ -306,7 +262,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Ma
             dq, q, do, lse, delta, kv, mask, (offs_m, offs_n, offs_d), edges[part], edges[part + 1], bounds,
             (qk_scale, softcap, slope), drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND,
             DROPOUT, EVEN_D, INPUT_PRECISION, TMA, WS & (part == 1))
-    dq_ptrs = tile_ptrs(DQ, off_b, stride_dqb, off_h, stride_dqh, q_first + start_m, stride_dqm, rows, offs_d)
+    dq_ptrs = tile_ptrs(DQ, stride_dq, off_b, off_h, q_first + start_m, rows, offs_d)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, not EVEN_D)
 
 
@@ -321,7 +277,8 @@ def delta_launch(t: dict, prob: Problem, params: AttentionParams, acc_init: bool
         t["AccInit"] = torch.zeros((2, prob.batch * prob.nheads, padded_q), dtype=torch.float32, device=q.device)
     return _attn_bwd_delta, (cdiv(rows, ROWS_PER_PROGRAM), batch * prob.nheads), dict(
         Out=t["Out"], DO=dout, Lse=t["Lse"], Delta=t["Delta"], AccInit=t.get("AccInit"),
-        **prob.strides("o", t["Out"]), **prob.strides("do", dout), **lse_strides(prob, params), nheads=prob.nheads,
+        stride_o=prob.strides(t["Out"]), stride_do=prob.strides(dout), stride_l=lse_strides(prob, params),
+        nheads=prob.nheads,
         seqlen_q=rows, head_dim=prob.head_dim, padded_q=padded_q, softmax_scale=params.softmax_scale,
         BLOCK_M=ROWS_PER_PROGRAM, BLOCK_D=prob.block_d, ACC_INIT=acc_init,
     )
@@ -331,8 +288,8 @@ def _shared_args(t: dict, prob: Problem, params: AttentionParams) -> dict:
     """The arguments the dK/dV and dQ kernels share."""
     q, k, v, dout = t["Q"], t["K"], t["V"], t["DO"]
     return dict(Q=q, K=k, V=v, DO=dout, Lse=t["Lse"], Delta=t["Delta"],
-                **prob.strides("q", q), **prob.strides("k", k, "n"), **prob.strides("v", v, "n"),
-                **prob.strides("do", dout), **lse_strides(prob, params), **variant_tensors(params),
+                stride_q=prob.strides(q), stride_k=prob.strides(k), stride_v=prob.strides(v),
+                stride_do=prob.strides(dout), stride_l=lse_strides(prob, params), **variant_tensors(params),
                 **variant_args(params), seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
                 group_size=prob.nheads // prob.nheads_k, softmax_scale=params.softmax_scale,
                 BLOCK_D=prob.block_d, EVEN_D=prob.head_dim == prob.block_d)
@@ -342,7 +299,7 @@ def dkdv_launch(t: dict, prob: Problem, params: AttentionParams, tiles: Tiles):
     """The dK/dV kernel: a program per tiles.block_n keys of one (batch, KV head)."""
     grid = (cdiv(prob.seqlen_k, tiles.block_n), prob.batch * prob.nheads_k)
     return _attn_bwd_dkdv, grid, dict(
-        DK=t["DK"], DV=t["DV"], **prob.strides("dk", t["DK"], "n"), **prob.strides("dv", t["DV"], "n"),
+        DK=t["DK"], DV=t["DV"], stride_dk=prob.strides(t["DK"]), stride_dv=prob.strides(t["DV"]),
         **_shared_args(t, prob, params), nheads_k=prob.nheads_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         INPUT_PRECISION=tiles.input_precision, SPLIT_GROUP_ACC=prob.q.dtype == torch.float32, TMA=tiles.tma,
         WS=tiles.warp_specialize, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
@@ -353,7 +310,7 @@ def dq_launch(t: dict, prob: Problem, params: AttentionParams, tiles: Tiles):
     """The dQ kernel: a program per tiles.block_m query rows of one (batch, head)."""
     grid = (cdiv(prob.seqlen_q, tiles.block_m), prob.batch * prob.nheads)
     return _attn_bwd_dq, grid, dict(
-        DQ=t["DQ"], **prob.strides("dq", t["DQ"]), **_shared_args(t, prob, params), nheads=prob.nheads,
+        DQ=t["DQ"], stride_dq=prob.strides(t["DQ"]), **_shared_args(t, prob, params), nheads=prob.nheads,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, INPUT_PRECISION=tiles.input_precision,
         TMA=tiles.tma, WS=tiles.warp_specialize, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -362,6 +319,6 @@ def dq_launch(t: dict, prob: Problem, params: AttentionParams, tiles: Tiles):
 def cast_launch(t: dict, prob: Problem):
     """DQ from the fused dK/dV kernel's fp32 sum t["DQAcc"]."""
     return _attn_bwd_dq_cast, (cdiv(prob.seqlen_q, ROWS_PER_PROGRAM), prob.batch * prob.nheads), dict(
-        DQAcc=t["DQAcc"], DQ=t["DQ"], **prob.strides("a", t["DQAcc"]), **prob.strides("dq", t["DQ"]),
+        DQAcc=t["DQAcc"], DQ=t["DQ"], stride_a=prob.strides(t["DQAcc"]), stride_dq=prob.strides(t["DQ"]),
         nheads=prob.nheads, seqlen_q=prob.seqlen_q, head_dim=prob.head_dim, BLOCK_M=ROWS_PER_PROGRAM,
         BLOCK_D=prob.block_d)

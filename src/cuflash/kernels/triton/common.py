@@ -42,36 +42,48 @@ def mma(a, b, acc, INPUT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def tile_ptrs(base, off_b, stride_b, off_h, stride_h, start, stride_row, rows, cols):
-    """Pointers to rows start + rows, columns cols of one (batch, head) of a (B, N, H, D) tensor.
-    off_b and off_h are int64 and start is widened, so offsets past 2^31 elements stay exact."""
-    return (base + off_b * stride_b + off_h * stride_h + tl.cast(start, tl.int64) * stride_row
+def tile_ptrs(base, strides, off_b, off_h, start, rows, cols):
+    """Pointers to rows start + rows, columns cols of one (batch, head) of a (B, N, H, D) tensor whose
+    strides are (batch, row, head). off_b and off_h are int64 and start is widened, so offsets past
+    2^31 elements stay exact."""
+    stride_row = strides[1]
+    return (base + off_b * strides[0] + off_h * strides[2] + tl.cast(start, tl.int64) * stride_row
             + rows[:, None] * stride_row + cols[None, :])
 
 
 @triton.jit
-def read_tile(base, off_b, stride_b, off_h, stride_h, first, start, stride_row, rows, n_rows, cols, n_cols,
-              CHECK_COLS: tl.constexpr):
+def read_tile(base, strides, off_b, off_h, first, start, rows, n_rows, cols, n_cols, CHECK_COLS: tl.constexpr):
     """Rows start + rows (zero from row n_rows and, with CHECK_COLS, column n_cols on) of the sequence
     whose first row is `first`, of one (batch, head)."""
-    ptrs = tile_ptrs(base, off_b, stride_b, off_h, stride_h, first + start, stride_row, rows, cols)
+    ptrs = tile_ptrs(base, strides, off_b, off_h, first + start, rows, cols)
     return load_tile(ptrs, start + rows, n_rows, cols, n_cols, True, CHECK_COLS)
 
 
 @triton.jit
-def row_source(base, off_b, stride_b, off_h, stride_h, first, stride_row, n_rows, n_cols, rows, cols,
-               BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, TMA: tl.constexpr):
+def row_source(base, strides, off_b, off_h, first, n_rows, n_cols, rows, cols, BLOCK_ROWS: tl.constexpr,
+               BLOCK_COLS: tl.constexpr, TMA: tl.constexpr):
     """What a loop reads its tiles from, rows [first, first + n_rows) of one (batch, head): a
     tensor descriptor (TMA: the copy engine fetches each tile whole and zero-fills rows and
     columns past n_rows and n_cols, as the masked loads do) or pointers to the first tile, which
-    the loop advances itself. The launcher turns TMA on only for 16-byte aligned tensors."""
+    the loop moves on itself (advance). The launcher turns TMA on only for 16-byte aligned tensors."""
     if TMA:  # (one return statement: Triton wants every return of a function to have one type)
         src = tl.make_tensor_descriptor(
-            base + off_b * stride_b + off_h * stride_h + tl.cast(first, tl.int64) * stride_row,
-            shape=[n_rows, n_cols], strides=[stride_row, 1], block_shape=[BLOCK_ROWS, BLOCK_COLS])
+            base + off_b * strides[0] + off_h * strides[2] + tl.cast(first, tl.int64) * strides[1],
+            shape=[n_rows, n_cols], strides=[strides[1], 1], block_shape=[BLOCK_ROWS, BLOCK_COLS])
     else:
-        src = tile_ptrs(base, off_b, stride_b, off_h, stride_h, first, stride_row, rows, cols)
+        src = tile_ptrs(base, strides, off_b, off_h, first, rows, cols)
     return src
+
+
+@triton.jit
+def advance(srcs, strides, n, TMA: tl.constexpr):
+    """Two row_sources that a loop walks together (with their row strides), n rows on: pointers move
+    (n int64 where it may be large), a descriptor stays (its loads name their row)."""
+    a_src, b_src = srcs
+    if not TMA:
+        a_src += n * strides[0]
+        b_src += n * strides[1]
+    return a_src, b_src
 
 
 @triton.jit
@@ -83,6 +95,15 @@ def load_rows(src, start, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, 
     else:
         tile = load_tile(src, rows, n_rows, cols, n_cols, CHECK_ROWS, CHECK_COLS)
     return tile
+
+
+@triton.jit
+def load_pair(srcs, start, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr,
+              TMA: tl.constexpr):
+    """load_rows from both row_sources of srcs (see advance)."""
+    a = load_rows(srcs[0], start, rows, n_rows, cols, n_cols, CHECK_ROWS, CHECK_COLS, TMA)
+    b = load_rows(srcs[1], start, rows, n_rows, cols, n_cols, CHECK_ROWS, CHECK_COLS, TMA)
+    return a, b
 
 
 @triton.jit
@@ -118,6 +139,14 @@ def query_program(CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, nheads, BLOCK_M: t
     q_first, seqlen_q = sequence(CuSeqlensQ, off_b, seqlen_q, VARLEN)
     k_first, seqlen_k = sequence(CuSeqlensK, off_b, seqlen_k, VARLEN)
     return start_m, off_bh, off_b, (off_bh % nheads).to(tl.int64), q_first, seqlen_q, k_first, seqlen_k
+
+
+@triton.jit
+def tile_aranges(start, BLOCK: tl.constexpr, BLOCK_OTHER: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A program's index vectors: its tile's rows from 0 and from start, a tile of the other axis and
+    the head dim."""
+    rows = tl.arange(0, BLOCK)
+    return rows, start + rows, tl.arange(0, BLOCK_OTHER), tl.arange(0, BLOCK_D)
 
 
 @triton.jit
@@ -235,13 +264,14 @@ def softcap_grad(x, softcap):
 
 
 @triton.jit
-def head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng, off_b, off_h, off_bh,
-                 ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr):
-    """What a variant needs per (batch, head): the attn_mask's base pointer, the ALiBi slope (times
-    LOG2E) and the dropout key of head off_bh = batch * nheads + head."""
+def head_options(Mask, stride_mask, Slopes, stride_slope_b, Rng, off_b, off_h, off_bh, ALIBI: tl.constexpr,
+                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr):
+    """What a variant needs per (batch, head): the attn_mask's base pointer (its strides are
+    (batch, head, row, column)), the ALiBi slope (times LOG2E) and the dropout key of head
+    off_bh = batch * nheads + head."""
     mask_ptrs = 0  # (Mask is None without a mask: a function cannot return None)
     if MASK_KIND != NO_MASK:
-        mask_ptrs = Mask + off_b * stride_mask_b + off_h * stride_mask_h
+        mask_ptrs = Mask + off_b * stride_mask[0] + off_h * stride_mask[1]
     slope = 0.0
     if ALIBI:
         slope = tl.load(Slopes + off_b * stride_slope_b + off_h) * LOG2E

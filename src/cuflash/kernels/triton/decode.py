@@ -32,9 +32,7 @@ _OPTIONAL = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes")
 
 @triton.jit
 def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, Slopes,
-                stride_qb, stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-                stride_os, stride_ob, stride_om, stride_oh, stride_ls, stride_lb, stride_lm, stride_lh,
-                stride_tb, stride_slope_b,
+                stride_q, stride_k, stride_v, stride_o, stride_l, stride_tb, stride_slope_b,
                 nheads_k, seqlen_q, group_size, rows_per_seq, head_dim, num_splits, cache_seqlen, seqlen_new,
                 window_left, window_right, qk_scale, softcap,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -53,7 +51,7 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
-    q = tl.load(Q + off_b * stride_qb + tok[:, None] * stride_qm + head[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(Q + off_b * stride_q[0] + tok[:, None] * stride_q[1] + head[:, None] * stride_q[2] + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     slope = 0.0
     if ALIBI:
@@ -108,13 +106,13 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
         else:
             kv_row = base_row + cols
         tile_ok = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv_row[:, None] * stride_kn + off_hk * stride_kh + offs_d[None, :], mask=tile_ok, other=0.0)
+        k = tl.load(K + kv_row[:, None] * stride_k[0] + off_hk * stride_k[1] + offs_d[None, :], mask=tile_ok, other=0.0)
         scores = (qk_scale, softcap, slope)
         x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), scores, SOFTCAP)
         s = score_tile(x, tok[:, None], cols[None, :], (seqlen_q, hi, head_dim, offset, window_left, window_right),
                        scores, (Q, 0, 0), True, HAS_LEFT, HAS_RIGHT, ALIBI, NO_MASK)
         m_new, p, alpha, l_i = softmax_step(s, m_i, l_i, True)
-        v = tl.load(V + kv_row[:, None] * stride_vn + off_hk * stride_vh + offs_d[None, :], mask=tile_ok, other=0.0)
+        v = tl.load(V + kv_row[:, None] * stride_v[0] + off_hk * stride_v[1] + offs_d[None, :], mask=tile_ok, other=0.0)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new
 
@@ -124,9 +122,11 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
     empty = float("-inf") if SPLIT else float("inf")
     lse = tl.where(l_i == 0.0, empty, (m_i + tl.math.log2(l_safe)) * LN2)
     out = acc / l_safe[:, None]
-    o_ptrs = OutPart + split * stride_os + off_b * stride_ob + tok[:, None] * stride_om + head[:, None] * stride_oh
+    o_ptrs = OutPart + split * stride_o[0] + off_b * stride_o[1] + tok[:, None] * stride_o[2] \
+        + head[:, None] * stride_o[3]
     tl.store(o_ptrs + offs_d[None, :], out.to(OutPart.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LsePart + split * stride_ls + off_b * stride_lb + tok * stride_lm + head * stride_lh, lse, mask=row_ok)
+    lse_ptrs = LsePart + split * stride_l[0] + off_b * stride_l[1] + tok * stride_l[2] + head * stride_l[3]
+    tl.store(lse_ptrs, lse, mask=row_ok)
 
 
 @triton.jit
@@ -205,20 +205,18 @@ def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tile
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k = k_cache.shape[2]
     block_d = padded_head_dim(head_dim)
+    # (split, batch, token, head) strides of the partial results; one split writes the final ones.
     if splits > 1:
-        out_strides, lse_strides = out_part.stride(), lse_part.stride()
+        out_strides, lse_strides = out_part.stride()[:4], lse_part.stride()
     else:
         out_strides = (0, *out_part.stride()[:3])
-        lse_strides = (0, lse_part.stride(0), lse_part.stride(2), lse_part.stride(1))  # (split, b, i, h)
+        lse_strides = (0, lse_part.stride(0), lse_part.stride(2), lse_part.stride(1))
     block_table, slopes = t.get("BlockTable"), params.alibi_slopes
     qk_scale, softcap = logit_scales(params)
     decode = _decode_fwd, (splits, m_tiles, batch * nheads_k), dict(
         Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part, **{name: t.get(name) for name in _OPTIONAL},
-        stride_qb=q.stride(0), stride_qm=q.stride(1), stride_qh=q.stride(2),
-        stride_kn=k_cache.stride(1), stride_kh=k_cache.stride(2), stride_vn=v_cache.stride(1),
-        stride_vh=v_cache.stride(2),
-        **dict(zip(("stride_os", "stride_ob", "stride_om", "stride_oh"), out_strides[:4])),
-        **dict(zip(("stride_ls", "stride_lb", "stride_lm", "stride_lh"), lse_strides)),
+        stride_q=q.stride()[:3], stride_k=k_cache.stride()[1:3], stride_v=v_cache.stride()[1:3],
+        stride_o=out_strides, stride_l=lse_strides,
         stride_tb=0 if block_table is None else block_table.stride(0),
         stride_slope_b=0 if slopes is None or slopes.dim() == 1 else slopes.stride(0),
         nheads_k=nheads_k, seqlen_q=seqlen_q, group_size=nheads // nheads_k, rows_per_seq=k_cache.shape[1],

@@ -13,8 +13,8 @@ from ...params import AttentionParams
 from ..device import cdiv
 from ..variant import Problem, lse_strides, variant_args
 from . import Tiles
-from .common import LN2, NO_MASK, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, \
-    query_program, read_tile, row_source, score_tile, softmax_step, store_tile, tile_ptrs
+from .common import LN2, NO_MASK, advance, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, \
+    query_program, read_tile, row_source, score_tile, softmax_step, store_tile, tile_aranges, tile_ptrs
 
 
 @triton.jit
@@ -29,9 +29,8 @@ def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, offs, lo, hi, bounds, sc
     pages, page_size, stride_kpage, stride_vpage = paging
     offs_m, offs_n, offs_d = offs
     seqlen_k, head_dim = bounds[1], bounds[2]
-    if not TMA and not PAGED:
-        k_src += tl.cast(lo, tl.int64) * stride_kn
-        v_src += tl.cast(lo, tl.int64) * stride_vn
+    if not PAGED:
+        k_src, v_src = advance((k_src, v_src), (stride_kn, stride_vn), tl.cast(lo, tl.int64), TMA)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
         if PAGED:  # key j: row j % page_size of page pages[j // page_size], read in place
@@ -55,21 +54,14 @@ def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, offs, lo, hi, bounds, sc
             v = load_rows(v_src, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new
-        if not TMA and not PAGED:
-            k_src += BLOCK_N * stride_kn
-            v_src += BLOCK_N * stride_vn
+        if not PAGED:
+            k_src, v_src = advance((k_src, v_src), (stride_kn, stride_vn), BLOCK_N, TMA)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng, BlockTable,
-              stride_qb, stride_qm, stride_qh,
-              stride_kb, stride_kn, stride_kh,
-              stride_vb, stride_vn, stride_vh,
-              stride_ob, stride_om, stride_oh,
-              stride_lb, stride_lh, stride_slope_b,
-              stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-              stride_tb, page_size, stride_kpage, stride_vpage,
+              stride_q, stride_k, stride_v, stride_o, stride_l, stride_slope_b, stride_mask, stride_tb, page_size,
               nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
               qk_scale, softcap, drop_threshold, drop_scale,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -84,25 +76,20 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng, Bloc
         if start_m >= seqlen_q:  # the grid covers the longest sequence
             return
     offset = bottom_right * (seqlen_k - seqlen_q)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-
-    rows = tl.arange(0, BLOCK_M)
+    rows, offs_m, offs_n, offs_d = tile_aranges(start_m, BLOCK_M, BLOCK_N, BLOCK_D)
     pages = 0  # (BlockTable is None unless PAGED: a value of one type either way)
     if PAGED:  # the pages of sequence off_b; the kernel reads K and V from them
         pages = BlockTable + off_b * stride_tb
-        k_src = K + off_hk * stride_kh
-        v_src = V + off_hk * stride_vh
+        k_src = K + off_hk * stride_k[2]
+        v_src = V + off_hk * stride_v[2]
     else:
-        k_src = row_source(K, off_b, stride_kb, off_hk, stride_kh, k_first, stride_kn, seqlen_k, head_dim,
-                           offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
-        v_src = row_source(V, off_b, stride_vb, off_hk, stride_vh, k_first, stride_vn, seqlen_k, head_dim,
-                           offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
-    q = read_tile(Q, off_b, stride_qb, off_h, stride_qh, q_first, start_m, stride_qm, rows, seqlen_q, offs_d, head_dim,
-                  not EVEN_D)
-    mask_ptrs, slope, drop_key = head_options(Mask, stride_mask_b, stride_mask_h, Slopes, stride_slope_b, Rng,
-                                              off_b, off_h, off_bh, ALIBI, MASK_KIND, DROPOUT)
+        k_src = row_source(K, stride_k, off_b, off_hk, k_first, seqlen_k, head_dim, offs_n, offs_d, BLOCK_N, BLOCK_D,
+                           TMA)
+        v_src = row_source(V, stride_v, off_b, off_hk, k_first, seqlen_k, head_dim, offs_n, offs_d, BLOCK_N, BLOCK_D,
+                           TMA)
+    q = read_tile(Q, stride_q, off_b, off_h, q_first, start_m, rows, seqlen_q, offs_d, head_dim, not EVEN_D)
+    mask_ptrs, slope, drop_key = head_options(Mask, stride_mask, Slopes, stride_slope_b, Rng, off_b, off_h, off_bh,
+                                              ALIBI, MASK_KIND, DROPOUT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -112,9 +99,9 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng, Bloc
     # or the keys' end cuts (masked).
     edges = band(start_m, BLOCK_M, seqlen_k, BLOCK_N, offset - window_left, offset + window_right, HAS_LEFT,
                  HAS_RIGHT)
-    kv = (k_src, v_src, stride_kn, stride_vn)
-    paging = (pages, page_size, stride_kpage, stride_vpage)
-    mask = (mask_ptrs, stride_mask_m, stride_mask_n)
+    kv = (k_src, v_src, stride_k[1], stride_v[1])
+    paging = (pages, page_size, stride_k[3], stride_v[3])
+    mask = (mask_ptrs, stride_mask[2], stride_mask[3])
     offs = (offs_m, offs_n, offs_d)
     bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right)
     drop = (drop_key, drop_threshold)
@@ -131,8 +118,8 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng, Bloc
     if DROPOUT:
         acc = acc * drop_scale
     out = acc / l_safe[:, None]
-    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + q_first + offs_m, lse, mask=offs_m < seqlen_q)
-    o_ptrs = tile_ptrs(Out, off_b, stride_ob, off_h, stride_oh, q_first + start_m, stride_om, rows, offs_d)
+    tl.store(Lse + off_b * stride_l[0] + off_h * stride_l[1] + q_first + offs_m, lse, mask=offs_m < seqlen_q)
+    o_ptrs = tile_ptrs(Out, stride_o, off_b, off_h, q_first + start_m, rows, offs_d)
     store_tile(o_ptrs, out.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, not EVEN_D)
 
 
@@ -144,8 +131,8 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, tiles: Ti
     paged = table is not None
     grid = (cdiv(prob.seqlen_q, tiles.block_m), prob.batch * prob.nheads)
     return _attn_fwd, grid, dict(
-        **tensors, **prob.strides("q", q), **_kv_strides(prob, "k", k, paged), **_kv_strides(prob, "v", v, paged),
-        **prob.strides("o", out), **lse_strides(prob, params), **variant_args(params),
+        **tensors, stride_q=prob.strides(q), stride_k=_kv_strides(prob, k, paged), stride_v=_kv_strides(prob, v, paged),
+        stride_o=prob.strides(out), stride_l=lse_strides(prob, params), **variant_args(params),
         **({} if paged else {"BlockTable": None}), stride_tb=table.stride(0) if table is not None else 0,
         page_size=k.shape[1] if paged else 0, PAGED=paged,
         nheads=prob.nheads, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
@@ -156,10 +143,9 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, tiles: Ti
     )
 
 
-def _kv_strides(prob, name: str, t: torch.Tensor, paged: bool) -> dict:
-    """The strides of k or v: a paged cache's (num_blocks, page, Hk, D) as rows within a page and
-    the page's own stride (stride_{name}page), otherwise as the problem lays them out."""
+def _kv_strides(prob, t: torch.Tensor, paged: bool) -> tuple[int, int, int, int]:
+    """The strides of k or v, (batch, row, head, page): a paged cache's (num_blocks, page, Hk, D) as
+    rows within a page and the page's own stride, otherwise as the problem lays them out."""
     if paged:
-        return {f"stride_{name}b": 0, f"stride_{name}n": t.stride(1), f"stride_{name}h": t.stride(2),
-                f"stride_{name}page": t.stride(0)}
-    return {**prob.strides(name, t, "n"), f"stride_{name}page": 0}
+        return 0, t.stride(1), t.stride(2), t.stride(0)
+    return (*prob.strides(t), 0)

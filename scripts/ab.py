@@ -1,0 +1,60 @@
+"""Side-by-side timing of two source trees on one GPU (the device machine's METHOD.md): the tree
+under test (src/) and a baseline (.baseline/src, made with
+`mkdir .baseline && git archive REV src | tar -x -C .baseline`), one `cuflash bench` process per
+round in the order base, new, new, base, then one CSV row per case with both rounds of each tree
+and new/base (the mean of the new rounds over the mean of the base rounds, TFLOP/s).
+
+    python3 scripts/ab.py OUT [bench arguments, e.g. --providers cuflash --seqlens 1024,8192]
+
+Writes OUT/<round>-<tree>/results.csv (each round's bench output), OUT/ab.csv and prints the
+rows and the geometric mean of the ratios.
+"""
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ORDER = ("base", "new", "new", "base")
+KEY = ("provider", "dtype", "mode", "variant", "head_dim", "seqlen", "causal")
+
+
+def _round(out: Path, i: int, tree: str, bench_args: list[str]) -> dict[tuple, float]:
+    folder = out / f"{i}-{tree}"
+    env = dict(os.environ, PYTHONPATH=".baseline/src" if tree == "base" else "src")
+    subprocess.run([sys.executable, "-m", "cuflash.bench", *bench_args, "--out", str(folder)], env=env,
+                   check=True)
+    with open(folder / "results.csv") as f:
+        return {tuple(row[k] for k in KEY): float(row["tflops"]) for row in csv.DictReader(f) if row["tflops"]}
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or not Path(".baseline/src").is_dir():
+        print(__doc__)
+        return 2
+    out = Path(sys.argv[1])
+    rounds = [(tree, _round(out, i, tree, sys.argv[2:])) for i, tree in enumerate(ORDER, 1)]
+    base = [r for tree, r in rounds if tree == "base"]
+    new = [r for tree, r in rounds if tree == "new"]
+    rows, logs = [], []
+    for key in base[0]:
+        b, n = [r[key] for r in base if key in r], [r[key] for r in new if key in r]
+        if len(b) == 2 and len(n) == 2:
+            ratio = (n[0] + n[1]) / (b[0] + b[1])
+            rows.append([*key, *b, *n, round(ratio, 4)])
+            logs.append(math.log(ratio))
+    with open(out / "ab.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([*KEY, "base_r1", "base_r2", "new_r1", "new_r2", "ratio"])
+        w.writerows(rows)
+    for row in rows:
+        print(",".join(map(str, row)))
+    if logs:
+        print(f"{len(rows)} cases; new/base {min(r[-1] for r in rows):.3f}-{max(r[-1] for r in rows):.3f}, "
+              f"geometric mean {math.exp(sum(logs) / len(logs)):.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
