@@ -227,6 +227,42 @@ def test_launch_plans_are_reused_per_signature_and_hold_no_tensors():
     assert len(launch._plans) == 8
 
 
+def test_memo_tables_drop_the_oldest_and_stay_bounded_under_threads():
+    """The launch plans and the checked call signatures are bounded tables that autograd's backward
+    thread and the caller's thread fill at once: dropping the oldest entry must not race (two
+    threads dropping the same one raised KeyError)."""
+    import sys
+    import threading
+
+    from cuflash.memo import remember
+
+    table: dict = {}
+    for i in range(5):
+        assert remember(table, i, str(i), 3) == str(i)
+    assert list(table) == [2, 3, 4]
+    errors: list = []
+
+    def fill(thread):
+        try:
+            for i in range(20000):
+                remember(table, (thread, i), i, 8)
+        except Exception as e:  # noqa: BLE001 (any error of a thread fails the test)
+            errors.append(e)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads between any two bytecodes, as often as possible
+    try:
+        threads = [threading.Thread(target=fill, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == []
+    assert len(table) <= 8 + 3  # concurrent inserts may each find room for one
+
+
 @interpret
 def test_launch_plan_workspaces_are_fresh_and_zero_filled():
     """A tensor that a plan's build adds to the launch's tensors is a workspace: every later call of

@@ -11,6 +11,7 @@ from .dropout import draw_seed, head_ids, keep_mask
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_attn_mask, check_block_table,
                      check_blocks, check_cu_seqlens, check_dropout, check_same, check_softcap, check_tensor,
                      check_window, fail, lse_dtype, resolve_scale)
+from .memo import remember
 from .params import AttentionParams
 from .reference import attention_probs
 
@@ -53,9 +54,7 @@ def _remember(key: tuple | None, build: Callable[[], AttentionParams]) -> Attent
     if p is None:
         p = build()
         if key is not None:
-            if len(_CHECKED) >= MAX_CHECKED:
-                del _CHECKED[next(iter(_CHECKED))]
-            _CHECKED[key] = p
+            remember(_CHECKED, key, p, MAX_CHECKED)
     return p
 
 

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import triton
 
+from ..memo import remember
 from .device import scratch
 
 # One plan per signature; a workload with endlessly new shapes (varlen batches with a new longest
@@ -80,9 +81,7 @@ def launch(key: tuple, tensors: dict[str, torch.Tensor], build: Callable[[], lis
         workspaces = {name: (t.shape, t.dtype, t.device) for name, t in tensors.items() if name not in given}
         names = tuple(tensors)
         plan = workspaces, [_Launch(kernel, grid, kwargs, names) for kernel, grid, kwargs in described]
-        if len(_plans) >= MAX_PLANS:
-            del _plans[next(iter(_plans))]
-        _plans[full_key] = plan
+        remember(_plans, full_key, plan, MAX_PLANS)
         return
     workspaces, launches = plan
     for name, (shape, dtype, device) in workspaces.items():
