@@ -208,6 +208,13 @@ def _call(**overrides):
 
 @pytest.mark.parametrize("overrides,code,word", [
     (dict(cache_seqlens=torch.tensor([3, 32], dtype=torch.int32)), "INVALID_ARGUMENT", "must fit"),
+    (dict(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)), "INVALID_ARGUMENT", "must fit"),
+    (dict(k_cache=torch.randn(8, 16, 2, 16), v_cache=torch.randn(8, 16, 2, 16),  # a used page at -1
+          block_table=torch.tensor([[0, -1], [1, 2]], dtype=torch.int32),
+          cache_seqlens=torch.tensor([20, 3], dtype=torch.int32)), "INVALID_ARGUMENT", "block_table"),
+    (dict(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)), "INVALID_ARGUMENT", "cache_batch_idx"),
+    (dict(cache_batch_idx=torch.tensor([-1, 0])), "INVALID_ARGUMENT", "cache_batch_idx"),
+    (dict(cache_leftpad=torch.tensor([-1, 0], dtype=torch.int32)), "INVALID_ARGUMENT", "cache_leftpad"),
     (dict(cache_seqlens=torch.tensor([3, 31])), "UNSUPPORTED_DTYPE", "cache_seqlens"),
     (dict(cache_seqlens=torch.tensor([3], dtype=torch.int32)), "SHAPE_MISMATCH", "cache_seqlens"),
     (dict(k_cache=torch.randn(8, 16, 2, 16), v_cache=torch.randn(8, 16, 2, 16),  # sequence 0 reaches page 9
