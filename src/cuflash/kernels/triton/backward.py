@@ -199,12 +199,12 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, offs, lo, hi, bounds, sc
                        INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """K/V tiles [lo, hi) into dq; MASKED applies the key bound and the band's edges. The argument
     groups are _attn_bwd_dq's."""
-    kv, row_strides = kv
+    k_v, row_strides = kv
     offs_m, offs_n, offs_d = offs
-    kv = advance(kv, row_strides, tl.cast(lo, tl.int64), TMA)
+    k_v = advance(k_v, row_strides, tl.cast(lo, tl.int64), TMA)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
-        k, v = load_pair(kv, start_n, cols, bounds[1], offs_d, bounds[2], MASKED, not EVEN_D, TMA)
+        k, v = load_pair(k_v, start_n, cols, bounds[1], offs_d, bounds[2], MASKED, not EVEN_D, TMA)
         x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), scores, SOFTCAP)
         s = score_tile(x, offs_m[:, None], cols[None, :], bounds, scores, mask, MASKED, HAS_LEFT, HAS_RIGHT, ALIBI,
                        MASK_KIND)
@@ -217,7 +217,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, offs, lo, hi, bounds, sc
         if SOFTCAP:
             ds *= softcap_grad(x, scores[1])
         dq = mma(ds.to(k.dtype), k, dq, INPUT_PRECISION)
-        kv = advance(kv, row_strides, BLOCK_N, TMA)
+        k_v = advance(k_v, row_strides, BLOCK_N, TMA)
     return dq
 
 
