@@ -1,17 +1,20 @@
 """Side-by-side timing of two source trees on one GPU (the device machine's METHOD.md): the tree
 under test (src/) and a baseline (.baseline/src, made with
-`mkdir .baseline && git archive REV src | tar -x -C .baseline`), one `cuflash bench` process per
-round in the order base, new, new, base, then one CSV row per case with both rounds of each tree
-and new/base (the mean of the new rounds over the mean of the base rounds, TFLOP/s).
+`mkdir .baseline && git archive REV src | tar -x -C .baseline`), one process per round in the
+order base, new, new, base, then one CSV row per case with both rounds of each tree and new/base
+(the mean of the new rounds over the mean of the base rounds).
 
     python3 scripts/ab.py OUT [bench arguments, e.g. --providers cuflash --seqlens 1024,8192]
+    python3 scripts/ab.py OUT --overhead
 
-Writes OUT/<round>-<tree>/results.csv (each round's bench output), OUT/ab.csv and prints the
-rows and the geometric mean of the ratios.
+The first times `cuflash bench` (TFLOP/s; each round's output in OUT/<round>-<tree>/), the second
+scripts/overhead.py (host microseconds per call; each round's output in OUT/<round>-<tree>.txt).
+Writes OUT/ab.csv and prints the rows and the geometric mean of the ratios.
 """
 import csv
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,11 +23,15 @@ ORDER = ("base", "new", "new", "base")
 KEY = ("provider", "dtype", "mode", "variant", "head_dim", "seqlen", "causal")
 
 
-def _round(out: Path, i: int, tree: str, bench_args: list[str]) -> dict[tuple, float]:
-    folder = out / f"{i}-{tree}"
+def _round(out: Path, i: int, tree: str, args: list[str]) -> dict[tuple, float]:
     env = dict(os.environ, PYTHONPATH=".baseline/src" if tree == "base" else "src")
-    subprocess.run([sys.executable, "-m", "cuflash.bench", *bench_args, "--out", str(folder)], env=env,
-                   check=True)
+    if args == ["--overhead"]:
+        text = subprocess.run([sys.executable, "scripts/overhead.py"], env=env, check=True, capture_output=True,
+                              text=True).stdout
+        (out / f"{i}-{tree}.txt").write_text(text)
+        return {(m[2],): float(m[1]) for m in re.finditer(r"^\s*([\d.]+) us  (.+)$", text, re.MULTILINE)}
+    folder = out / f"{i}-{tree}"
+    subprocess.run([sys.executable, "-m", "cuflash.bench", *args, "--out", str(folder)], env=env, check=True)
     with open(folder / "results.csv") as f:
         return {tuple(row[k] for k in KEY): float(row["tflops"]) for row in csv.DictReader(f) if row["tflops"]}
 
@@ -34,6 +41,8 @@ def main() -> int:
         print(__doc__)
         return 2
     out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    columns = ("layer",) if sys.argv[2:] == ["--overhead"] else KEY
     rounds = [(tree, _round(out, i, tree, sys.argv[2:])) for i, tree in enumerate(ORDER, 1)]
     base = [r for tree, r in rounds if tree == "base"]
     new = [r for tree, r in rounds if tree == "new"]
@@ -46,7 +55,7 @@ def main() -> int:
             logs.append(math.log(ratio))
     with open(out / "ab.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow([*KEY, "base_r1", "base_r2", "new_r1", "new_r2", "ratio"])
+        w.writerow([*columns, "base_r1", "base_r2", "new_r1", "new_r2", "ratio"])
         w.writerows(rows)
     for row in rows:
         print(",".join(map(str, row)))
