@@ -7,8 +7,9 @@ order base, new, new, base, then one CSV row per case with both rounds of each t
     python3 scripts/ab.py OUT [bench arguments, e.g. --providers cuflash --seqlens 1024,8192]
     python3 scripts/ab.py OUT --overhead
 
-The first times `cuflash bench` (TFLOP/s; each round's output in OUT/<round>-<tree>/), the second
-scripts/overhead.py (host microseconds per call; each round's output in OUT/<round>-<tree>.txt).
+The first times `cuflash bench` (TFLOP/s: a ratio above 1 is faster; each round's output in
+OUT/<round>-<tree>/), the second scripts/overhead.py (host microseconds per call: below 1 is faster;
+each round's output in OUT/<round>-<tree>.txt).
 Writes OUT/ab.csv and prints the rows and the geometric mean of the ratios.
 """
 import csv
