@@ -273,10 +273,10 @@ def test_flash_attn_func_checks_each_signature_once(monkeypatch):
     """A call signature (shapes, strides, dtypes, devices, options, backend settings) whose checks
     passed is not checked again; a call that differs in any part is, and bad input is still refused
     after a good call of a signature next to it. (scaled_dot_product_attention: the next test.)"""
-    from cuflash import interface
+    from cuflash import interface, memo
     from cuflash.reference import attention_reference
 
-    interface._CHECKED.clear()
+    memo.CHECKED.clear()
     checked = []
     real = interface.check_attention_inputs
     monkeypatch.setattr(interface, "check_attention_inputs", lambda *a: checked.append(1) or real(*a))
@@ -313,10 +313,10 @@ def test_flash_attn_func_checks_each_signature_once(monkeypatch):
 def test_sdpa_checks_each_signature_once(monkeypatch):
     """scaled_dot_product_attention remembers its checked calls as flash_attn_func does: once per
     signature, every part of it in the key, masks and dropout never remembered."""
-    from cuflash import interface
+    from cuflash import interface, memo
     from cuflash.reference import attention_reference
 
-    interface._CHECKED.clear()
+    memo.CHECKED.clear()
     checked = []
     real = interface._sdpa_params
     monkeypatch.setattr(interface, "_sdpa_params", lambda *a: checked.append(1) or real(*a))

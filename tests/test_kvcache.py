@@ -236,6 +236,47 @@ def test_bad_input_leaves_the_cache_untouched(overrides, code, word):
     assert err.code.name == code and word in str(err), str(err)
 
 
+def test_layout_checks_run_once_per_signature(monkeypatch):
+    """A decode step whose shapes, dtypes, devices, strides and options passed the checks is not
+    checked for them again (memo.py); any part of the signature that differs is, and the values of
+    the index tensors are checked on every call."""
+    from cuflash import kvcache, memo
+
+    memo.CHECKED.clear()
+    layouts = []
+    real = kvcache._check_layout
+    monkeypatch.setattr(kvcache, "_check_layout", lambda *a: layouts.append(1) or real(*a))
+
+    def step(**overrides):
+        args = dict(q=torch.randn(2, 1, 4, 16), k_cache=torch.zeros(2, 32, 2, 16), v_cache=torch.zeros(2, 32, 2, 16),
+                    k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16),
+                    cache_seqlens=torch.tensor([3, 30], dtype=torch.int32), causal=True)
+        args.update(overrides)
+        return cuflash.flash_attn_with_kvcache(**args)
+
+    step()
+    step()
+    assert len(layouts) == 1
+    step(cache_seqlens=5)  # an int instead of a tensor
+    step(cache_seqlens=6)
+    assert len(layouts) == 2
+    with pytest.raises(cuflash.FlashAttentionError, match="must fit"):  # values: every call
+        step(cache_seqlens=torch.tensor([3, 32], dtype=torch.int32))
+    for bad, word in ((dict(k=torch.randn(2, 1, 2, 16).double()), "k"),
+                      (dict(cache_seqlens=torch.tensor([3, 31])), "cache_seqlens"),  # int64
+                      (dict(cache_leftpad=torch.zeros(3, dtype=torch.int32)), "cache_leftpad"),
+                      (dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int16)), "cache_batch_idx"),
+                      (dict(v_cache=torch.zeros(4, 32, 2, 16)[::2]), "v_cache"),
+                      (dict(window_size=(-2, 0)), "window_size"),
+                      (dict(num_splits=-1), "num_splits"),
+                      (dict(softcap=-1.0), "softcap")):
+        with pytest.raises(cuflash.FlashAttentionError, match=word):
+            step(**bad)
+    monkeypatch.setenv("CUFLASH_BACKEND", "fastest")
+    with pytest.raises(cuflash.FlashAttentionError, match="CUFLASH_BACKEND"):
+        step()
+
+
 def test_outgrowing_the_block_table_raises_runtime_error_naming_it():
     """flash-attn's paged-cache test expects a RuntimeError matching "block_table" when a sequence
     outgrows its block table; code written for it catches that."""

@@ -2,8 +2,6 @@
 Each validates its arguments, describes the call as one AttentionParams and calls the custom ops."""
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from . import ops
@@ -11,7 +9,7 @@ from .dropout import draw_seed, head_ids, keep_mask
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_attn_mask, check_block_table,
                      check_blocks, check_cu_seqlens, check_dropout, check_same, check_softcap, check_tensor,
                      check_window, fail, lse_dtype, resolve_scale)
-from .memo import remember
+from .memo import checked, signature
 from .params import AttentionParams
 from .reference import attention_probs
 
@@ -30,53 +28,26 @@ def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, sof
         deterministic=bool(deterministic), **fields)
 
 
-# The checked call per signature: the checks of flash_attn_func and scaled_dot_product_attention
-# (shapes, dtypes, devices, strides, options, the backend's) read nothing but the tensors' shapes,
-# strides, dtypes and devices, the options and the backend settings, so a signature that passed them
-# once passes again. Only eager calls whose options are plain Python values are remembered (no ALiBi
-# slopes or mask, which are tensors; no dropout, whose seed is drawn per call).
-_CHECKED: dict[tuple, AttentionParams] = {}
-MAX_CHECKED = 1024  # signatures remembered; the oldest go first
-
-
-def _signature(tensors: tuple, *options) -> tuple | None:
-    """The key of a call on plain tensors with plain options; None under torch.compile (the memo would
-    be a guard on every entry; the traced graph holds no checks anyway) or for tensor subclasses."""
-    if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors):
-        return None
-    return (*(m for t in tensors for m in (t.shape, t.stride(), t.dtype, t.device)), *options,
-            ops.backend_settings())
-
-
-def _remember(key: tuple | None, build: Callable[[], AttentionParams]) -> AttentionParams:
-    """build()'s checked AttentionParams, run once per key (every time without one)."""
-    p = _CHECKED.get(key) if key is not None else None
-    if p is None:
-        p = build()
-        if key is not None:
-            remember(_CHECKED, key, p, MAX_CHECKED)
-    return p
-
-
 def _number(x) -> bool:
     return type(x) is float or type(x) is int
 
 
 def _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
                   deterministic) -> AttentionParams:
-    """flash_attn_func's inputs checked and its options as AttentionParams (see _CHECKED)."""
+    """flash_attn_func's inputs checked and its options as AttentionParams, once per call signature
+    (memo.py)."""
     plain = (alibi_slopes is None and (softmax_scale is None or type(softmax_scale) is float)
              and type(causal) is bool and type(window_size) is tuple and len(window_size) == 2
              and type(window_size[0]) is int and type(window_size[1]) is int and _number(softcap)
              and _number(dropout_p) and dropout_p == 0 and type(deterministic) is bool)
-    key = _signature((q, k, v), softmax_scale, causal, window_size, softcap, deterministic) if plain else None
+    key = signature((q, k, v), softmax_scale, causal, window_size, softcap, deterministic) if plain else None
 
     def build():
         check_attention_inputs(q, k, v)
         _check_device(q)
         return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
                        deterministic)
-    return _remember(key, build)
+    return checked(key, build)
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -252,8 +223,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     plain = (attn_mask is None and _number(dropout_p) and dropout_p == 0 and type(is_causal) is bool
              and (scale is None or type(scale) is float) and type(enable_gqa) is bool)
     deterministic = torch.are_deterministic_algorithms_enabled()
-    sig = _signature((query, key, value), is_causal, scale, enable_gqa, deterministic) if plain else None
-    p = _remember(sig, lambda: _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+    sig = signature((query, key, value), is_causal, scale, enable_gqa, deterministic) if plain else None
+    p = checked(sig, lambda: _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             deterministic))
     out, _ = ops.forward(_to_flash(query), _to_flash(key), _to_flash(value), p)
     out = out.transpose(1, 2)

@@ -17,6 +17,7 @@ import torch
 from . import ops
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_softcap, check_tensor, check_window,
                      fail, resolve_scale)
+from .memo import checked, signature
 from .params import AttentionParams, cache_row, per_sequence
 from .rotary import check_cos_sin, rotate
 
@@ -91,7 +92,42 @@ class _Call:
 def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
               block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits) -> _Call:
     """Checks every argument (the values of the index tensors too, except while a CUDA graph is
-    captured or torch.compile traces) before anything is written."""
+    captured or torch.compile traces) before anything is written. The checks that read no tensor
+    value run once per call signature (memo.py)."""
+    plain = (alibi_slopes is None and (softmax_scale is None or type(softmax_scale) is float)
+             and type(causal) is bool and type(window_size) is tuple and len(window_size) == 2
+             and type(window_size[0]) is int and type(window_size[1]) is int and type(softcap) in (int, float)
+             and type(num_splits) is int and (cache_seqlens is None or type(cache_seqlens) in (int, torch.Tensor)))
+    given = isinstance(cache_seqlens, torch.Tensor)
+    key = signature((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+                     cache_seqlens if given else None), "kvcache", softmax_scale, causal, window_size, softcap,
+                    num_splits) if plain else None
+    layout = checked(key, lambda: _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                                cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                                                window_size, softcap, alibi_slopes, num_splits))
+    seqlens = layout.capacity if cache_seqlens is None else cache_seqlens
+    # (is_compiling first: torch.compile cannot trace the capture query)
+    if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_values(seqlens, layout.seqlen_new, layout.capacity, cache_leftpad, cache_batch_idx, k_cache.shape[0],
+                      block_table, k_cache.shape[1], rotary_cos, layout.query_span)
+    return _Call(seqlens, layout.seqlen_new, cache_leftpad, cache_batch_idx, block_table, layout.params,
+                 layout.shifted)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the checks of a call's shapes, dtypes, devices, strides and options give; the same for
+    every call of a signature."""
+    params: AttentionParams
+    capacity: int  # cache positions per sequence
+    seqlen_new: int
+    shifted: bool  # see _Call
+    query_span: int  # positions from cache_seqlens that the new tokens and the queries take
+
+
+def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                  block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits) -> _Layout:
+    """The checks of _validate that read no tensor value."""
     check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, t, 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or paged "
@@ -120,13 +156,10 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
     if table is None and rows is None and k_cache.shape[0] < batch:
         fail(ErrorCode.SHAPE_MISMATCH, f"k_cache has {k_cache.shape[0]} cache rows for a batch of {batch}; "
              f"pass cache_batch_idx to map sequences to rows")
-    if cache_seqlens is None:
-        seqlens = capacity
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        seqlens = cache_seqlens
-    else:
-        seqlens = _int_tensor("cache_seqlens", cache_seqlens, (batch,), q.device)
-    leftpad = None if cache_leftpad is None else _int_tensor("cache_leftpad", cache_leftpad, (batch,), q.device)
+    if cache_seqlens is not None and not (isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)):
+        _int_tensor("cache_seqlens", cache_seqlens, (batch,), q.device)
+    if cache_leftpad is not None:
+        _int_tensor("cache_leftpad", cache_leftpad, (batch,), q.device)
     seqlen_new = 0
     if (k is None) != (v is None):
         fail(ErrorCode.INVALID_ARGUMENT, "pass both k and v (the new tokens) or neither")
@@ -145,11 +178,7 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
     if rotary_cos is not None or rotary_sin is not None:
         check_cos_sin(rotary_cos, rotary_sin, head_dim, q.device, ("rotary_cos", "rotary_sin"))
     shifted = causal or (left, right) != (-1, -1)
-    # (is_compiling first: torch.compile cannot trace the capture query)
-    if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _check_values(seqlens, seqlen_new, capacity, leftpad, rows, k_cache.shape[0], table, rows_per_seq,
-                      rotary_cos, max(seqlen_new, seqlen_q if shifted else 1))
-    return _Call(seqlens, seqlen_new, leftpad, rows, table, params, shifted)
+    return _Layout(params, capacity, seqlen_new, shifted, max(seqlen_new, seqlen_q if shifted else 1))
 
 
 def _rotate_and_append(call: _Call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, interleaved):

@@ -1,11 +1,25 @@
-"""Bounded memo tables (checked call signatures, launch plans) that several threads fill at once:
-autograd runs the backward in a thread of its own while the caller's thread goes on to the next
-forward."""
+"""Bounded memo tables that several threads fill at once (autograd runs the backward in a thread of
+its own while the caller's thread goes on to the next forward): the launch plans
+(kernels/launch.py) and the checked calls of the public functions.
+
+A public function's checks of shapes, dtypes, devices, strides, options and the backend read
+nothing but the tensors' shapes, strides, dtypes and devices, the options and the backend
+settings, so a call signature that passed them once passes again: `checked(signature(...), build)`
+runs them once per signature. Only eager calls whose options are plain Python values are
+remembered (no ALiBi slopes or mask, which are tensors; no dropout, whose seed is drawn per call);
+checks of tensor values (flash_attn_with_kvcache's index tensors) run every call."""
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Callable, TypeVar
+
+import torch
+
+from .ops import backend_settings
 
 V = TypeVar("V")
+
+CHECKED: dict[tuple, object] = {}  # signature -> what its checks built
+MAX_CHECKED = 1024  # signatures remembered; the oldest go first
 
 
 def remember(table: dict, key, value: V, limit: int) -> V:
@@ -19,3 +33,23 @@ def remember(table: dict, key, value: V, limit: int) -> V:
             break
     table[key] = value
     return value
+
+
+def signature(tensors: tuple, *options) -> tuple | None:
+    """The key of a call on plain tensors (or None in their place) with plain options; None under
+    torch.compile (the memo would be a guard on every entry; the traced graph holds no checks anyway)
+    or for tensor subclasses."""
+    if torch.compiler.is_compiling() or any(t is not None and type(t) is not torch.Tensor for t in tensors):
+        return None
+    return (*(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors), *options,
+            backend_settings())
+
+
+def checked(key: tuple | None, build: Callable[[], V]) -> V:
+    """build()'s result, run once per key (every time without one)."""
+    value = CHECKED.get(key) if key is not None else None
+    if value is None:
+        value = build()
+        if key is not None:
+            remember(CHECKED, key, value, MAX_CHECKED)
+    return value  # type: ignore[return-value]
