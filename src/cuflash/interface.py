@@ -9,7 +9,7 @@ from .dropout import draw_seed, head_ids, keep_mask
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_attn_mask, check_block_table,
                      check_blocks, check_cu_seqlens, check_dropout, check_same, check_softcap, check_tensor,
                      check_window, fail, lse_dtype, resolve_scale)
-from .memo import checked, signature
+from .memo import checked, number, plain_flash_options, signature
 from .params import AttentionParams
 from .reference import attention_probs
 
@@ -28,18 +28,12 @@ def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, sof
         deterministic=bool(deterministic), **fields)
 
 
-def _number(x) -> bool:
-    return type(x) is float or type(x) is int
-
-
 def _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
                   deterministic) -> AttentionParams:
     """flash_attn_func's inputs checked and its options as AttentionParams, once per call signature
     (memo.py)."""
-    plain = (alibi_slopes is None and (softmax_scale is None or type(softmax_scale) is float)
-             and type(causal) is bool and type(window_size) is tuple and len(window_size) == 2
-             and type(window_size[0]) is int and type(window_size[1]) is int and _number(softcap)
-             and _number(dropout_p) and dropout_p == 0 and type(deterministic) is bool)
+    plain = (plain_flash_options(softmax_scale, causal, window_size, softcap, alibi_slopes) and number(dropout_p)
+             and dropout_p == 0 and type(deterministic) is bool)
     key = signature((q, k, v), softmax_scale, causal, window_size, softcap, deterministic) if plain else None
 
     def build():
@@ -220,7 +214,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         (..., nheads, L, E), a view in torch's layout of a (batch, L, nheads, E) buffer. Rows that
         see no key give 0 (torch gives NaN).
     """
-    plain = (attn_mask is None and _number(dropout_p) and dropout_p == 0 and type(is_causal) is bool
+    plain = (attn_mask is None and number(dropout_p) and dropout_p == 0 and type(is_causal) is bool
              and (scale is None or type(scale) is float) and type(enable_gqa) is bool)
     deterministic = torch.are_deterministic_algorithms_enabled()
     sig = signature((query, key, value), is_causal, scale, enable_gqa, deterministic) if plain else None

@@ -17,7 +17,7 @@ import torch
 from . import ops
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_softcap, check_tensor, check_window,
                      fail, resolve_scale)
-from .memo import checked, signature
+from .memo import checked, plain_flash_options, signature
 from .params import AttentionParams, cache_row, per_sequence
 from .rotary import check_cos_sin, rotate
 
@@ -94,10 +94,8 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
     """Checks every argument (the values of the index tensors too, except while a CUDA graph is
     captured or torch.compile traces) before anything is written. The checks that read no tensor
     value run once per call signature (memo.py)."""
-    plain = (alibi_slopes is None and (softmax_scale is None or type(softmax_scale) is float)
-             and type(causal) is bool and type(window_size) is tuple and len(window_size) == 2
-             and type(window_size[0]) is int and type(window_size[1]) is int and type(softcap) in (int, float)
-             and type(num_splits) is int and (cache_seqlens is None or type(cache_seqlens) in (int, torch.Tensor)))
+    plain = (plain_flash_options(softmax_scale, causal, window_size, softcap, alibi_slopes) and type(num_splits) is int
+             and (cache_seqlens is None or type(cache_seqlens) in (int, torch.Tensor)))
     given = isinstance(cache_seqlens, torch.Tensor)
     key = signature((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
                      cache_seqlens if given else None), "kvcache", softmax_scale, causal, window_size, softcap,

@@ -45,6 +45,19 @@ def signature(tensors: tuple, *options) -> tuple | None:
             backend_settings())
 
 
+def number(x) -> bool:
+    """A plain Python number (not a bool, a tensor or a numpy scalar)."""
+    return type(x) is float or type(x) is int
+
+
+def plain_flash_options(softmax_scale, causal, window_size, softcap, alibi_slopes) -> bool:
+    """Whether flash-attn's common options of a call are plain Python values that a signature may
+    hold: no ALiBi slopes (a tensor), a float or default scale, a bool causal, a window of two ints."""
+    return (alibi_slopes is None and (softmax_scale is None or type(softmax_scale) is float)
+            and type(causal) is bool and type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int and number(softcap))
+
+
 def checked(key: tuple | None, build: Callable[[], V]) -> V:
     """build()'s result, run once per key (every time without one)."""
     value = CHECKED.get(key) if key is not None else None
