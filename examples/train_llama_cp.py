@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ def parse(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=128)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's parameters")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--out", default=None, help="a JSON file for the losses (rank 0)")
     return p.parse_args(argv)
@@ -45,7 +47,7 @@ def model_for(args, device):
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq_len)
     torch.manual_seed(0)  # the same initial weights on every rank and in the one-process run
-    return LlamaForCausalLM(config).to(device)
+    return LlamaForCausalLM(config).to(device, getattr(torch, args.dtype))
 
 
 def batches(args, dp_rank: int, device):
@@ -93,6 +95,7 @@ def main(argv=None) -> list[float]:
         model.config._attn_implementation = "cuflash"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
+    start = time.perf_counter()
     for step, ids in enumerate(batches(args, dp_rank, device)):
         positions = torch.arange(args.seq_len, device=device).expand_as(ids)
         targets = F.pad(ids[:, 1:], (0, 1), value=-100)  # the next token; none after the last
@@ -112,7 +115,9 @@ def main(argv=None) -> list[float]:
         loss = total.item() / (count * args.dp)
         losses.append(loss)
         if world == 1 or dist.get_rank() == 0:
-            print(f"step {step}: loss {loss:.6f}", flush=True)
+            seconds, start = time.perf_counter() - start, time.perf_counter()
+            tokens = args.dp * args.batch * args.seq_len
+            print(f"step {step}: loss {loss:.6f}, {seconds:.2f} s, {tokens / seconds:.0f} tokens/s", flush=True)
     if args.out and (world == 1 or dist.get_rank() == 0):
         with open(args.out, "w") as f:
             json.dump(losses, f)

@@ -1,7 +1,8 @@
 """Context parallelism on several GPUs: correctness against one process, then per-GPU throughput of the
 ring, the all-to-all, (with --inner) the hybrid and (packed) the ring over packed documents of
---doc-tokens each, against one GPU attending over the same per-GPU length (of such documents), with the
-time of one exchange. Writes cp_bench.csv (a row per run) and cp_bench.png (efficiency against tokens).
+--doc-tokens each, against one GPU attending over the same per-GPU length (of such documents; repeated
+to a rank's share of the work, so that both run about as long), with the time of each exchange and of
+the compute it has to hide under. Writes cp_bench.csv (a row per run) and cp_bench.png (efficiency against tokens).
 Causal, bf16, D=128, 32 query heads and 8 KV heads by default.
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=src torchrun --nproc_per_node=8 scripts/cp_bench.py \\
@@ -19,13 +20,15 @@ import torch.distributed as dist
 import cuflash
 from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_varlen_func
 
-FIELDS = ["world_size", "tokens", "tokens_per_gpu", "mode", "fwd_ms", "fwdbwd_ms", "tflops_per_gpu_fwd",
+FIELDS = ["world_size", "tokens", "tokens_per_gpu", "mode", "layout", "fwd_ms", "fwdbwd_ms", "tflops_per_gpu_fwd",
           "tflops_per_gpu_fwdbwd", "one_gpu_tflops_fwd", "one_gpu_tflops_fwdbwd", "efficiency_fwd",
-          "efficiency_fwdbwd", "exchange_ms"]
+          "efficiency_fwdbwd", "step_ms", "exchange_ms", "step_bwd_ms", "exchange_bwd_ms"]
+TIMING = {"reps": 5, "warmup": 2}  # --reps, --warmup
 
 
-def timed(fn, device, reps=5, warmup=2) -> float:
-    """Median milliseconds of fn() over reps, every rank starting together."""
+def timed(fn, device) -> float:
+    """Median milliseconds of fn() over TIMING's reps after its warmup runs, every rank starting together."""
+    reps, warmup = TIMING["reps"], TIMING["warmup"]
     for _ in range(warmup):
         fn()
     times = []
@@ -51,8 +54,8 @@ def setup(mesh, mode, tokens, args, device, dtype):
     context-parallel call on shards; the one-process call on whole tensors; its causal FLOPs)."""
     q, k, v, dout = problem(tokens, args.heads, args.kv_heads, args.dim, dtype, device)
     if mode != "packed":
-        return ((q, k, v, dout), lambda t: context_parallel_shard(t, mesh),
-                lambda a, b, c: context_parallel_attn_func(a, b, c, mesh, causal=True, mode=mode),
+        return ((q, k, v, dout), lambda t: context_parallel_shard(t, mesh, args.layout),
+                lambda a, b, c: context_parallel_attn_func(a, b, c, mesh, causal=True, layout=args.layout, mode=mode),
                 lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=True),
                 4 * args.heads * tokens * tokens * args.dim / 2)
     # Packed documents of doc_tokens (the last one shorter), one (total, heads, dim) batch.
@@ -82,29 +85,42 @@ def check(mesh, mode, args, device, dtype):
     return errors
 
 
-def exchange_ms(mesh, mode, local, device) -> float:
-    """One exchange of a step: a K/V hop around the ring, or the all-to-alls of q, k and v (the hybrid's
-    within a node)."""
+def exchange_ms(mesh, mode, tensors, device) -> float:
+    """One exchange of `tensors`: a hop around the ring (ring, packed: each to the next rank, from the
+    previous), or an all-to-all of each (ulysses; the hybrid's within a node)."""
     ring = mode in ("ring", "packed")
     group = mesh.get_group(0 if ring else mesh.ndim - 1)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if ring:
         nxt, prv = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
-        recv = [torch.empty_like(t) for t in local[1:3]]
+        recv = [torch.empty_like(t) for t in tensors]
 
         def hop():
-            ops = [dist.P2POp(dist.isend, t, nxt, group) for t in local[1:3]]
+            ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
             ops += [dist.P2POp(dist.irecv, r, prv, group) for r in recv]
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
         return timed(hop, device)
-    parts = [[p.contiguous() for p in t.chunk(size, dim=-2)] for t in local[:3]]
+    parts = [[p.contiguous() for p in t.chunk(size, dim=-2)] for t in tensors]
     recv = [[torch.empty_like(p) for p in ps] for ps in parts]
 
     def all_to_all():
         for r, p in zip(recv, parts):
             dist.all_to_all(r, p, group=group)
     return timed(all_to_all, device)
+
+
+def exchanges(mesh, mode, q, k, v, fwd_ms, fwdbwd_ms, device) -> dict:
+    """What each exchange has to hide under. The ring's step (fwd_ms / ranks: a step's share of the
+    compute) overlaps one hop of K/V; its backward's step (the backward's share) a hop of K/V and of
+    the fp32 dK/dV accumulators. The all-to-all's exchanges (q, k, v; the backward: dout, dq, dk,
+    dv) run between its computations, once per call."""
+    ring = mode in ("ring", "packed")
+    steps = dist.get_world_size(mesh.get_group(0)) if ring else 1
+    grads = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)] if ring else [q, q, k, v]
+    return dict(step_ms=fwd_ms / steps, exchange_ms=exchange_ms(mesh, mode, [k, v] if ring else [q, k, v], device),
+                step_bwd_ms=(fwdbwd_ms - fwd_ms) / steps,
+                exchange_bwd_ms=exchange_ms(mesh, mode, ([k, v] if ring else []) + grads, device))
 
 
 def run(mesh, mode, tokens, args, device, dtype) -> dict:
@@ -118,15 +134,32 @@ def run(mesh, mode, tokens, args, device, dtype) -> dict:
     both = timed(lambda: torch.autograd.grad(attend(*local), local, local_dout), device)
     (q, k, v, _), _, _, whole, one_flops = setup(mesh, mode, per_gpu, args, device, dtype)
     one = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    one_fwd = timed(lambda: whole(*one), device)
-    one_both = timed(lambda: torch.autograd.grad(whole(*one), one, torch.ones_like(one[0])), device)
-    row = dict(world_size=world, tokens=tokens, tokens_per_gpu=per_gpu, mode=mode, fwd_ms=fwd, fwdbwd_ms=both,
-               tflops_per_gpu_fwd=flops / world / fwd / 1e9, tflops_per_gpu_fwdbwd=3.5 * flops / world / both / 1e9,
+    # The one-GPU call runs as many times back to back as a rank's share of the work holds its work
+    # (world times for a causal sequence, once for packed documents), so that both timings last
+    # about as long: under seconds of load the GPUs reach their power cap and their clocks fall.
+    repeat = max(1, round(flops / world / one_flops))
+    one_fwd = timed(lambda: [whole(*one) for _ in range(repeat)], device) / repeat
+    one_both = timed(lambda: [torch.autograd.grad(whole(*one), one, torch.ones_like(one[0]))
+                              for _ in range(repeat)], device) / repeat
+    del q, k, v
+    row = dict(world_size=world, tokens=tokens, tokens_per_gpu=per_gpu, mode=mode,
+               layout="contiguous" if mode == "packed" else args.layout, fwd_ms=fwd,
+               fwdbwd_ms=both, tflops_per_gpu_fwd=flops / world / fwd / 1e9,
+               tflops_per_gpu_fwdbwd=3.5 * flops / world / both / 1e9,
                one_gpu_tflops_fwd=one_flops / one_fwd / 1e9, one_gpu_tflops_fwdbwd=3.5 * one_flops / one_both / 1e9,
-               exchange_ms=exchange_ms(mesh, mode, local, device))
+               **exchanges(mesh, mode, *(t.detach() for t in local), fwd, both, device))
     row["efficiency_fwd"] = row["tflops_per_gpu_fwd"] / row["one_gpu_tflops_fwd"]
     row["efficiency_fwdbwd"] = row["tflops_per_gpu_fwdbwd"] / row["one_gpu_tflops_fwdbwd"]
     return row
+
+
+def write(rows, out):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "cp_bench.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, os.path.join(out, "cp_bench.png"))
 
 
 def plot(rows, path):
@@ -165,9 +198,14 @@ def main():
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"],
+                   help="how the sequence is cut (zigzag balances the ring's causal work; packed: contiguous)")
     p.add_argument("--check-tokens", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=TIMING["reps"], help="timed runs per measurement (the median is kept)")
+    p.add_argument("--warmup", type=int, default=TIMING["warmup"])
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    TIMING.update(reps=args.reps, warmup=args.warmup)
     device = torch.device(args.device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
@@ -189,15 +227,10 @@ def main():
             rows.append(row)
             if dist.get_rank() == 0:
                 print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+                if args.out:  # after every row, so that a cut run keeps what it measured
+                    write(rows, args.out)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if dist.get_rank() == 0 and args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "cp_bench.csv"), "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
-        plot(rows, os.path.join(args.out, "cp_bench.png"))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -326,5 +326,6 @@ def test_cp_bench_runs_and_writes_its_table(tmp_path):
     errors = [line for line in done.stdout.splitlines() if "vs one process" in line]
     assert len(errors) == 3 and all(float(e) < 1e-5 for line in errors for e in line.split()[-7::2]), errors
     rows = list(csv.DictReader(open(tmp_path / "cp_bench.csv")))
-    assert [(r["mode"], r["tokens"]) for r in rows] == [("ring", "128"), ("ring", "256"), ("ulysses", "128"),
-                                                          ("ulysses", "256"), ("packed", "128"), ("packed", "256")]
+    assert [(r["mode"], r["tokens"], r["layout"]) for r in rows] == [
+        ("ring", "128", "zigzag"), ("ring", "256", "zigzag"), ("ulysses", "128", "zigzag"),
+        ("ulysses", "256", "zigzag"), ("packed", "128", "contiguous"), ("packed", "256", "contiguous")]

@@ -87,15 +87,17 @@ def _packed_blocks(bounds: list[int], rank: int, src: int, share: int, causal: b
     return [(slice(0, share), slice(first - k_lo, first - k_lo + cu_k[-1]), params)]
 
 
-def _merge(out, lse, block_out, block_lse):
-    """Exact merge of two partial attentions by their log-sum-exps (lse +inf marks 'no key yet')."""
+def _merge_into(out, lse, block_out, block_lse) -> None:
+    """Merges a block's partial attention into (out, lse) in place, exactly, by their log-sum-exps
+    (lse +inf marks a row with no key yet). In place, out is read and written once more per merge
+    instead of through four temporaries of its size."""
     a = torch.where(torch.isposinf(lse), float("-inf"), lse)
     b = torch.where(torch.isposinf(block_lse), float("-inf"), block_lse)
     new = torch.logaddexp(a, b)
     safe = torch.where(torch.isneginf(new), 0.0, new)
-    wa = torch.exp(a - safe).transpose(1, 2).unsqueeze(-1)  # (B, N, H, 1)
-    wb = torch.exp(b - safe).transpose(1, 2).unsqueeze(-1)
-    return out * wa + block_out.to(out.dtype) * wb, torch.where(torch.isneginf(new), float("inf"), new)
+    out.mul_(torch.exp(a - safe).transpose(1, 2).unsqueeze(-1))  # (B, N, H, 1) weights
+    out.addcmul_(block_out, torch.exp(b - safe).transpose(1, 2).unsqueeze(-1))
+    lse.copy_(torch.where(torch.isneginf(new), float("inf"), new))
 
 
 def _unbatched(packed: bool, *tensors):
@@ -114,13 +116,17 @@ def _ring_forward(q, k, v, steps: list[list[Block]], packed: bool, group):
     acc_dtype = lse_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     lse = torch.full((batch, nheads, seqlen), float("inf"), dtype=lse_dtype(q.dtype), device=q.device)
-    kv = [k, v]
+    kv, merged = [k, v], False
     for step, blocks in enumerate(steps):
         incoming = ring.start(kv) if step + 1 < len(steps) else None
         for qs, ks, params in blocks:
             q_b, k_b, v_b = _unbatched(packed, q[:, qs], kv[0][:, ks], kv[1][:, ks])
             o, o_lse = _batched(packed, *ops.forward(q_b, k_b, v_b, params))
-            out[:, qs], lse[..., qs] = _merge(out[:, qs], lse[..., qs], o, o_lse)
+            if merged:
+                _merge_into(out[:, qs], lse[..., qs], o, o_lse)
+            else:  # the first block: its rows hold nothing yet, so they take its result as it is
+                out[:, qs], lse[..., qs] = o, o_lse
+                merged = True
         if incoming is not None:
             kv = ring.wait(incoming)
     return out.to(q.dtype), lse
