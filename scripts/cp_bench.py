@@ -180,7 +180,7 @@ def plot(rows, path):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens (whole sequence)")
     ax.set_ylabel("per-GPU efficiency vs one GPU")
-    ax.set_title(f"context parallelism on {rows[0]['world_size']} ranks")
+    ax.set_title(f"context parallelism on {int(rows[0]['world_size'])} ranks")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

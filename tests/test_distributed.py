@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 import cuflash
 from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_func, \
     ring_flash_attn_varlen_func, ulysses_flash_attn_func, ulysses_flash_attn_varlen_func, zigzag_shard, zigzag_unshard
+from cuflash.distributed.mesh import ULYSSES_MAX_TOKENS, auto_mode
 from cuflash.distributed.shards import join_sequence
 
 DEADLINE_S = 120
@@ -253,6 +254,15 @@ def _run(world, check):
 def test_matches_single_process(world, check):
     """The ring and the all-to-all, dense and packed, with 2 and 3 processes (the CHECKS above)."""
     _run(world, check)
+
+
+def test_auto_mode_takes_the_all_to_all_only_where_it_led():
+    """mode="auto" on a 1-D mesh: the all-to-all for whole sequences up to ULYSSES_MAX_TOKENS whose
+    head counts divide among the ranks; the ring for longer ones or where a head count does not divide."""
+    assert auto_mode(32, 8, ULYSSES_MAX_TOKENS, 2) == "ulysses"
+    assert auto_mode(32, 8, 2 * ULYSSES_MAX_TOKENS, 2) == "ring"
+    assert auto_mode(32, 8, 1024, 16) == "ring"  # 8 KV heads among 16 ranks
+    assert auto_mode(30, 10, 1024, 4) == "ring"
 
 
 @pytest.mark.parametrize("world", [2, 4])

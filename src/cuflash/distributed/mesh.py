@@ -12,6 +12,20 @@ from .shards import split_sequence
 from .ulysses import hybrid_flash_attn_func, hybrid_shard, ulysses_flash_attn_func
 
 MODES = ("auto", "ring", "ulysses", "hybrid")
+# The longest whole sequence the all-to-all takes in auto mode. It runs the one-GPU kernel over the
+# whole sequence, whose causal backward falls from ~550 to ~430 TFLOP/s between 128k and 256k keys
+# on an H100; the ring runs it over shards. On 2 H100s (benchmarks/results/h100x2) the all-to-all led
+# up to 128k tokens (97% of one GPU forward+backward against the ring's 92%), the ring from 256k
+# (94% against 74%).
+ULYSSES_MAX_TOKENS = 131072
+
+
+def auto_mode(nheads: int, nheads_k: int, seqlen: int, size: int) -> str:
+    """The 1-D mode for a whole sequence of seqlen tokens on `size` ranks: the all-to-all where both
+    head counts divide among the ranks and the sequence is at most ULYSSES_MAX_TOKENS, else the ring."""
+    if nheads % size == 0 and nheads_k % size == 0 and seqlen <= ULYSSES_MAX_TOKENS:
+        return "ulysses"
+    return "ring"
 
 
 def _groups(mesh):
@@ -35,9 +49,7 @@ def context_parallel_attn_func(q, k, v, mesh, softmax_scale=None, causal=False, 
     (batch, seqlen_local, nheads_k, headdim); returns this rank's shard of the output.
 
     mode: "ring", "ulysses" (all-to-all) or, on a 2-D mesh, "hybrid"; "auto" takes the hybrid on a
-    2-D mesh and on a 1-D mesh the all-to-all where both head counts divide among its ranks (it moves
-    q, k, v and the output once per call where the ring moves K/V size - 1 times), the ring otherwise.
-    A rule of thumb, not yet measured on several GPUs."""
+    2-D mesh and on a 1-D mesh auto_mode's choice."""
     if mode not in MODES:
         fail(ErrorCode.INVALID_ARGUMENT, f"mode={mode!r}; accepted: {', '.join(MODES)}")
     groups = _groups(mesh)
@@ -49,7 +61,6 @@ def context_parallel_attn_func(q, k, v, mesh, softmax_scale=None, causal=False, 
     if mode == "hybrid":
         fail(ErrorCode.INVALID_ARGUMENT, "mode='hybrid' needs a 2-D mesh (ring dim, all-to-all dim)")
     if mode == "auto":
-        size = mesh.size()
-        mode = "ulysses" if q.shape[2] % size == 0 and k.shape[2] % size == 0 else "ring"
+        mode = auto_mode(q.shape[2], k.shape[2], q.shape[1] * mesh.size(), mesh.size())
     fn = ulysses_flash_attn_func if mode == "ulysses" else ring_flash_attn_func
     return fn(q, k, v, group=groups[0], softmax_scale=softmax_scale, causal=causal, layout=layout)
