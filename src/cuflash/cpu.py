@@ -229,11 +229,27 @@ def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0)
     return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.transpose(1, 2).to(v.dtype).contiguous())
 
 
+def append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_rows, block_table) -> None:
+    """Writes k_new, v_new (B, seqlen_new, Hk, D) into the cache in place at positions cache_seqlens[b] ..
+    of each sequence (addressed as decode_forward reads them), as torch ops: the CPU backend's append,
+    and the one a traced graph (torch.compile) holds before the decode op."""
+    batch, seqlen_new = k_new.shape[:2]
+    positions = per_sequence(cache_seqlens, batch, k_new.device)[:, None] + torch.arange(seqlen_new,
+                                                                                         device=k_new.device)
+    target = cache_row(torch.arange(batch, device=k_new.device)[:, None], positions, k_cache.shape[1], block_table,
+                       cache_rows).flatten()
+    for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, target, new.reshape(-1, *new.shape[2:]))
+
+
 def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad, cache_rows, block_table,
-                   params: AttentionParams, num_splits: int = 0):
-    """Same contract as kernels.decode_forward: each sequence's keys (cache positions leftpad[b] ..
-    cache_seqlens[b] + seqlen_new - 1) gathered into one packed tensor, attended as a varlen batch.
-    num_splits changes only the kernels' rounding: not used here."""
+                   params: AttentionParams, num_splits: int = 0, k_new=None, v_new=None):
+    """Same contract as kernels.decode_forward: k_new, v_new appended (append_to_cache), then each
+    sequence's keys (cache positions leftpad[b] .. cache_seqlens[b] + seqlen_new - 1) gathered into
+    one packed tensor, attended as a varlen batch. num_splits changes only the kernels' rounding: not
+    used here."""
+    if k_new is not None:
+        append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_rows, block_table)
     batch, seqlen_q, nheads, head_dim = q.shape
     starts = per_sequence(0 if leftpad is None else leftpad, batch, q.device)
     lengths = per_sequence(cache_seqlens, batch, q.device) + seqlen_new - starts

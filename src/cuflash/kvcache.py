@@ -18,7 +18,7 @@ from . import ops
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_softcap, check_tensor, check_window,
                      fail, resolve_scale)
 from .memo import checked, plain_flash_options, signature
-from .params import AttentionParams, cache_row, per_sequence
+from .params import AttentionParams, per_sequence
 from .rotary import check_cos_sin, rotate
 
 
@@ -70,9 +70,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     call = _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                      block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
-    q = _rotate_and_append(call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved)
+    q, k = _rotate(call, q, k, rotary_cos, rotary_sin, rotary_interleaved)
     out, lse = ops.decode(q, k_cache, v_cache, call.seqlens, call.seqlen_new, call.leftpad, call.rows, call.table,
-                          call.params, num_splits)
+                          call.params, num_splits, k, v)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -179,35 +179,19 @@ def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     return _Layout(params, capacity, seqlen_new, shifted, max(seqlen_new, seqlen_q if shifted else 1))
 
 
-def _rotate_and_append(call: _Call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, interleaved):
+def _rotate(call: _Call, q, k, rotary_cos, rotary_sin, interleaved):
     """The rotary embedding of q and the new keys (flash-attn's positions: see
-    flash_attn_with_kvcache), and the new keys and values written into the cache in place.
-    Returns q as attention takes it."""
-    if rotary_cos is None and k is None:
-        return q
+    flash_attn_with_kvcache). Returns q and k as attention and the append take them."""
+    if rotary_cos is None:
+        return q, k
     batch, seqlen_q = q.shape[:2]
-    # Every sequence appending at the same place of its own cache row takes two slice copies; the
-    # index copies cost several small kernels more (a decode step's host time).
-    by_slice = k is not None and isinstance(call.seqlens, int) and call.table is None and call.rows is None
-    if rotary_cos is not None or not by_slice:
-        lengths = per_sequence(call.seqlens, batch, q.device)
-        if rotary_cos is not None:
-            positions_q = lengths[:, None] + (torch.arange(seqlen_q, device=q.device)[None, :] if call.shifted else 0)
-            q = rotate(q, rotary_cos, rotary_sin, positions_q.expand(batch, seqlen_q), interleaved)
-        if k is not None:
-            positions_new = lengths[:, None] + torch.arange(call.seqlen_new, device=q.device)[None, :]
-            if rotary_cos is not None:
-                k = rotate(k, rotary_cos, rotary_sin, positions_new, interleaved)
-            if not by_slice:
-                target = cache_row(torch.arange(batch, device=q.device)[:, None], positions_new, k_cache.shape[1],
-                                   call.table, call.rows).flatten()
-                k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, target, k.reshape(-1, *k.shape[2:]))
-                v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, target, v.reshape(-1, *v.shape[2:]))
-    if by_slice:
-        assert isinstance(call.seqlens, int)  # (for mypy: by_slice says so)
-        k_cache[:batch, call.seqlens:call.seqlens + call.seqlen_new] = k
-        v_cache[:batch, call.seqlens:call.seqlens + call.seqlen_new] = v
-    return q
+    lengths = per_sequence(call.seqlens, batch, q.device)
+    positions_q = lengths[:, None] + (torch.arange(seqlen_q, device=q.device)[None, :] if call.shifted else 0)
+    q = rotate(q, rotary_cos, rotary_sin, positions_q.expand(batch, seqlen_q), interleaved)
+    if k is not None:
+        positions_new = lengths[:, None] + torch.arange(call.seqlen_new, device=q.device)[None, :]
+        k = rotate(k, rotary_cos, rotary_sin, positions_new, interleaved)
+    return q, k
 
 
 def _check_values(seqlens, seqlen_new, capacity, leftpad, rows, cache_rows, table, rows_per_seq, rotary_cos,

@@ -42,6 +42,9 @@ class _Launch:
         compiled = kernel[grid](*args, **options)  # this call's launch (compiles a new variant)
         self.slots = tuple((i, names.index(name)) for i, name in enumerate(kernel.arg_names) if name in names)
         for i, _ in self.slots:
+            if not isinstance(args[i], torch.Tensor) and kernel.arg_names[i] not in _unspecialized(kernel):
+                raise TypeError(f"{kernel.fn.__name__}: {kernel.arg_names[i]} may change between calls of a plan, "
+                                "but the kernel specializes on its value (do_not_specialize)")
             args[i] = None
         if any(isinstance(a, torch.Tensor) for a in args):
             raise TypeError("a tensor argument missing from the launch's tensors would be frozen into its plan")
@@ -54,7 +57,7 @@ class _Launch:
             # (a context variable) and autograd runs the backward in its own thread.
             self.scratch = getattr(compiled.metadata, "global_scratch_size", 0) > 0
 
-    def __call__(self, tensors: tuple[torch.Tensor, ...]) -> None:
+    def __call__(self, tensors: tuple[torch.Tensor | int, ...]) -> None:
         args = self.args.copy()
         for i, j in self.slots:
             args[i] = tensors[j]
@@ -63,22 +66,35 @@ class _Launch:
         self.run(*args)
 
 
-def signature(tensors) -> tuple:
-    return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
+def _unspecialized(kernel) -> set[str]:
+    """The arguments a kernel compiles without specializing on their value (do_not_specialize). The
+    interpreter's functions keep only the decorator's list, of names or indices."""
+    if hasattr(kernel, "params"):
+        return {p.name for p in kernel.params if p.do_not_specialize}
+    return {kernel.arg_names[n] if isinstance(n, int) else n for n in kernel.kwargs.get("do_not_specialize") or ()}
 
 
-def launch(key: tuple, tensors: dict[str, torch.Tensor], build: Callable[[], list[tuple]]) -> None:
+def signature(values) -> tuple:
+    # An int's type is all an unspecialized argument compiles from: 32 or 64 bits.
+    return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor)
+                 else -2**31 <= t < 2**31 for t in values)
+
+
+def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[], list[tuple]]) -> None:
     """Runs the launches build() describes, [(kernel, grid, keyword arguments with num_warps,
     num_stages or maxnreg)], on `tensors`: every tensor argument of those kernels, by argument name (the same
-    name for the same tensor in each kernel). build() runs for a new signature only; key must hold
-    the launcher (its first element) and everything else the arguments depend on. build() may add
-    zero-filled workspaces to `tensors`; later calls of the signature get fresh ones."""
+    name for the same tensor in each kernel), and any int argument that every kernel taking it leaves
+    unspecialized (do_not_specialize), whose value may change between calls of a plan. build() runs for
+    a new signature only; key must hold the launcher (its first element) and everything else the
+    arguments depend on. build() may add zero-filled workspaces to `tensors`; later calls of the
+    signature get fresh ones."""
     full_key = (key, tuple(tensors), signature(tensors.values()))
     plan = _plans.get(full_key)
     if plan is None:
         given = set(tensors)
         described = build()
-        workspaces = {name: (t.shape, t.dtype, t.device) for name, t in tensors.items() if name not in given}
+        workspaces = {name: (t.shape, t.dtype, t.device) for name, t in tensors.items()
+                      if name not in given and isinstance(t, torch.Tensor)}
         names = tuple(tensors)
         plan = workspaces, [_Launch(kernel, grid, kwargs, names) for kernel, grid, kwargs in described]
         remember(_plans, full_key, plan, MAX_PLANS)

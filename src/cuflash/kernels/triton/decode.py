@@ -26,11 +26,13 @@ from .common import LN2, LOG2E, NO_MASK, logits, mma, score_tile, softmax_step
 
 MAX_SPLITS = 64  # the combine kernel holds one row of every split in registers
 PROGRAMS_PER_SM = 2  # the split heuristic's target
-# The kernel's optional tensor arguments, in the launch's tensors only when given.
-_OPTIONAL = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes")
+# The decode kernel's optional tensor arguments and the append's new keys and values, in the
+# launch's tensors only when given.
+_DECODE_OPTIONAL = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes")
+_OPTIONAL = (*_DECODE_OPTIONAL, "KNew", "VNew")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cache_seqlen"])
 def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, Slopes,
                 stride_q, stride_k, stride_v, stride_o, stride_l, stride_tb, stride_slope_b,
                 nheads_k, seqlen_q, group_size, rows_per_seq, head_dim, num_splits, cache_seqlen, seqlen_new,
@@ -155,6 +157,35 @@ def _decode_combine(OutPart, LsePart, Out, Lse, nheads, seqlen_q, head_dim, num_
     tl.store(Lse + (b * nheads + h) * seqlen_q + i, tl.where(total == 0.0, float("inf"), m + tl.log(total_safe)))
 
 
+@triton.jit(do_not_specialize=["cache_seqlen"])
+def _append_kv(KNew, VNew, K, V, CacheSeqlens, CacheRows, BlockTable, stride_kn, stride_vn, stride_k, stride_v,
+               stride_tb, nheads_k, rows_per_seq, head_dim, cache_seqlen,
+               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
+               BATCH_IDX: tl.constexpr):
+    """Writes new token i of sequence b (every KV head) into the cache at position cache_seqlens[b] + i,
+    addressed as the decode kernel reads it: through the page table, or in the sequence's cache row."""
+    i = tl.program_id(0)
+    off_b = tl.program_id(1).to(tl.int64)
+    pos = cache_seqlen + i
+    if SEQLENS:
+        pos = tl.load(CacheSeqlens + off_b).to(tl.int64) + i
+    if PAGED:
+        row = tl.load(BlockTable + off_b * stride_tb + pos // rows_per_seq).to(tl.int64) * rows_per_seq \
+            + pos % rows_per_seq
+    else:
+        cache_row = off_b
+        if BATCH_IDX:
+            cache_row = tl.load(CacheRows + off_b).to(tl.int64)
+        row = cache_row * rows_per_seq + pos
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok = (h < nheads_k) & (d < head_dim)
+    k = tl.load(KNew + off_b * stride_kn[0] + i * stride_kn[1] + h * stride_kn[2] + d, mask=ok)
+    tl.store(K + row * stride_k[0] + h * stride_k[1] + d, k, mask=ok)
+    v = tl.load(VNew + off_b * stride_vn[0] + i * stride_vn[1] + h * stride_vn[2] + d, mask=ok)
+    tl.store(V + row * stride_v[0] + h * stride_v[1] + d, v, mask=ok)
+
+
 def num_splits_for(programs: int, capacity: int, block_n: int, device: torch.device, requested: int = 0) -> int:
     """How many splits of each sequence's keys: `requested`, or (0) enough to give every SM
     PROGRAMS_PER_SM programs, never more than MAX_SPLITS or than the cache has key tiles."""
@@ -165,11 +196,13 @@ def num_splits_for(programs: int, capacity: int, block_n: int, device: torch.dev
 def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | int,
                    seqlen_new: int, leftpad: torch.Tensor | None, cache_rows: torch.Tensor | None,
                    block_table: torch.Tensor | None, params: AttentionParams, num_splits: int = 0,
-                   tiles: Tiles | None = None):
+                   k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, tiles: Tiles | None = None):
     """q (B, Sq, H, D) attending to the keys leftpad[b] .. cache_seqlens[b] + seqlen_new - 1 of
     sequence b of the cache (cache_seqlens an int: the same for every sequence; leftpad None: 0):
     k_cache, v_cache (rows, rows_per_seq, Hk, D) with their first two dims contiguous, sequence b
     in row cache_rows[b] (default b), or pages of rows_per_seq keys listed by block_table (B, pages).
+    k_new, v_new (B, seqlen_new, Hk, D): written into the cache at positions cache_seqlens[b] ..
+    first, by a kernel of the same launch plan (else the cache holds them already).
     Returns out (B, Sq, H, D) and softmax_lse (B, H, Sq) fp32."""
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, rows_per_seq = k_cache.shape[2], k_cache.shape[1]
@@ -182,25 +215,25 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     splits = num_splits_for(batch * nheads_k * m_tiles, capacity, cfg.block_n, q.device, num_splits)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    tensors = dict(Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse, OutPart=out, LsePart=lse)
+    tensors: dict[str, torch.Tensor | int] = dict(Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse, OutPart=out,
+                                                  LsePart=lse)
     if splits > 1:
         tensors.update(OutPart=torch.empty((splits, *q.shape), dtype=torch.float32, device=q.device),
                        LsePart=torch.empty((splits, batch, seqlen_q, nheads), dtype=torch.float32, device=q.device))
-    if isinstance(cache_seqlens, torch.Tensor):
-        seqlens, cache_seqlen = cache_seqlens, 0
-    else:
-        seqlens, cache_seqlen = None, cache_seqlens
-    given = (seqlens, leftpad, cache_rows, block_table, params.alibi_slopes)
-    tensors.update({name: t for name, t in zip(_OPTIONAL, given) if t is not None})
-    launch((decode_forward, params.key(), cfg, block_m, splits, seqlen_new, cache_seqlen), tensors,
-           lambda: _launches(tensors, params, cfg, block_m, m_tiles, splits, seqlen_new, cache_seqlen,
-                             not fills_gpu))
+    # An int cache_seqlens is an argument of the plan like the tensors (the kernels do not specialize
+    # on it), so that a decode loop stepping through positions keeps one plan.
+    given = isinstance(cache_seqlens, torch.Tensor)
+    tensors["cache_seqlen"] = 0 if given else cache_seqlens
+    optional = (cache_seqlens if given else None, leftpad, cache_rows, block_table, params.alibi_slopes, k_new, v_new)
+    tensors.update({name: t for name, t in zip(_OPTIONAL, optional) if t is not None})
+    launch((decode_forward, params.key(), cfg, block_m, splits, seqlen_new), tensors,
+           lambda: _launches(tensors, params, cfg, block_m, m_tiles, splits, seqlen_new, not fills_gpu))
     return out, lse
 
 
 def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tiles: int, splits: int,
-              seqlen_new: int, cache_seqlen: int, prefetch_pages: bool) -> list[tuple]:
-    """The decode kernel, then (with splits) the combine."""
+              seqlen_new: int, prefetch_pages: bool) -> list[tuple]:
+    """The append (with new tokens), the decode kernel, then (with splits) the combine."""
     q, k_cache, v_cache, out_part, lse_part = t["Q"], t["K"], t["V"], t["OutPart"], t["LsePart"]
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k = k_cache.shape[2]
@@ -214,13 +247,14 @@ def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tile
     block_table, slopes = t.get("BlockTable"), params.alibi_slopes
     qk_scale, softcap = logit_scales(params)
     decode = _decode_fwd, (splits, m_tiles, batch * nheads_k), dict(
-        Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part, **{name: t.get(name) for name in _OPTIONAL},
+        Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part,
+        **{name: t.get(name) for name in _DECODE_OPTIONAL},
         stride_q=q.stride()[:3], stride_k=k_cache.stride()[1:3], stride_v=v_cache.stride()[1:3],
         stride_o=out_strides, stride_l=lse_strides,
         stride_tb=0 if block_table is None else block_table.stride(0),
         stride_slope_b=0 if slopes is None or slopes.dim() == 1 else slopes.stride(0),
         nheads_k=nheads_k, seqlen_q=seqlen_q, group_size=nheads // nheads_k, rows_per_seq=k_cache.shape[1],
-        head_dim=head_dim, num_splits=splits, cache_seqlen=cache_seqlen, seqlen_new=seqlen_new,
+        head_dim=head_dim, num_splits=splits, cache_seqlen=t["cache_seqlen"], seqlen_new=seqlen_new,
         window_left=params.window_left, window_right=params.window_right, qk_scale=qk_scale, softcap=softcap,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SEQLENS="CacheSeqlens" in t,
         PAGED=block_table is not None, LEFTPAD="Leftpad" in t, BATCH_IDX="CacheRows" in t,
@@ -228,11 +262,22 @@ def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tile
         ALIBI=slopes is not None, SPLIT=splits > 1, PREFETCH_PAGES=prefetch_pages,
         INPUT_PRECISION=cfg.input_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    launches: list[tuple] = [decode]
+    if "KNew" in t:
+        k_new, v_new = t["KNew"], t["VNew"]
+        launches.insert(0, (_append_kv, (seqlen_new, batch), dict(
+            KNew=k_new, VNew=v_new, K=k_cache, V=v_cache, CacheSeqlens=t.get("CacheSeqlens"),
+            CacheRows=t.get("CacheRows"), BlockTable=block_table, stride_kn=k_new.stride()[:3],
+            stride_vn=v_new.stride()[:3], stride_k=k_cache.stride()[1:3], stride_v=v_cache.stride()[1:3],
+            stride_tb=0 if block_table is None else block_table.stride(0), nheads_k=nheads_k,
+            rows_per_seq=k_cache.shape[1], head_dim=head_dim, cache_seqlen=t["cache_seqlen"],
+            BLOCK_H=next_power_of_2(nheads_k), BLOCK_D=block_d, SEQLENS="CacheSeqlens" in t,
+            PAGED=block_table is not None, BATCH_IDX="CacheRows" in t, num_warps=4)))
     if splits == 1:
-        return [decode]
+        return launches
     combine = _decode_combine, (batch * seqlen_q * nheads,), dict(
         OutPart=out_part, LsePart=lse_part, Out=t["Out"], Lse=t["Lse"], nheads=nheads, seqlen_q=seqlen_q,
         head_dim=head_dim, num_splits=splits, BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_D=block_d,
         num_warps=4 if block_d >= 128 else 2,
     )
-    return [decode, combine]
+    return [*launches, combine]
