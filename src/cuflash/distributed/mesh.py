@@ -12,11 +12,11 @@ from .shards import split_sequence
 from .ulysses import hybrid_flash_attn_func, hybrid_shard, ulysses_flash_attn_func
 
 MODES = ("auto", "ring", "ulysses", "hybrid")
-# The longest whole sequence the all-to-all takes in auto mode. It runs the one-GPU kernel over the
-# whole sequence, whose causal backward falls from ~550 to ~430 TFLOP/s between 128k and 256k keys
-# on an H100; the ring runs it over shards. On 2 H100s (benchmarks/results/h100x2) the all-to-all led
-# up to 128k tokens (97% of one GPU forward+backward against the ring's 92%), the ring from 256k
-# (94% against 74%).
+# The longest whole sequence the all-to-all takes in auto mode. It runs one call over the whole
+# sequence of a rank's heads, and on an H100 such calls slow down from 256k keys (the causal
+# backward at 32 heads: ~550 TFLOP/s at 128k, ~420 at 256k; docs/tuning.md), while the ring's calls
+# stay shard-sized. On 2 H100s (benchmarks/results/h100x2) the all-to-all led up to 128k tokens (97%
+# of one GPU forward+backward against the ring's 92%), the ring from 256k (94% against 74%).
 ULYSSES_MAX_TOKENS = 131072
 
 
