@@ -49,6 +49,13 @@ def seed_of(*parts) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
+def strided_view(t: torch.Tensor) -> torch.Tensor:
+    """The same values as t in a view whose last dim has stride 2 (every other element of a wider tensor)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(x).all(), "non-finite values (unwritten or NaN output)"
     ref = ref.double()

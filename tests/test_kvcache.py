@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import BOUNDS, GPU_DTYPES, rel_err, rotary_reference
+from attn_testing import BOUNDS, GPU_DTYPES, rel_err, rotary_reference, strided_view
 from cuflash.reference import attention_reference
 
 
@@ -85,6 +85,32 @@ def test_batch_idx_leftpad_window_and_no_new_tokens(backend):
     v_seqs = [v_cache[3, 4:30].double(), v_cache[1, :9].double()]
     ref = _expected(q.double(), k_seqs, v_seqs, True, window_size=(10, 0), softcap=5.0, alibi_slopes=slopes)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def teststrided_view_index_tensors(backend, paged):
+    """cache_seqlens, cache_batch_idx, cache_leftpad and block_table given as strided views give the
+    output and the cache of contiguous ones (the kernels address them by position)."""
+    torch.manual_seed(5)
+    batch, nheads, d = 2, 2, 16
+    q, k, v = torch.randn(batch, 1, nheads, d), torch.randn(batch, 2, nheads, d), torch.randn(batch, 2, nheads, d)
+    index = dict(cache_seqlens=torch.tensor([5, 13], dtype=torch.int32))
+    if paged:
+        caches = [torch.randn(6, 8, nheads, d) for _ in range(2)]
+        index["block_table"] = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)
+    else:
+        caches = [torch.randn(3, 24, nheads, d) for _ in range(2)]
+        index.update(cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32),
+                     cache_leftpad=torch.tensor([1, 3], dtype=torch.int32))
+    results = []
+    for make in (lambda t: t, strided_view):
+        k_cache, v_cache = (c.clone() for c in caches)
+        out = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, causal=True,
+                                             **{name: make(t) for name, t in index.items()})
+        results.append((out, k_cache, v_cache))
+    assert all(not strided_view(t).is_contiguous() for t in index.values())
+    for contiguous, strided in zip(*results):
+        assert torch.equal(contiguous, strided)
 
 
 @pytest.mark.parametrize("layout", ["leftpad", "batch_idx_leftpad", "paged"])

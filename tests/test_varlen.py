@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import BOUNDS, CPU_DTYPES, GPU_DTYPES, paged_cache, rel_err, run_and_grad, seed_of, varlen_batch, \
-    varlen_reference
+from attn_testing import BOUNDS, CPU_DTYPES, GPU_DTYPES, paged_cache, rel_err, run_and_grad, seed_of, strided_view, \
+    varlen_batch, varlen_reference
 
 
 
@@ -107,6 +107,29 @@ def test_varlen_packed_and_no_padding_compute(backend):
     q, kv = qkv[:, 0], qkv[:, 1:]
     packed = cuflash.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, max(lens), max(lens), causal=True)
     assert torch.equal(packed, out)
+
+
+def test_varlen_strided_cu_seqlens_and_block_table(backend):
+    """cu_seqlens and block_table given as strided views give the output and gradients of contiguous
+    ones (the kernels address them by position)."""
+    torch.manual_seed(16)
+    cu = torch.tensor([0, 7, 26, 28], dtype=torch.int32)
+    q, k, v = (torch.randn(28, 2, 16) for _ in range(3))
+    results = []
+    for make in (lambda t: t, strided_view):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = cuflash.flash_attn_varlen_func(*leaves, make(cu), make(cu), 19, 19, causal=True)
+        out.backward(torch.ones_like(out))
+        results.append((out, *(t.grad for t in leaves)))
+    pages, table = torch.randn(2, 6, 8, 2, 16), torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 41], dtype=torch.int32)
+    for make in (lambda t: t, strided_view):
+        results.append((cuflash.flash_attn_varlen_func(q[:8], pages[0], pages[1], make(cu[:3] // 3), make(cu_k), 6,
+                                                       21, block_table=make(table), causal=True),))
+    assert not strided_view(cu).is_contiguous()
+    for contiguous, strided in ((results[0], results[1]), (results[2], results[3])):
+        for a, b in zip(contiguous, strided):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

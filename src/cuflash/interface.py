@@ -157,6 +157,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                      "k", q.device, batch)
     if paged:
         check_block_table(block_table, batch, k.shape[0], k.shape[1], cu_seqlens_k)
+        block_table = block_table.contiguous()
+    # The kernels address these by position: a strided view becomes a contiguous copy (as alibi_slopes).
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     p = _params(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max_seqlen_k, block_table=block_table)

@@ -103,6 +103,11 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
     layout = checked(key, lambda: _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                                                 window_size, softcap, alibi_slopes, num_splits))
+    # The kernels address the index tensors by position: a strided view becomes a contiguous copy
+    # (flash-attn refuses one).
+    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
+        t.contiguous() if isinstance(t, torch.Tensor) else t
+        for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
     seqlens = layout.capacity if cache_seqlens is None else cache_seqlens
     # (is_compiling first: torch.compile cannot trace the capture query)
     if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
