@@ -65,7 +65,7 @@ def main():
         for cfg in CONFIGS:
             for per_sm in (1, 2, 4):
                 splits = max(1, min(64, -(-per_sm * num_sms(q.device) // (batch * nheads_k))))
-                fn = lambda: decode_forward(q, k, v, seqlens, 0, None, None, table, params, splits, cfg)  # noqa: E731
+                fn = lambda: decode_forward(q, k, v, seqlens, 0, None, None, table, params, splits, tiles=cfg)  # noqa: E731
                 try:
                     fn()
                     graph = torch.cuda.CUDAGraph()
