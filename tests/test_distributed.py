@@ -2,6 +2,7 @@
 gloo, against single-process attention on the whole sequence. Every process run has a deadline, so a
 hang fails instead of blocking CI."""
 import datetime
+import itertools
 import os
 import tempfile
 import traceback
@@ -15,6 +16,7 @@ import cuflash
 from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_func, \
     ring_flash_attn_varlen_func, ulysses_flash_attn_func, ulysses_flash_attn_varlen_func, zigzag_shard, zigzag_unshard
 from cuflash.distributed.mesh import ULYSSES_MAX_TOKENS, auto_mode
+from cuflash.distributed.ring import _packed_steps
 from cuflash.distributed.shards import join_sequence
 
 DEADLINE_S = 120
@@ -137,23 +139,25 @@ def _check_ulysses_varlen(rank, world):
 
 def _check_ring_varlen(rank, world):
     """Packed documents (cu_seqlens) through the ring: contiguous shares of the packed tokens, documents
-    crossing the shares' edges (one longer than a share, one empty, one inside a share), causal or not,
-    GQA, fp64 and fp32, forward and backward, against flash_attn_varlen_func in one process."""
-    lens = [5, 13, 1, 0, 4, 7]  # 30 tokens: a multiple of 2 and 3
-    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-    for causal in (False, True):
-        for nheads_k, dtype in ((6, torch.float64), (2, torch.float64), (3, torch.float32)):
-            torch.manual_seed(4)
-            q, dout = (torch.randn(30, 6, 8, dtype=dtype) for _ in range(2))
-            k, v = (torch.randn(30, nheads_k, 8, dtype=dtype) for _ in range(2))
-            full = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref = cuflash.flash_attn_varlen_func(*full, cu, cu, max(lens), max(lens), causal=causal)
-            ref.backward(dout)
-            local = [t.chunk(world)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
-            out = ring_flash_attn_varlen_func(*local, cu, max(lens), causal=causal)
-            out.backward(dout.chunk(world)[rank])
-            tol = 1e-12 if dtype == torch.float64 else 1e-5
-            _assert_matches(out, local, ref, full, _gather_tokens, tol, f"causal={causal} heads=6/{nheads_k} {dtype}")
+    crossing the shares' edges (one longer than a share, one empty, one inside a share) or all inside
+    shares (fewer ring steps than ranks), causal or not, GQA, fp64 and fp32, forward and backward,
+    against flash_attn_varlen_func in one process."""
+    cases = itertools.product(([5, 13, 1, 0, 4, 7], [4, 6, 5, 0, 15]), (False, True),
+                              ((6, torch.float64), (2, torch.float64), (3, torch.float32)))
+    for lens, causal, (nheads_k, dtype) in cases:  # 30 tokens: a multiple of 2 and 3
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        torch.manual_seed(4)
+        q, dout = (torch.randn(30, 6, 8, dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(30, nheads_k, 8, dtype=dtype) for _ in range(2))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = cuflash.flash_attn_varlen_func(*full, cu, cu, max(lens), max(lens), causal=causal)
+        ref.backward(dout)
+        local = [t.chunk(world)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
+        out = ring_flash_attn_varlen_func(*local, cu, max(lens), causal=causal)
+        out.backward(dout.chunk(world)[rank])
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        _assert_matches(out, local, ref, full, _gather_tokens, tol,
+                        f"lens={lens} causal={causal} heads=6/{nheads_k} {dtype}")
     with pytest.raises(cuflash.FlashAttentionError, match="pad it"):
         ring_flash_attn_varlen_func(q[:7], k[:7], v[:7], cu, max(lens))
     with pytest.raises(cuflash.FlashAttentionError, match="max_seqlen"):
@@ -254,6 +258,19 @@ def _run(world, check):
 def test_matches_single_process(world, check):
     """The ring and the all-to-all, dense and packed, with 2 and 3 processes (the CHECKS above)."""
     _run(world, check)
+
+
+@pytest.mark.parametrize("lens,size,causal,steps", [
+    ([4, 6, 5, 0, 15], 2, True, 1), ([4, 6, 5, 0, 15], 2, False, 1),  # every document inside a share
+    ([4, 6, 5, 0, 15], 3, True, 2), ([4, 6, 5, 0, 15], 3, False, 3),  # one crossing into the next share
+    ([30], 3, True, 3)])
+def test_packed_ring_stops_after_the_last_step_with_work(lens, size, causal, steps):
+    """The packed ring runs as many steps as the farthest shard any document reaches (the same on
+    every rank), not one per rank."""
+    bounds = [0, *itertools.accumulate(lens)]
+    for rank in range(size):
+        blocks = _packed_steps(bounds, rank, size, sum(lens) // size, causal, 1.0, torch.device("cpu"))
+        assert len(blocks) == steps
 
 
 def test_auto_mode_takes_the_all_to_all_only_where_it_led():

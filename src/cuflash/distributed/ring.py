@@ -13,21 +13,26 @@ from ..params import AttentionParams
 from .shards import check_shards, require_process_group
 
 class _Ring:
-    """Sends lists of tensors to the next rank and receives the previous rank's, asynchronously;
-    several exchanges may be in flight (every rank starts them in the same order, which is how the
-    sends and receives pair up)."""
+    """Sends lists of tensors `hops` ranks ahead and receives those of the rank as far behind,
+    asynchronously; several exchanges may be in flight (every rank starts them in the same order,
+    which is how the sends and receives pair up)."""
 
     def __init__(self, group):
         self.group = group
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (rank + 1) % size) if group is not None else (rank + 1) % size
-        self.prev = dist.get_global_rank(group, (rank - 1) % size) if group is not None else (rank - 1) % size
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
-    def start(self, tensors) -> tuple[list[torch.Tensor], list]:
-        """Starts one exchange; returns (the tensors being received, the requests to wait for)."""
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank % self.size) if self.group is not None else rank % self.size
+
+    def start(self, tensors, hops: int = 1) -> tuple[list[torch.Tensor], list]:
+        """Starts one exchange; returns (the tensors being received, the requests to wait for). A
+        whole turn of the ring (hops a multiple of the size) keeps the tensors where they are."""
+        if hops % self.size == 0:
+            return list(tensors), []
+        to, source = self._global(self.rank + hops), self._global(self.rank - hops)
         received = [torch.empty_like(t) for t in tensors]
-        ops_ = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
-        ops_ += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
+        ops_ = [dist.P2POp(dist.isend, t, to, self.group) for t in tensors]
+        ops_ += [dist.P2POp(dist.irecv, r, source, self.group) for r in received]
         return received, dist.batch_isend_irecv(ops_)
 
     @staticmethod
@@ -61,30 +66,45 @@ def _dense_blocks(rank: int, src: int, seqlen: int, causal: bool, layout: str, s
     return [(slice(half, seqlen), everything, full)]  # only q's second chunk comes after both of src's
 
 
-def _packed_blocks(bounds: list[int], rank: int, src: int, share: int, causal: bool, scale: float,
-                   device: torch.device) -> list[Block]:
+def _packed_span(bounds: list[int], rank: int, src: int, share: int, causal: bool):
     """What rank's queries attend to in src's K/V shard of a packed batch of documents (prefix sums
-    `bounds`) cut into contiguous shares of `share` tokens: one varlen call over the documents that
-    meet rank's share, each document's queries in the share against its keys in src's share (none:
-    a zero-length part; causal: every key when src's share comes first, the diagonal's causal mask
-    when it is rank's own share, nothing after)."""
+    `bounds`) cut into contiguous shares of `share` tokens, or None for nothing: one varlen call over
+    the documents that meet rank's share, each document's queries in the share against its keys in
+    src's share (none: a zero-length part; causal: every key when src's share comes first, the
+    diagonal's causal mask when it is rank's own share, nothing after). Returns the call's query and
+    key prefix sums and its first key's position in src's share."""
     if causal and src > rank:
-        return []
+        return None
     q_lo, q_hi, k_lo, k_hi = rank * share, (rank + 1) * share, src * share, (src + 1) * share
     docs = [(a, b) for a, b in zip(bounds, bounds[1:]) if a < q_hi and b > q_lo]
     cu_q = [max(a, q_lo) - q_lo for a, _ in docs] + [share]
     cu_k = [min(max(a, k_lo), k_hi) for a, _ in docs] + [min(max(docs[-1][1], k_lo), k_hi)]
     first = cu_k[0]
     cu_k = [c - first for c in cu_k]
-    if cu_k[-1] == 0:  # no key of src's share in these documents
-        return []
-    params = AttentionParams(
-        scale, window_right=0 if causal and src == rank else -1,
-        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
-        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
-        max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
-        max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])))
-    return [(slice(0, share), slice(first - k_lo, first - k_lo + cu_k[-1]), params)]
+    return None if cu_k[-1] == 0 else (cu_q, cu_k, first - k_lo)  # None: no key of src's share in them
+
+
+def _packed_steps(bounds: list[int], rank: int, size: int, share: int, causal: bool, scale: float,
+                  device: torch.device) -> list[list[Block]]:
+    """rank's blocks at each step of the ring over a packed batch, up to the last step at which any
+    rank has a block: documents shorter than a share meet few shards, and later steps would only
+    move K/V and dK/dV around."""
+    spans = [[_packed_span(bounds, r, (r - s) % size, share, causal) for s in range(size)] for r in range(size)]
+    steps = 1 + max(s for r in range(size) for s in range(size) if spans[r][s] is not None)
+    blocks: list[list[Block]] = []
+    for s, span in enumerate(spans[rank][:steps]):
+        if span is None:
+            blocks.append([])
+            continue
+        cu_q, cu_k, start = span
+        params = AttentionParams(
+            scale, window_right=0 if causal and s == 0 else -1,
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+            max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
+            max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])))
+        blocks.append([(slice(0, share), slice(start, start + cu_k[-1]), params)])
+    return blocks
 
 
 def _merge_into(out, lse, block_out, block_lse) -> None:
@@ -110,7 +130,8 @@ def _batched(packed: bool, *tensors):
 
 
 def _ring_forward(q, k, v, steps: list[list[Block]], packed: bool, group):
-    """steps[s]: the blocks of step s, whose K/V shard is that of rank (rank - s)."""
+    """steps[s]: the blocks of step s, whose K/V shard is that of rank (rank - s); the same number of
+    steps on every rank."""
     ring = _Ring(group)
     batch, seqlen, nheads, _ = q.shape
     acc_dtype = lse_dtype(q.dtype)
@@ -136,7 +157,8 @@ def _ring_backward(dout, q, k, v, out, lse, steps: list[list[Block]], packed: bo
     """At step s a rank holds the K/V shard of rank (rank - s) and computes its gradients' share into
     fresh buffers while two exchanges run: the next K/V shard, and the dK/dV accumulated for this shard
     by the ranks before it (sent by the previous rank at the end of its step s - 1). The sum leaves for
-    the next rank at the end of the step; after the last step it arrives home."""
+    the next rank at the end of the step; after the last step it goes home (the next rank after a
+    whole turn, else len(steps) - 1 ranks back)."""
     ring = _Ring(group)
     acc_dtype = lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -155,10 +177,10 @@ def _ring_backward(dout, q, k, v, out, lse, steps: list[list[Block]], packed: bo
             before_k, before_v = ring.wait(grads_in)
             dk += before_k
             dv += before_v
-        grads_in = ring.start([dk, dv])
+        grads_in = ring.start([dk, dv], 1 if kv_in is not None else 1 - len(steps))
         if kv_in is not None:
             kv = ring.wait(kv_in)
-    dk, dv = ring.wait(grads_in)  # this rank's own shard, from the previous rank after the last step
+    dk, dv = ring.wait(grads_in)  # this rank's own shard, from the rank that held it last
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -223,7 +245,5 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, sof
                      f"the packed batch ({share} tokens on each of {size} ranks: pad it to a multiple of {size})",
                      q.device)
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    bounds = cu_seqlens.tolist()
-    steps = [_packed_blocks(bounds, rank, (rank - s) % size, share, bool(causal), scale, q.device)
-             for s in range(size)]
+    steps = _packed_steps(cu_seqlens.tolist(), rank, size, share, bool(causal), scale, q.device)
     return _RingFlashAttn.apply(q[None], k[None], v[None], steps, True, group)[0]
