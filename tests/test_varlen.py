@@ -36,6 +36,22 @@ def test_varlen(backend, causal, dtype):
     out, lse, probs = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
                                                      return_attn_probs=True)
     assert lse.shape == (4, sum(lens_q)) and probs.shape == (5, 4, max(lens_q), max(lens_k))
+    # Sequence by sequence, in float64: probs is the softmax of the scaled scores (GQA: query head h
+    # reads KV head h // 2; causal: bottom-right), zero past the sequence's lengths; lse its log-sum-exp,
+    # +inf for a row that sees no key (flash-attn 2).
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        q_b = q[cu_q[b]:cu_q[b + 1]].double()
+        k_b = k[cu_k[b]:cu_k[b + 1]].double().repeat_interleave(2, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_b, k_b) / 24 ** 0.5
+        if causal:
+            scores = scores.masked_fill(torch.arange(lk)[None, :] > torch.arange(lq)[:, None] + lk - lq, float("-inf"))
+        expected = torch.zeros(4, max(lens_q), max(lens_k), dtype=torch.float64)
+        expected[:, :lq, :lk] = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        assert torch.allclose(probs[b].double(), expected, atol=tol), f"probs of sequence {b}"
+        expected_lse = torch.logsumexp(scores, dim=-1)
+        expected_lse[torch.isneginf(expected_lse)] = float("inf")
+        assert torch.allclose(lse[:, cu_q[b]:cu_q[b + 1]].double(), expected_lse, atol=tol), f"lse of sequence {b}"
 
 
 PAGED_CASES = {  # (page size, nheads, nheads_k, head dim, options)
