@@ -19,10 +19,11 @@ import torch.distributed as dist
 
 import cuflash
 from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_varlen_func
+from cuflash.distributed.ring import _packed_steps
 
 FIELDS = ["world_size", "tokens", "tokens_per_gpu", "mode", "layout", "fwd_ms", "fwdbwd_ms", "tflops_per_gpu_fwd",
           "tflops_per_gpu_fwdbwd", "one_gpu_tflops_fwd", "one_gpu_tflops_fwdbwd", "efficiency_fwd",
-          "efficiency_fwdbwd", "step_ms", "exchange_ms", "step_bwd_ms", "exchange_bwd_ms"]
+          "efficiency_fwdbwd", "ring_steps", "step_ms", "exchange_ms", "step_bwd_ms", "exchange_bwd_ms"]
 TIMING = {"reps": 5, "warmup": 2}  # --reps, --warmup
 
 
@@ -51,26 +52,29 @@ def problem(tokens, heads, kv_heads, dim, dtype, device, seed=0):
 
 def setup(mesh, mode, tokens, args, device, dtype):
     """One whole problem of `tokens` tokens: (q, k, v, dout; this rank's shard of a tensor; the
-    context-parallel call on shards; the one-process call on whole tensors; its causal FLOPs)."""
+    context-parallel call on shards; the one-process call on whole tensors; its causal FLOPs; the
+    ring steps it takes, 1 for the all-to-all)."""
     q, k, v, dout = problem(tokens, args.heads, args.kv_heads, args.dim, dtype, device)
+    world, rank = dist.get_world_size(), dist.get_rank()
     if mode != "packed":
         return ((q, k, v, dout), lambda t: context_parallel_shard(t, mesh, args.layout),
                 lambda a, b, c: context_parallel_attn_func(a, b, c, mesh, causal=True, layout=args.layout, mode=mode),
                 lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=True),
-                4 * args.heads * tokens * tokens * args.dim / 2)
+                4 * args.heads * tokens * tokens * args.dim / 2, mesh.size(0) if mode == "ring" else 1)
     # Packed documents of doc_tokens (the last one shorter), one (total, heads, dim) batch.
     lengths = [min(args.doc_tokens, tokens - start) for start in range(0, tokens, args.doc_tokens)]
     cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
-    longest, world, rank = max(lengths), dist.get_world_size(), dist.get_rank()
+    longest = max(lengths)
+    steps = len(_packed_steps(cu.tolist(), rank, world, tokens // world, True, 1.0, torch.device("cpu")))
     return ((q[0], k[0], v[0], dout[0]), lambda t: t.chunk(world)[rank],
             lambda a, b, c: ring_flash_attn_varlen_func(a, b, c, cu, longest, group=mesh.get_group(0), causal=True),
             lambda a, b, c: cuflash.flash_attn_varlen_func(a, b, c, cu, cu, longest, longest, causal=True),
-            sum(4 * args.heads * n * n * args.dim / 2 for n in lengths))
+            sum(4 * args.heads * n * n * args.dim / 2 for n in lengths), steps)
 
 
 def check(mesh, mode, args, device, dtype):
     """Relative error of out, dq, dk, dv against one process on the whole sequence (every rank)."""
-    (q, k, v, dout), shard, attend, whole, _ = setup(mesh, mode, args.check_tokens, args, device, dtype)
+    (q, k, v, dout), shard, attend, whole, _, _ = setup(mesh, mode, args.check_tokens, args, device, dtype)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = whole(*full)
     ref.backward(dout)
@@ -110,29 +114,30 @@ def exchange_ms(mesh, mode, tensors, device) -> float:
     return timed(all_to_all, device)
 
 
-def exchanges(mesh, mode, q, k, v, fwd_ms, fwdbwd_ms, device) -> dict:
-    """What each exchange has to hide under. The ring's step (fwd_ms / ranks: a step's share of the
+def exchanges(mesh, mode, q, k, v, fwd_ms, fwdbwd_ms, steps, device) -> dict:
+    """What each exchange has to hide under. The ring's step (fwd_ms / steps: a step's share of the
     compute) overlaps one hop of K/V; its backward's step (the backward's share) a hop of K/V and of
-    the fp32 dK/dV accumulators. The all-to-all's exchanges (q, k, v; the backward: dout, dq, dk,
-    dv) run between its computations, once per call."""
+    the fp32 dK/dV accumulators; a ring of one step exchanges nothing (0). The all-to-all's exchanges
+    (q, k, v; the backward: dout, dq, dk, dv) run between its computations, once per call."""
     ring = mode in ("ring", "packed")
-    steps = dist.get_world_size(mesh.get_group(0)) if ring else 1
     grads = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)] if ring else [q, q, k, v]
-    return dict(step_ms=fwd_ms / steps, exchange_ms=exchange_ms(mesh, mode, [k, v] if ring else [q, k, v], device),
+    moves = not ring or steps > 1
+    return dict(ring_steps=steps, step_ms=fwd_ms / steps,
+                exchange_ms=exchange_ms(mesh, mode, [k, v] if ring else [q, k, v], device) if moves else 0.0,
                 step_bwd_ms=(fwdbwd_ms - fwd_ms) / steps,
-                exchange_bwd_ms=exchange_ms(mesh, mode, ([k, v] if ring else []) + grads, device))
+                exchange_bwd_ms=exchange_ms(mesh, mode, ([k, v] if ring else []) + grads, device) if moves else 0.0)
 
 
 def run(mesh, mode, tokens, args, device, dtype) -> dict:
     world = dist.get_world_size()
     per_gpu = tokens // world
-    (q, k, v, dout), shard, attend, _, flops = setup(mesh, mode, tokens, args, device, dtype)
+    (q, k, v, dout), shard, attend, _, flops, steps = setup(mesh, mode, tokens, args, device, dtype)
     local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
     local_dout = shard(dout)
     del q, k, v, dout
     fwd = timed(lambda: attend(*local), device)
     both = timed(lambda: torch.autograd.grad(attend(*local), local, local_dout), device)
-    (q, k, v, _), _, _, whole, one_flops = setup(mesh, mode, per_gpu, args, device, dtype)
+    (q, k, v, _), _, _, whole, one_flops, _ = setup(mesh, mode, per_gpu, args, device, dtype)
     one = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     # The one-GPU call runs as many times back to back as a rank's share of the work holds its work
     # (world times for a causal sequence, once for packed documents), so that both timings last
@@ -147,7 +152,7 @@ def run(mesh, mode, tokens, args, device, dtype) -> dict:
                fwdbwd_ms=both, tflops_per_gpu_fwd=flops / world / fwd / 1e9,
                tflops_per_gpu_fwdbwd=3.5 * flops / world / both / 1e9,
                one_gpu_tflops_fwd=one_flops / one_fwd / 1e9, one_gpu_tflops_fwdbwd=3.5 * one_flops / one_both / 1e9,
-               **exchanges(mesh, mode, *(t.detach() for t in local), fwd, both, device))
+               **exchanges(mesh, mode, *(t.detach() for t in local), fwd, both, steps, device))
     row["efficiency_fwd"] = row["tflops_per_gpu_fwd"] / row["one_gpu_tflops_fwd"]
     row["efficiency_fwdbwd"] = row["tflops_per_gpu_fwdbwd"] / row["one_gpu_tflops_fwdbwd"]
     return row

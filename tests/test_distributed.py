@@ -345,7 +345,7 @@ def test_cp_bench_runs_and_writes_its_table(tmp_path):
     env = dict(os.environ, CUFLASH_BACKEND="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(bench), "--device", "cpu", "--tokens", "128,256", "--heads", "4", "--kv-heads", "2",
+                           str(bench), "--device", "cpu", "--tokens", "160,256", "--heads", "4", "--kv-heads", "2",
                            "--dim", "16", "--check-tokens", "64", "--modes", "ring,ulysses,packed", "--doc-tokens",
                            "40", "--out", str(tmp_path)],
                           env=env, timeout=DEADLINE_S, capture_output=True, text=True)
@@ -353,6 +353,9 @@ def test_cp_bench_runs_and_writes_its_table(tmp_path):
     errors = [line for line in done.stdout.splitlines() if "vs one process" in line]
     assert len(errors) == 3 and all(float(e) < 1e-5 for line in errors for e in line.split()[-7::2]), errors
     rows = list(csv.DictReader(open(tmp_path / "cp_bench.csv")))
-    assert [(r["mode"], r["tokens"], r["layout"]) for r in rows] == [
-        ("ring", "128", "zigzag"), ("ring", "256", "zigzag"), ("ulysses", "128", "zigzag"),
-        ("ulysses", "256", "zigzag"), ("packed", "128", "contiguous"), ("packed", "256", "contiguous")]
+    # 160 packed tokens: four 40-token documents, two in each share (one ring step, nothing exchanged);
+    # 256: a document crosses the shares' edge (two steps).
+    assert [(r["mode"], r["tokens"], r["layout"], r["ring_steps"]) for r in rows] == [
+        ("ring", "160", "zigzag", "2"), ("ring", "256", "zigzag", "2"), ("ulysses", "160", "zigzag", "1"),
+        ("ulysses", "256", "zigzag", "1"), ("packed", "160", "contiguous", "1"), ("packed", "256", "contiguous", "2")]
+    assert float(rows[4]["exchange_ms"]) == 0.0 and float(rows[5]["exchange_ms"]) > 0.0
