@@ -36,7 +36,7 @@ def parse(argv=None):
     p.add_argument("--vocab", type=int, default=128)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's parameters")
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
     p.add_argument("--out", default=None, help="a JSON file for the losses (rank 0)")
     return p.parse_args(argv)
 
