@@ -1,9 +1,9 @@
 """Compiles, without running and without a GPU, every kernel the launch table picks for Hopper
-(sm_90; the Gluon kernels included) over many input specializations, with the installed Triton
-and its own ptxas, and prints the ones that fail. Triton specializes arguments (an int equal to 1
-becomes a constant), and some specializations crash its passes or ptxas where the benchmark
-shapes compile fine: this finds them for free before a GPU run. Match the GPU machine's Triton
-in a separate environment:
+(sm_90; the Gluon kernels included) over many input specializations, and a decode step's kernels,
+with the installed Triton and its own ptxas, and prints the ones that fail. Triton specializes
+arguments (an int equal to 1 becomes a constant), and some specializations crash its passes or
+ptxas where the benchmark shapes compile fine: this finds them for free before a GPU run. Match
+the GPU machine's Triton in a separate environment:
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0
     PYTHONPATH=src /tmp/t36/bin/python scripts/compile_check.py [--dtype bf16,fp32] [--hdims 64,96,128,256]
         [--options plain,causal,window,softcap,dropout,varlen]
@@ -44,9 +44,14 @@ def _compile_only(key, tensors, build):
 
 
 attention.launch = _compile_only
+from cuflash.kernels import plan  # noqa: E402
 from cuflash.kernels.device import padded_head_dim  # noqa: E402
 from cuflash.kernels.plan import Length, entry  # noqa: E402
+from cuflash.kernels.triton import decode  # noqa: E402
 from cuflash.params import AttentionParams  # noqa: E402
+
+decode.launch = _compile_only
+plan.arch = lambda device: 90  # the decode tiles of Hopper for the CPU tensors below
 
 # (seqlen_q, seqlen_k, nheads, nheads_k): ones that Triton turns into constants, GQA, MQA, ragged.
 SHAPES = [(1, 1, 4, 4), (1, 1000, 4, 2), (1000, 1, 4, 4), (17, 17, 4, 1), (300, 300, 4, 2), (1, 300, 4, 1),
@@ -86,6 +91,24 @@ def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
     return None
 
 
+def compile_decode(dtype, d, paged: bool, tensor_seqlens: bool) -> str | None:
+    """Compiles a decode step's kernels (the append of 2 new tokens, the causal decode, the split
+    combine) for a cache of 4 KV heads read by 8 query heads; returns the failure, or None."""
+    q = torch.randn(2, 2, 8, d, dtype=dtype)
+    k_new, v_new = (torch.randn(2, 2, 4, d, dtype=dtype) for _ in range(2))
+    shape = (8, 64, 4, d) if paged else (2, 256, 4, d)
+    k_cache, v_cache = (torch.zeros(shape, dtype=dtype) for _ in range(2))
+    table = torch.arange(8, dtype=torch.int32).view(2, 4) if paged else None
+    seqlens = torch.tensor([5, 100], dtype=torch.int32) if tensor_seqlens else 100
+    try:
+        decode.decode_forward(q, k_cache, v_cache, seqlens, 2, None, None, table, AttentionParams(d ** -0.5,
+                              window_right=0), 0, k_new, v_new)
+    except Exception as exc:  # a compiler pass or ptxas failing
+        lines = str(exc).strip().splitlines() or [""]
+        return f"decode: {type(exc).__name__}: {lines[-1][:120]}"
+    return None
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dtype", default="bf16")
@@ -101,6 +124,13 @@ def main():
         if error:
             failed += 1
             print(f"FAIL {dtype} D={d} {name} {shape}: {error}", flush=True)
+    for dtype, d, paged, tensor_seqlens in itertools.product(dtypes, map(int, args.hdims.split(",")), (False, True),
+                                                             (False, True)):
+        total += 1
+        error = compile_decode(dtype, d, paged, tensor_seqlens)
+        if error:
+            failed += 1
+            print(f"FAIL {dtype} D={d} decode paged={paged} tensor seqlens={tensor_seqlens}: {error}", flush=True)
     print(f"{failed} of {total} cases failed to compile")
     return 1 if failed else 0
 

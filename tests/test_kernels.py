@@ -230,9 +230,10 @@ def test_launch_plans_are_reused_per_signature_and_hold_no_tensors():
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The kernels an H100 runs for a causal 300-token call compile for sm_90 with the installed
     Triton and its ptxas, outside the interpreter (scripts/compile_check.py's stand-in driver, in a
-    process of its own): bf16 takes the Gluon forward and backward, fp32 the Triton ones. The CPU
-    tests run the Triton kernels through the interpreter and the Gluon ones not at all; this is
-    where a kernel that would not compile on the GPU shows first."""
+    process of its own): bf16 takes the Gluon forward and backward, fp32 the Triton ones; and a bf16
+    decode step into a paged cache (append, decode, combine). The CPU tests run the Triton kernels
+    through the interpreter and the Gluon ones not at all; this is where a kernel that would not
+    compile on the GPU shows first."""
     import os
     import subprocess
     import sys
@@ -243,7 +244,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
               "m = runpy.run_path('scripts/compile_check.py', run_name='compile_check')\n"
               "errors = [m['compile_case'](dtype, 64, 300, 300, 4, 2, 'causal') for dtype in (torch.bfloat16, "
               "torch.float32)]\n"
-              "assert errors == [None, None], errors\n")
+              "errors.append(m['compile_decode'](torch.bfloat16, 128, True, True))\n"
+              "assert errors == [None, None, None], errors\n")
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root / "src")
     run = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
