@@ -61,14 +61,21 @@ def test_sdpa_matches_torch(backend, causal):
     assert rel_err(ours, theirs) < 1e-5
 
 
-def test_sdpa_three_and_five_dims(backend):
+def test_sdpa_two_three_and_five_dims(backend):
+    """Inputs of any rank torch takes: (L, E) as one head, (H, L, E), and several batch dims; with a
+    mask or causal over L != S."""
     torch.manual_seed(4)
-    for shape in [(3, 10, 16), (2, 3, 2, 10, 16)]:
-        query, key, value = (torch.randn(shape) for _ in range(3))
-        ours = cuflash.scaled_dot_product_attention(query, key, value)
-        theirs = torch.nn.functional.scaled_dot_product_attention(query.double(), key.double(), value.double())
-        assert ours.shape == shape
-        assert rel_err(ours, theirs) < 1e-5
+    for shape in [(10, 16), (3, 10, 16), (2, 3, 2, 10, 16)]:
+        query = torch.randn(shape)
+        key, value = (torch.randn(*shape[:-2], 13, 16) for _ in range(2))
+        mask = torch.rand(10, 13) > 0.3
+        mask[:, 0] = True  # no row without a key (torch gives NaN there, cuflash 0)
+        for options in (dict(), dict(is_causal=True), dict(attn_mask=mask)):
+            ours = cuflash.scaled_dot_product_attention(query, key, value, **options)
+            theirs = torch.nn.functional.scaled_dot_product_attention(query.double(), key.double(), value.double(),
+                                                                      **options)
+            assert ours.shape == shape
+            assert rel_err(ours, theirs) < 1e-5, (shape, options)
 
 
 def test_packed_variants(backend):

@@ -203,8 +203,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """Drop-in for torch.nn.functional.scaled_dot_product_attention.
 
     Args:
-        query: (..., nheads, L, E); key, value: (..., nheads_k, S, E), at least 3 dims, the leading
-            dims (batch) equal. nheads_k == nheads unless enable_gqa, then nheads % nheads_k == 0.
+        query: (..., nheads, L, E); key, value: (..., nheads_k, S, E), the leading dims (batch)
+            equal; or all three (L, E), (S, E) as one head (as torch takes them). nheads_k == nheads
+            unless enable_gqa, then nheads % nheads_k == 0.
         attn_mask: bool (True = attend) or floating (added to the logits), broadcastable to
             (..., nheads, L, S); read through its strides, never expanded in memory (with more than
             one leading dim, they are merged, which copies only a mask whose batch dims cannot merge).
@@ -217,6 +218,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         (..., nheads, L, E), a view in torch's layout of a (batch, L, nheads, E) buffer. Rows that
         see no key give 0 (torch gives NaN).
     """
+    if all(isinstance(t, torch.Tensor) and t.ndim == 2 for t in (query, key, value)):  # one head
+        return scaled_dot_product_attention(query[None], key[None], value[None], attn_mask, dropout_p, is_causal,
+                                            scale, enable_gqa)[0]
     plain = (attn_mask is None and number(dropout_p) and dropout_p == 0 and type(is_causal) is bool
              and (scale is None or type(scale) is float) and type(enable_gqa) is bool)
     deterministic = torch.are_deterministic_algorithms_enabled()
