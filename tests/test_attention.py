@@ -78,6 +78,25 @@ def test_sdpa_two_three_and_five_dims(backend):
             assert rel_err(ours, theirs) < 1e-5, (shape, options)
 
 
+@pytest.mark.parametrize("value_dim", [8, 24])
+def test_sdpa_value_head_dim_other_than_query(backend, value_dim):
+    """value's head dim Ev other than query's E (torch allows it): output and gradients of q, k, v
+    against torch in float64, with GQA, causal and the default scale (query's E)."""
+    torch.manual_seed(8)
+    query = torch.randn(2, 4, 11, 16, requires_grad=True)
+    key = torch.randn(2, 2, 14, 16, requires_grad=True)
+    value = torch.randn(2, 2, 14, value_dim, requires_grad=True)
+    dout = torch.randn(2, 4, 11, value_dim)
+    ours = cuflash.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+    grads = torch.autograd.grad(ours, (query, key, value), dout)
+    leaves = [t.detach().double().requires_grad_() for t in (query, key, value)]
+    theirs = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    expected = torch.autograd.grad(theirs, leaves, dout.double())
+    assert ours.shape == theirs.shape
+    for name, x, r in zip(("out", "dq", "dk", "dv"), (ours, *grads), (theirs, *expected)):
+        assert rel_err(x, r) < 1e-5, name
+
+
 def test_packed_variants(backend):
     torch.manual_seed(5)
     qkv = torch.randn(2, 23, 3, 2, 16, requires_grad=True)

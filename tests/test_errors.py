@@ -236,8 +236,8 @@ def test_sdpa_errors():
         cuflash.scaled_dot_product_attention(query, key, value, dropout_p=1.5)
     with raises(ErrorCode.SHAPE_MISMATCH, "enable_gqa"):
         cuflash.scaled_dot_product_attention(query, key[:, :2], value[:, :2])
-    with raises(ErrorCode.SHAPE_MISMATCH, "value", "head dim"):
-        cuflash.scaled_dot_product_attention(query, key, value[..., :8])
+    with raises(ErrorCode.SHAPE_MISMATCH, "key", "head dim"):
+        cuflash.scaled_dot_product_attention(query, key[..., :8], value)
     with raises(ErrorCode.INVALID_DIMENSION, "query"):
         cuflash.scaled_dot_product_attention(query[0, 0], key, value)
     # The rest of a tensor's checks run on the (batch, seqlen, nheads, headdim) views, under torch's names.
@@ -330,8 +330,8 @@ def test_sdpa_checks_each_signature_once(monkeypatch):
         cuflash.scaled_dot_product_attention(q, k, v, is_causal=True)
     with raises(ErrorCode.DTYPE_MISMATCH, "key"):
         cuflash.scaled_dot_product_attention(q, k.double(), v, is_causal=True, enable_gqa=True)
-    with raises(ErrorCode.SHAPE_MISMATCH, "value"):
-        cuflash.scaled_dot_product_attention(q, k, v[..., :4], is_causal=True, enable_gqa=True)
+    with raises(ErrorCode.SHAPE_MISMATCH, "value"):  # fewer keys than values
+        cuflash.scaled_dot_product_attention(q, k, v[:, :, :5], is_causal=True, enable_gqa=True)
     with raises(ErrorCode.INVALID_ARGUMENT, "scale"):
         cuflash.scaled_dot_product_attention(q, k, v, is_causal=True, scale=-1.0, enable_gqa=True)
     before = len(checked)

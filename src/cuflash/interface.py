@@ -203,9 +203,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """Drop-in for torch.nn.functional.scaled_dot_product_attention.
 
     Args:
-        query: (..., nheads, L, E); key, value: (..., nheads_k, S, E), the leading dims (batch)
-            equal; or all three (L, E), (S, E) as one head (as torch takes them). nheads_k == nheads
-            unless enable_gqa, then nheads % nheads_k == 0.
+        query: (..., nheads, L, E); key: (..., nheads_k, S, E); value: (..., nheads_k, S, Ev), the
+            leading dims (batch) equal; or all three (L, E), (S, E), (S, Ev) as one head (as torch
+            takes them). nheads_k == nheads unless enable_gqa, then nheads % nheads_k == 0. An Ev
+            other than E runs with every input zero-padded to the larger of the two.
         attn_mask: bool (True = attend) or floating (added to the logits), broadcastable to
             (..., nheads, L, S); read through its strides, never expanded in memory (with more than
             one leading dim, they are merged, which copies only a mask whose batch dims cannot merge).
@@ -215,12 +216,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             Not together with attn_mask (torch refuses that too).
         scale: default 1/sqrt(E).
     Returns:
-        (..., nheads, L, E), a view in torch's layout of a (batch, L, nheads, E) buffer. Rows that
+        (..., nheads, L, Ev), a view in torch's layout of a (batch, L, nheads, Ev) buffer. Rows that
         see no key give 0 (torch gives NaN).
     """
     if all(isinstance(t, torch.Tensor) and t.ndim == 2 for t in (query, key, value)):  # one head
         return scaled_dot_product_attention(query[None], key[None], value[None], attn_mask, dropout_p, is_causal,
                                             scale, enable_gqa)[0]
+    if (all(isinstance(t, torch.Tensor) and t.ndim >= 1 for t in (query, key, value))
+            and value.shape[-1] != query.shape[-1] == key.shape[-1]):
+        # The kernels take one head dim: every input zero-padded to the larger (zero dims add nothing
+        # to a score or to the output's first Ev dims), the scale of query's own E, out cut to Ev.
+        e, ev = query.shape[-1], value.shape[-1]
+        padded = (torch.nn.functional.pad(t, (0, max(e, ev) - t.shape[-1])) for t in (query, key, value))
+        out = scaled_dot_product_attention(*padded, attn_mask, dropout_p, is_causal, e ** -0.5 if scale is None
+                                           else scale, enable_gqa)
+        return out[..., :ev]
     plain = (attn_mask is None and number(dropout_p) and dropout_p == 0 and type(is_causal) is bool
              and (scale is None or type(scale) is float) and type(enable_gqa) is bool)
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -253,9 +263,9 @@ def _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     if not enable_gqa and query.shape[-3] != key.shape[-3]:
         fail(ErrorCode.SHAPE_MISMATCH, f"query has {query.shape[-3]} heads and key {key.shape[-3]}; "
              f"pass enable_gqa=True for grouped-query attention")
-    if value.shape[-1] != query.shape[-1]:
-        fail(ErrorCode.SHAPE_MISMATCH, f"value has head dim {value.shape[-1]} but query has {query.shape[-1]}; "
-             f"cuflash needs them equal")
+    if key.shape[-1] != query.shape[-1]:
+        fail(ErrorCode.SHAPE_MISMATCH, f"key has head dim {key.shape[-1]} but query has {query.shape[-1]}; they "
+             f"must be equal (as torch)")
     q, k, v = _to_flash(query), _to_flash(key), _to_flash(value)
     check_attention_inputs(q, k, v, names)
     _check_device(q)
