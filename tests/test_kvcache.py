@@ -87,8 +87,38 @@ def test_batch_idx_leftpad_window_and_no_new_tokens(backend):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("layout", ["heads_first", "every_other_row", "heads_first_paged"])
+def test_caches_of_any_strides(backend, layout):
+    """A cache given as a view with any strides but the last dim's (a (B, H, S, D) cache transposed,
+    as transformers keeps it, or every other cache row) is read and appended to in place: the output
+    and the cache equal those of a contiguous cache (flash-attn takes such views)."""
+    torch.manual_seed(6)
+    batch, nheads, nheads_k, d = 2, 4, 2, 16
+    q = torch.randn(batch, 1, nheads, d)
+    k, v = (torch.randn(batch, 2, nheads_k, d) for _ in range(2))
+    index = dict(cache_seqlens=torch.tensor([5, 13], dtype=torch.int32))
+    if layout == "heads_first":
+        store = [torch.randn(3, nheads_k, 24, d) for _ in range(2)]  # (rows, Hk, S, D)
+        view = lambda t: t.transpose(1, 2)  # noqa: E731
+        index["cache_batch_idx"] = torch.tensor([2, 0], dtype=torch.int32)
+    elif layout == "every_other_row":
+        store = [torch.randn(6, 24, nheads_k, d) for _ in range(2)]
+        view = lambda t: t[::2]  # noqa: E731
+    else:
+        store = [torch.randn(6, nheads_k, 8, d) for _ in range(2)]  # (pages, Hk, page size, D)
+        view = lambda t: t.transpose(1, 2)  # noqa: E731
+        index["block_table"] = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)
+    strided = [view(t.clone()) for t in store]
+    contiguous = [view(t.clone()).contiguous() for t in store]
+    assert not strided[0].is_contiguous()
+    outs = [cuflash.flash_attn_with_kvcache(q, *caches, k, v, causal=True, **index) for caches in (strided, contiguous)]
+    assert torch.allclose(outs[0], outs[1], atol=1e-6)
+    for a, b in zip(strided, contiguous):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("paged", [False, True])
-def teststrided_view_index_tensors(backend, paged):
+def test_strided_index_tensors(backend, paged):
     """cache_seqlens, cache_batch_idx, cache_leftpad and block_table given as strided views give the
     output and the cache of contiguous ones (the kernels address them by position)."""
     torch.manual_seed(5)
@@ -256,7 +286,7 @@ def _call(**overrides):
     (dict(cache_leftpad=torch.tensor([5, 0], dtype=torch.int32)), "INVALID_ARGUMENT", "cache_leftpad"),
     (dict(rotary_cos=torch.ones(8, 8), rotary_sin=torch.zeros(8, 8)), "INVALID_ARGUMENT", "rotary_cos"),
     (dict(rotary_cos=torch.ones(40, 12), rotary_sin=torch.zeros(40, 12)), "SHAPE_MISMATCH", "rotary"),
-    (dict(k_cache=torch.randn(4, 32, 2, 16)[::2]), "NOT_CONTIGUOUS", "k_cache"),
+    (dict(k_cache=torch.randn(2, 32, 2, 32)[..., ::2]), "NOT_CONTIGUOUS", "k_cache"),
     (dict(num_splits=-1), "INVALID_ARGUMENT", "num_splits"),
     (dict(k_cache=torch.randn(1, 32, 2, 16), v_cache=torch.randn(1, 32, 2, 16)), "SHAPE_MISMATCH", "cache rows"),
     (dict(v_cache=torch.randn(2, 32, 16)), "INVALID_DIMENSION", "v_cache"),
@@ -296,7 +326,7 @@ def test_layout_checks_run_once_per_signature(monkeypatch):
                       (dict(cache_seqlens=torch.tensor([3, 31])), "cache_seqlens"),  # int64
                       (dict(cache_leftpad=torch.zeros(3, dtype=torch.int32)), "cache_leftpad"),
                       (dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int16)), "cache_batch_idx"),
-                      (dict(v_cache=torch.zeros(4, 32, 2, 16)[::2]), "v_cache"),
+                      (dict(v_cache=torch.zeros(2, 32, 2, 32)[..., ::2]), "v_cache"),  # strides
                       (dict(window_size=(-2, 0)), "window_size"),
                       (dict(num_splits=-1), "num_splits"),
                       (dict(softcap=-1.0), "softcap")):

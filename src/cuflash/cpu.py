@@ -15,7 +15,7 @@ import torch
 
 from .dropout import head_ids, keep_mask
 from .errors import lse_dtype
-from .params import AttentionParams, cache_row, per_sequence
+from .params import AttentionParams, cache_slot, per_sequence
 
 BLOCK_M = 256  # query rows and keys per tile where the call asks for none (AttentionParams.block_m/_n)
 BLOCK_N = 512
@@ -236,10 +236,10 @@ def append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_rows, b
     batch, seqlen_new = k_new.shape[:2]
     positions = per_sequence(cache_seqlens, batch, k_new.device)[:, None] + torch.arange(seqlen_new,
                                                                                          device=k_new.device)
-    target = cache_row(torch.arange(batch, device=k_new.device)[:, None], positions, k_cache.shape[1], block_table,
-                       cache_rows).flatten()
+    where = cache_slot(torch.arange(batch, device=k_new.device)[:, None], positions, k_cache.shape[1], block_table,
+                       cache_rows)
     for cache, new in ((k_cache, k_new), (v_cache, v_new)):
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, target, new.reshape(-1, *new.shape[2:]))
+        cache[where] = new  # any strides: the index pairs address the cache's first two dims
 
 
 def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad, cache_rows, block_table,
@@ -257,9 +257,8 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad,
     total = int(cu_seqlens_k[-1])
     owner = torch.repeat_interleave(torch.arange(batch, device=q.device), lengths, output_size=total)
     positions = starts[owner] + torch.arange(total, device=q.device) - cu_seqlens_k[owner].long()
-    source = cache_row(owner, positions, k_cache.shape[1], block_table, cache_rows)
-    k_packed = k_cache.view(-1, *k_cache.shape[2:])[source]
-    v_packed = v_cache.view(-1, *v_cache.shape[2:])[source]
+    source = cache_slot(owner, positions, k_cache.shape[1], block_table, cache_rows)
+    k_packed, v_packed = k_cache[source], v_cache[source]
     cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
     params = dataclasses.replace(params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                  max_seqlen_q=seqlen_q, max_seqlen_k=max(1, int(lengths.max())))

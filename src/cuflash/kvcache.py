@@ -43,7 +43,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Args:
         q: (batch, seqlen_q, nheads, headdim), usually seqlen_q = 1 (decoding) or a few tokens.
         k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or paged:
-            (num_blocks, page_block_size, nheads_k, headdim) with block_table.
+            (num_blocks, page_block_size, nheads_k, headdim) with block_table; any strides but the
+            last dim's (a (batch, nheads_k, seqlen, headdim) cache transposed is read in place).
         k, v: None, or (batch, seqlen_new, nheads_k, headdim): written into the cache at positions
             cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 before attending.
         rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2): rotary embedding (as
@@ -141,10 +142,6 @@ def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     if k_cache.shape != v_cache.shape:
         fail(ErrorCode.SHAPE_MISMATCH, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
     rows_per_seq = k_cache.shape[1]
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(0) != t.shape[1] * t.stride(1):
-            fail(ErrorCode.NOT_CONTIGUOUS, f"{name} must have its first two dims contiguous (rows are addressed "
-                 f"in place), got strides {t.stride()}")
     table = None
     if block_table is not None:
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:

@@ -104,14 +104,14 @@ def per_sequence(x: torch.Tensor | int, batch: int, device: torch.device) -> tor
     return x.long() if isinstance(x, torch.Tensor) else torch.full((batch,), x, dtype=torch.long, device=device)
 
 
-def cache_row(seq: torch.Tensor, positions: torch.Tensor, rows_per_seq: int, table: torch.Tensor | None,
-              rows: torch.Tensor | None) -> torch.Tensor:
-    """Row of the flattened cache ((num_blocks * page) or (batch_cache * seqlen_cache)) holding
-    position `positions` of sequence `seq` (broadcasting long tensors): through the page table, or
-    in the sequence's cache row (cache_batch_idx, default its batch index)."""
+def cache_slot(seq: torch.Tensor, positions: torch.Tensor, rows_per_seq: int, table: torch.Tensor | None,
+               rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where position `positions` of sequence `seq` lies in a cache (broadcasting long tensors), as
+    (index in the cache's first dim, index in its second): through the page table (page, slot in the
+    page), or in the sequence's cache row (cache_batch_idx, default its batch index)."""
     if table is not None:
-        return table[seq, positions // rows_per_seq].long() * rows_per_seq + positions % rows_per_seq
-    return (seq if rows is None else rows[seq].long()) * rows_per_seq + positions
+        return table[seq, positions // rows_per_seq].long(), positions % rows_per_seq
+    return (seq if rows is None else rows[seq].long()).expand_as(positions), positions
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))

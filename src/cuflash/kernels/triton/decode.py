@@ -69,13 +69,14 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
         end = tl.load(CacheSeqlens + off_b)
     seqlen_k = end + seqlen_new - first
     offset = seqlen_k - seqlen_q
+    # A key sits at (block, slot) of the cache's first two dims: (page, slot in the page) through the
+    # page table, else (the sequence's cache row, position); every dim is addressed by its stride.
     if PAGED:
         table = BlockTable + off_b * stride_tb
     else:
-        cache_row = off_b
+        block = off_b
         if BATCH_IDX:
-            cache_row = tl.load(CacheRows + off_b).to(tl.int64)
-        base_row = cache_row * rows_per_seq + first
+            block = tl.load(CacheRows + off_b).to(tl.int64)
     # This split's share of the keys, whole tiles so that no tile straddles two splits, cut to
     # the band the tile's queries can see.
     chunk = tl.cdiv(tl.cdiv(seqlen_k, num_splits), BLOCK_N) * BLOCK_N
@@ -100,21 +101,23 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
         col_ok = cols < hi
         if PAGED:
             if PREFETCH_PAGES:
-                kv_row = page.to(tl.int64) * rows_per_seq + cols % rows_per_seq
+                block = page.to(tl.int64)
                 page = tl.load(table + (cols + BLOCK_N) // rows_per_seq, mask=cols + BLOCK_N < hi, other=0)
             else:
-                kv_row = tl.load(table + cols // rows_per_seq, mask=col_ok, other=0).to(tl.int64) * rows_per_seq \
-                    + cols % rows_per_seq
+                block = tl.load(table + cols // rows_per_seq, mask=col_ok, other=0).to(tl.int64)
+            slot = (cols % rows_per_seq).to(tl.int64)
         else:
-            kv_row = base_row + cols
+            slot = (first + cols).to(tl.int64)
         tile_ok = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv_row[:, None] * stride_k[0] + off_hk * stride_k[1] + offs_d[None, :], mask=tile_ok, other=0.0)
+        k_off = block * stride_k[0] + slot * stride_k[1]
+        k = tl.load(K + k_off[:, None] + off_hk * stride_k[2] + offs_d[None, :], mask=tile_ok, other=0.0)
         scores = (qk_scale, softcap, slope)
         x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), scores, SOFTCAP)
         s = score_tile(x, tok[:, None], cols[None, :], (seqlen_q, hi, head_dim, offset, window_left, window_right),
                        scores, (Q, 0, 0), True, HAS_LEFT, HAS_RIGHT, ALIBI, NO_MASK)
         m_new, p, alpha, l_i = softmax_step(s, m_i, l_i, True)
-        v = tl.load(V + kv_row[:, None] * stride_v[0] + off_hk * stride_v[1] + offs_d[None, :], mask=tile_ok, other=0.0)
+        v_off = block * stride_v[0] + slot * stride_v[1]
+        v = tl.load(V + v_off[:, None] + off_hk * stride_v[2] + offs_d[None, :], mask=tile_ok, other=0.0)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new
 
@@ -170,20 +173,20 @@ def _append_kv(KNew, VNew, K, V, CacheSeqlens, CacheRows, BlockTable, stride_kn,
     if SEQLENS:
         pos = tl.load(CacheSeqlens + off_b).to(tl.int64) + i
     if PAGED:
-        row = tl.load(BlockTable + off_b * stride_tb + pos // rows_per_seq).to(tl.int64) * rows_per_seq \
-            + pos % rows_per_seq
+        block = tl.load(BlockTable + off_b * stride_tb + pos // rows_per_seq).to(tl.int64)
+        slot = (pos % rows_per_seq).to(tl.int64)
     else:
-        cache_row = off_b
+        block = off_b
         if BATCH_IDX:
-            cache_row = tl.load(CacheRows + off_b).to(tl.int64)
-        row = cache_row * rows_per_seq + pos
+            block = tl.load(CacheRows + off_b).to(tl.int64)
+        slot = pos.to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     ok = (h < nheads_k) & (d < head_dim)
     k = tl.load(KNew + off_b * stride_kn[0] + i * stride_kn[1] + h * stride_kn[2] + d, mask=ok)
-    tl.store(K + row * stride_k[0] + h * stride_k[1] + d, k, mask=ok)
+    tl.store(K + block * stride_k[0] + slot * stride_k[1] + h * stride_k[2] + d, k, mask=ok)
     v = tl.load(VNew + off_b * stride_vn[0] + i * stride_vn[1] + h * stride_vn[2] + d, mask=ok)
-    tl.store(V + row * stride_v[0] + h * stride_v[1] + d, v, mask=ok)
+    tl.store(V + block * stride_v[0] + slot * stride_v[1] + h * stride_v[2] + d, v, mask=ok)
 
 
 def num_splits_for(programs: int, capacity: int, block_n: int, device: torch.device, requested: int = 0) -> int:
@@ -199,8 +202,8 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, tiles: Tiles | None = None):
     """q (B, Sq, H, D) attending to the keys leftpad[b] .. cache_seqlens[b] + seqlen_new - 1 of
     sequence b of the cache (cache_seqlens an int: the same for every sequence; leftpad None: 0):
-    k_cache, v_cache (rows, rows_per_seq, Hk, D) with their first two dims contiguous, sequence b
-    in row cache_rows[b] (default b), or pages of rows_per_seq keys listed by block_table (B, pages).
+    k_cache, v_cache (rows, rows_per_seq, Hk, D), any strides but the last dim's, sequence b in row
+    cache_rows[b] (default b), or pages of rows_per_seq keys listed by block_table (B, pages).
     k_new, v_new (B, seqlen_new, Hk, D): written into the cache at positions cache_seqlens[b] ..
     first, by a kernel of the same launch plan (else the cache holds them already).
     Returns out (B, Sq, H, D) and softmax_lse (B, H, Sq) fp32."""
@@ -249,7 +252,7 @@ def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tile
     decode = _decode_fwd, (splits, m_tiles, batch * nheads_k), dict(
         Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part,
         **{name: t.get(name) for name in _DECODE_OPTIONAL},
-        stride_q=q.stride()[:3], stride_k=k_cache.stride()[1:3], stride_v=v_cache.stride()[1:3],
+        stride_q=q.stride()[:3], stride_k=k_cache.stride()[:3], stride_v=v_cache.stride()[:3],
         stride_o=out_strides, stride_l=lse_strides,
         stride_tb=0 if block_table is None else block_table.stride(0),
         stride_slope_b=0 if slopes is None or slopes.dim() == 1 else slopes.stride(0),
@@ -268,7 +271,7 @@ def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tile
         launches.insert(0, (_append_kv, (seqlen_new, batch), dict(
             KNew=k_new, VNew=v_new, K=k_cache, V=v_cache, CacheSeqlens=t.get("CacheSeqlens"),
             CacheRows=t.get("CacheRows"), BlockTable=block_table, stride_kn=k_new.stride()[:3],
-            stride_vn=v_new.stride()[:3], stride_k=k_cache.stride()[1:3], stride_v=v_cache.stride()[1:3],
+            stride_vn=v_new.stride()[:3], stride_k=k_cache.stride()[:3], stride_v=v_cache.stride()[:3],
             stride_tb=0 if block_table is None else block_table.stride(0), nheads_k=nheads_k,
             rows_per_seq=k_cache.shape[1], head_dim=head_dim, cache_seqlen=t["cache_seqlen"],
             BLOCK_H=next_power_of_2(nheads_k), BLOCK_D=block_d, SEQLENS="CacheSeqlens" in t,
