@@ -360,15 +360,20 @@ def test_unused_block_table_entries_are_not_read(backend):
 
 
 def _kv_caches(layout, batch, capacity, nheads_k, d, dtype):
-    """k_cache, v_cache and block_table (None when contiguous) holding `capacity` keys per sequence."""
+    """k_cache, v_cache and block_table (None when contiguous) holding `capacity` keys per sequence;
+    a layout ending in _heads_first stores each cache as (rows, nheads_k, positions, d), transposed."""
+    layout, heads_first = layout.removesuffix("_heads_first"), layout.endswith("_heads_first")
+
+    def cache(rows, positions):
+        if heads_first:
+            return torch.randn(rows, nheads_k, positions, d, dtype=dtype, device="cuda").transpose(1, 2)
+        return torch.randn(rows, positions, nheads_k, d, dtype=dtype, device="cuda")
     if layout == "contiguous":
-        k_cache = torch.randn(batch, capacity, nheads_k, d, dtype=dtype, device="cuda")
-        return k_cache, torch.randn_like(k_cache), None
+        return cache(batch, capacity), cache(batch, capacity), None
     page = int(layout[5:])
     blocks = batch * capacity // page + 3
-    k_cache = torch.randn(blocks, page, nheads_k, d, dtype=dtype, device="cuda")
     table = torch.randperm(blocks, device="cuda")[:batch * capacity // page].view(batch, -1).int()
-    return k_cache, torch.randn_like(k_cache), table
+    return cache(blocks, page), cache(blocks, page), table
 
 
 def _cached(cache, table, b, n):
@@ -377,7 +382,7 @@ def _cached(cache, table, b, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [0, 1, 5])
-@pytest.mark.parametrize("layout", ["contiguous", "paged256", "paged16"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged256", "paged16", "contiguous_heads_first"])
 @pytest.mark.parametrize("seqlen_q", [1, 4])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 def test_kvcache_on_gpu(dtype, seqlen_q, layout, num_splits):
@@ -407,6 +412,8 @@ def test_kvcache_on_gpu(dtype, seqlen_q, layout, num_splits):
     (3, 8, 8, 256, torch.float16, "paged256"),
     (2, 12, 4, 40, torch.float32, "contiguous"),
     (5, 16, 2, 64, torch.bfloat16, "paged1"),  # a page per key
+    (8, 32, 8, 128, torch.bfloat16, "contiguous_heads_first"),  # transformers' cache layout, transposed
+    (8, 16, 4, 64, torch.float16, "paged16_heads_first"),
 ])
 def test_kvcache_launches_on_gpu(batch, nheads, nheads_k, d, dtype, layout):
     """Each launch configuration of the decode kernel (tile per head dim, dtype, layout, grid size)
