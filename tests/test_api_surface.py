@@ -33,6 +33,8 @@ FLASH_ATTN_2_8 = {
     "bert_padding.unpad_input": [("hidden_states", _REQUIRED), ("attention_mask", _REQUIRED), ("unused_mask", None)],
     "bert_padding.pad_input": [("hidden_states", _REQUIRED), ("indices", _REQUIRED), ("batch", _REQUIRED),
                                ("seqlen", _REQUIRED)],
+    "bert_padding.unpad_input_for_concatenated_sequences": [("hidden_states", _REQUIRED),
+                                                            ("attention_mask_in_length", _REQUIRED)],
     "apply_rotary_emb": [("x", _REQUIRED), ("cos", _REQUIRED), ("sin", _REQUIRED), ("interleaved", False),
                          ("inplace", False), ("seqlen_offsets", 0), ("cu_seqlens", None), ("max_seqlen", None)],
 }

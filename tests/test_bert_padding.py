@@ -1,11 +1,13 @@
 """cuflash.bert_padding: unpad_input / pad_input with flash-attn 2.8's return values, values
-checked token by token, gradients, and the round trip through the varlen attention."""
+checked token by token, gradients, and the round trip through the varlen attention; the packing of
+concatenated sequences and the row gather / scatter under them."""
 import pytest
 import torch
 
 import cuflash
 from attn_testing import rel_err
-from cuflash.bert_padding import pad_input, unpad_input
+from cuflash.bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input, \
+    unpad_input_for_concatenated_sequences
 from cuflash.reference import attention_reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -71,3 +73,38 @@ def test_bad_mask_names_the_argument():
         unpad_input(torch.randn(2, 5, 3), torch.ones(2, 4))
     with pytest.raises(cuflash.FlashAttentionError, match="unused_mask"):
         unpad_input(torch.randn(2, 5, 3), torch.ones(2, 5), torch.ones(5))
+
+
+def test_concatenated_sequences_pack_every_sequence_of_every_row():
+    """Rows holding several sequences one after the other (flash-attn's example: lengths [2, 3],
+    [3, 2] and [6] in rows of 6): the kept tokens are each row's first sum(lengths), and cu_seqlens
+    counts every sequence of every row."""
+    x = torch.randn(3, 6, 4)
+    lengths = torch.tensor([[2, 3, 0, 0, 0, 0], [3, 2, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0]])
+    tokens, indices, cu_seqlens, max_seqlen = unpad_input_for_concatenated_sequences(x, lengths)
+    assert indices.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17]
+    assert torch.equal(tokens, x.reshape(18, 4)[indices])
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == [0, 2, 5, 8, 10, 16]
+    assert max_seqlen == 6 and isinstance(max_seqlen, int)
+    with pytest.raises(cuflash.FlashAttentionError, match="attention_mask_in_length"):
+        unpad_input_for_concatenated_sequences(x, lengths.float())
+
+
+def test_row_gather_and_scatter_with_gradients():
+    """index_first_axis picks rows (its gradient scatters back, adding rows picked twice);
+    index_put_first_axis puts rows into zeros (its gradient gathers them)."""
+    torch.manual_seed(3)
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    rows = torch.tensor([4, 0, 4])
+    picked = index_first_axis(x, rows)
+    assert torch.equal(picked, torch.stack([x[4], x[0], x[4]]))
+    picked.backward(torch.ones_like(picked))
+    assert x.grad[:, 0, 0].tolist() == [1.0, 0.0, 0.0, 0.0, 2.0]
+    values = torch.randn(2, 3, requires_grad=True)
+    out = index_put_first_axis(values, torch.tensor([3, 1]), 5)
+    assert torch.equal(out[3], values[0]) and torch.equal(out[1], values[1])
+    assert out[[0, 2, 4]].abs().sum() == 0
+    out.backward(torch.arange(15.0).view(5, 3))
+    assert values.grad.tolist() == [[9.0, 10.0, 11.0], [3.0, 4.0, 5.0]]
+    with pytest.raises(cuflash.FlashAttentionError, match="one index per row of values"):
+        index_put_first_axis(values, torch.tensor([1]), 5)

@@ -5,7 +5,9 @@ packed tokens that the varlen functions take, and back.
     x_unpad, indices, cu_seqlens, max_seqlen, used_seqlens = unpad_input(x, attention_mask)
     out = pad_input(flash_attn_varlen_func(...), indices, batch, seqlen)
 
-Both are differentiable (a gather and a scatter of rows).
+unpad_input_for_concatenated_sequences packs rows that each hold several sequences one after the
+other; index_first_axis and index_put_first_axis are the row gather and scatter under them all.
+All are differentiable.
 """
 from __future__ import annotations
 
@@ -22,6 +24,27 @@ def _check_mask(name: str, mask, like: torch.Tensor) -> torch.Tensor:
     if mask.device != like.device:
         fail(ErrorCode.DEVICE_MISMATCH, f"{name} is on {mask.device} but hidden_states is on {like.device}")
     return mask
+
+
+def index_first_axis(input, indices):
+    """Rows `indices` ((n,) int64) of input (rows, ...): (n, ...). Its gradient scatters back into
+    zeros (rows picked twice add up)."""
+    if not isinstance(input, torch.Tensor) or input.dim() < 1:
+        fail(ErrorCode.INVALID_DIMENSION, "input must be a tensor (rows, ...)")
+    return input[indices]
+
+
+def index_put_first_axis(values, indices, first_axis_dim):
+    """A zero (first_axis_dim, ...) tensor with values (n, ...) at rows `indices` ((n,) int64)."""
+    _check_rows("values", values, indices)
+    return values.new_zeros((first_axis_dim, *values.shape[1:])).index_put((indices,), values)
+
+
+def _check_rows(name: str, values, indices) -> None:
+    if not isinstance(values, torch.Tensor) or values.dim() < 1:
+        fail(ErrorCode.INVALID_DIMENSION, f"{name} must be a tensor (total, ...)")
+    if not isinstance(indices, torch.Tensor) or indices.shape != values.shape[:1]:
+        fail(ErrorCode.SHAPE_MISMATCH, f"indices must be a ({values.shape[0]},) tensor, one index per row of {name}")
 
 
 def unpad_input(hidden_states, attention_mask, unused_mask=None):
@@ -46,18 +69,38 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     seqlens = keep.sum(dim=-1, dtype=torch.int32)
     indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
     cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
-    tokens = hidden_states.reshape(-1, *hidden_states.shape[2:])[indices]
+    tokens = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
     return tokens, indices, cu_seqlens, int(seqlens.max()), used_seqlens
+
+
+def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_length):
+    """The tokens of a batch whose rows each hold several sequences one after the other, packed.
+
+    Args:
+        hidden_states: (batch, seqlen, ...).
+        attention_mask_in_length: (batch, seqlen) int: row b lists the lengths of the sequences
+            concatenated in row b, in order, 0 elsewhere ([2, 3, 0, 0]: tokens 0-1 and 2-4 of the
+            row are two sequences, the rest padding).
+    Returns:
+        (hidden_states (total, ...), indices (total,) int64 in the flattened batch, cu_seqlens
+        (sequences + 1,) int32 over every sequence of every row, max_seqlen (int)).
+    """
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
+        fail(ErrorCode.INVALID_DIMENSION, "hidden_states must be a tensor (batch, seqlen, ...)")
+    lengths = _check_mask("attention_mask_in_length", attention_mask_in_length, hidden_states)
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        fail(ErrorCode.UNSUPPORTED_DTYPE, f"attention_mask_in_length must hold int lengths, got {lengths.dtype}")
+    seqlen = hidden_states.shape[1]
+    keep = torch.arange(seqlen, device=lengths.device)[None] < lengths.sum(dim=-1, keepdim=True)
+    seqlens = lengths.flatten()[lengths.flatten() != 0].to(torch.int32)
+    indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
+    cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    tokens = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
+    return tokens, indices, cu_seqlens, int(seqlens.max())
 
 
 def pad_input(hidden_states, indices, batch, seqlen):
     """The inverse of unpad_input: hidden_states (total, ...) put back at `indices` of a zero
     (batch, seqlen, ...) tensor."""
-    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1:
-        fail(ErrorCode.INVALID_DIMENSION, "hidden_states must be a tensor (total, ...)")
-    if not isinstance(indices, torch.Tensor) or indices.shape != hidden_states.shape[:1]:
-        fail(ErrorCode.SHAPE_MISMATCH, f"indices must be a ({hidden_states.shape[0]},) tensor, one index per "
-             f"row of hidden_states")
-    out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
-    out = out.index_put((indices,), hidden_states)
-    return out.view(batch, seqlen, *hidden_states.shape[1:])
+    _check_rows("hidden_states", hidden_states, indices)
+    return index_put_first_axis(hidden_states, indices, batch * seqlen).view(batch, seqlen, *hidden_states.shape[1:])
