@@ -37,6 +37,10 @@ FLASH_ATTN_2_8 = {
                                                             ("attention_mask_in_length", _REQUIRED)],
     "apply_rotary_emb": [("x", _REQUIRED), ("cos", _REQUIRED), ("sin", _REQUIRED), ("interleaved", False),
                          ("inplace", False), ("seqlen_offsets", 0), ("cu_seqlens", None), ("max_seqlen", None)],
+    "apply_rotary_emb_qkv_": [("qkv", _REQUIRED), ("cos", _REQUIRED), ("sin", _REQUIRED), ("cos_k", None),
+                              ("sin_k", None), ("interleaved", False), ("seqlen_offsets", 0), ("num_heads_q", None)],
+    "apply_rotary_emb_kv_": [("kv", _REQUIRED), ("cos", _REQUIRED), ("sin", _REQUIRED), ("interleaved", False),
+                             ("seqlen_offsets", 0)],
 }
 # torch 2.x's torch.nn.functional.scaled_dot_product_attention
 SDPA = [("query", _REQUIRED), ("key", _REQUIRED), ("value", _REQUIRED), ("attn_mask", None), ("dropout_p", 0.0),

@@ -93,3 +93,52 @@ def test_inplace_and_positions_past_the_table(backend):
 def test_bad_input_names_the_argument(kwargs, word):
     with pytest.raises(cuflash.FlashAttentionError, match=word):
         cuflash.apply_rotary_emb(**kwargs)
+
+
+@pytest.mark.parametrize("packing", ["qkv", "qkv_gqa", "kv"])
+def test_packed_qkv_and_kv_in_place(backend, packing):
+    """apply_rotary_emb_qkv_ / apply_rotary_emb_kv_ rotate the queries and keys of a packed tensor in
+    place (the keys by their own tables when given), leave the values alone and return the same
+    tensor; values and gradients against the float64 oracle applied to each part."""
+    torch.manual_seed(9)
+    batch, seqlen, d = 2, 7, 16
+    cos, sin = _table(12, 8, "cpu")
+    cos_k, sin_k = _table(12, 8, "cpu")
+    offsets = torch.tensor([0, 3])
+    positions = offsets[:, None] + torch.arange(seqlen)
+    # The packed shape, then each part: its index along dim 2 and its rotary table (None: untouched).
+    shape, parts = {
+        "qkv": ((batch, seqlen, 3, 2, d), [(0, (cos, sin)), (1, (cos_k, sin_k)), (2, None)]),
+        "qkv_gqa": ((batch, seqlen, 6, d), [(slice(0, 4), (cos, sin)), (slice(4, 5), (cos, sin)), (slice(5, 6), None)]),
+        "kv": ((batch, seqlen, 2, 3, d), [(0, (cos, sin)), (1, None)]),
+    }[packing]
+    leaf = torch.randn(shape, dtype=torch.float64).float().requires_grad_()
+    packed = leaf * 1.0  # an intermediate, as a projection's output would be
+    if packing == "qkv":
+        out = cuflash.apply_rotary_emb_qkv_(packed, cos, sin, cos_k, sin_k, seqlen_offsets=offsets)
+    elif packing == "qkv_gqa":
+        out = cuflash.apply_rotary_emb_qkv_(packed, cos, sin, seqlen_offsets=offsets, num_heads_q=4)
+    else:
+        out = cuflash.apply_rotary_emb_kv_(packed, cos, sin, seqlen_offsets=offsets)
+    assert out is packed
+    weights = torch.randn(shape)
+    (out * weights).sum().backward()
+    reference_leaf = leaf.detach().double().requires_grad_()
+    loss = 0.0
+    for index, table in parts:
+        x = reference_leaf[:, :, index]
+        expected = x if table is None else rotary_reference(x, *table, positions, False)
+        assert rel_err(out[:, :, index], expected) < 1e-6, index
+        loss = loss + (expected * weights[:, :, index].double()).sum()
+    loss.backward()
+    assert rel_err(leaf.grad, reference_leaf.grad) < 1e-6
+
+
+def test_packed_rotary_errors():
+    cos, sin = _table(8, 8, "cpu")
+    with pytest.raises(cuflash.FlashAttentionError, match="num_heads_q"):
+        cuflash.apply_rotary_emb_qkv_(torch.randn(1, 4, 6, 16), cos, sin)
+    with pytest.raises(cuflash.FlashAttentionError, match="twice"):
+        cuflash.apply_rotary_emb_qkv_(torch.randn(1, 4, 6, 16), cos, sin, num_heads_q=3)
+    with pytest.raises(cuflash.FlashAttentionError, match="kv must be"):
+        cuflash.apply_rotary_emb_kv_(torch.randn(1, 4, 3, 2, 16), cos, sin)

@@ -138,3 +138,46 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         owner = torch.repeat_interleave(torch.arange(batch, device=x.device), starts.diff(), output_size=x.shape[0])
         positions = torch.arange(x.shape[0], device=x.device) - starts[owner] + offsets[owner]
     return rotate(x, cos, sin, positions, interleaved, inplace)
+
+
+def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0,
+                          num_heads_q=None):
+    """Rotary embedding of the queries and keys of a packed qkv, in place (flash-attn's
+    `flash_attn.layers.rotary.apply_rotary_emb_qkv_`).
+
+    Args:
+        qkv: (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2 * num_heads_k,
+            headdim) with num_heads_q (GQA / MQA: the query heads, then the keys', then the values').
+        cos, sin: (seqlen_ro, rotary_dim / 2) for the queries; cos_k, sin_k the keys' (default the
+            same); interleaved, seqlen_offsets: as apply_rotary_emb.
+    Returns:
+        qkv, its queries and keys rotated, its values untouched. Differentiable.
+    """
+    if isinstance(qkv, torch.Tensor) and qkv.dim() == 5 and qkv.shape[2] == 3:
+        q, k = qkv[:, :, 0], qkv[:, :, 1]
+    elif isinstance(qkv, torch.Tensor) and qkv.dim() == 4:
+        if isinstance(num_heads_q, bool) or not isinstance(num_heads_q, int) or not 0 < num_heads_q < qkv.shape[2]:
+            fail(ErrorCode.INVALID_ARGUMENT, f"a (batch, seqlen, heads, headdim) qkv needs num_heads_q, the count of "
+                 f"its query heads, in 1 .. {qkv.shape[2] - 1}; got {num_heads_q!r}")
+        num_heads_k = (qkv.shape[2] - num_heads_q) // 2
+        if num_heads_q + 2 * num_heads_k != qkv.shape[2]:
+            fail(ErrorCode.SHAPE_MISMATCH, f"qkv has {qkv.shape[2]} heads: not num_heads_q = {num_heads_q} plus "
+                 f"twice a count of key heads")
+        q, k = qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q:num_heads_q + num_heads_k]
+    else:
+        fail(ErrorCode.INVALID_DIMENSION, f"qkv must be (batch, seqlen, 3, nheads, headdim) or (batch, seqlen, "
+             f"num_heads_q + 2 * num_heads_k, headdim), got {tuple(getattr(qkv, 'shape', ()))}")
+    apply_rotary_emb(q, cos, sin, interleaved, True, seqlen_offsets)
+    apply_rotary_emb(k, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k, interleaved, True,
+                     seqlen_offsets)
+    return qkv
+
+
+def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0):
+    """Rotary embedding of the keys of a packed kv (batch, seqlen, 2, nheads, headdim), in place
+    (flash-attn's `flash_attn.layers.rotary.apply_rotary_emb_kv_`); returns kv. Differentiable."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        fail(ErrorCode.INVALID_DIMENSION, f"kv must be (batch, seqlen, 2, nheads, headdim), got "
+             f"{tuple(getattr(kv, 'shape', ()))}")
+    apply_rotary_emb(kv[:, :, 0], cos, sin, interleaved, True, seqlen_offsets)
+    return kv
