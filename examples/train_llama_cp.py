@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -129,3 +130,8 @@ def main(argv=None) -> list[float]:
 
 if __name__ == "__main__":
     main()
+    # Leave without the interpreter's teardown: with gloo, its threads can abort it after every
+    # step has run and the process group is gone ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
