@@ -41,6 +41,10 @@ FLASH_ATTN_2_8 = {
                               ("sin_k", None), ("interleaved", False), ("seqlen_offsets", 0), ("num_heads_q", None)],
     "apply_rotary_emb_kv_": [("kv", _REQUIRED), ("cos", _REQUIRED), ("sin", _REQUIRED), ("interleaved", False),
                              ("seqlen_offsets", 0)],
+    "RotaryEmbedding": [("dim", _REQUIRED), ("base", 10000.0), ("interleaved", False), ("scale_base", None),
+                        ("device", None)],
+    "RotaryEmbedding.forward": [("self", _REQUIRED), ("qkv", _REQUIRED), ("kv", None), ("seqlen_offset", 0),
+                                ("max_seqlen", None), ("num_heads_q", None)],
 }
 # torch 2.x's torch.nn.functional.scaled_dot_product_attention
 SDPA = [("query", _REQUIRED), ("key", _REQUIRED), ("value", _REQUIRED), ("attn_mask", None), ("dropout_p", 0.0),

@@ -7,7 +7,7 @@ import torch
 
 import cuflash
 from attn_testing import rel_err, rotary_reference
-from cuflash.rotary import _kernel
+from cuflash.rotary import RotaryEmbedding, _kernel
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
@@ -142,3 +142,44 @@ def test_packed_rotary_errors():
         cuflash.apply_rotary_emb_qkv_(torch.randn(1, 4, 6, 16), cos, sin, num_heads_q=3)
     with pytest.raises(cuflash.FlashAttentionError, match="kv must be"):
         cuflash.apply_rotary_emb_kv_(torch.randn(1, 4, 3, 2, 16), cos, sin)
+
+
+def _scaled_rotation(x, cos, sin, positions):
+    """x (..., H, D) times cos + i sin (not normalized: xPos scales it) on its first halves, float64."""
+    half = cos.shape[1]
+    x = x.double()
+    z = torch.complex(x[..., :half], x[..., half:2 * half]) * torch.complex(cos, sin)[positions][..., None, :]
+    return torch.cat((z.real, z.imag, x[..., 2 * half:]), dim=-1)
+
+
+@pytest.mark.parametrize("scale_base", [None, 64.0])
+def test_rotary_embedding_module(backend, scale_base):
+    """RotaryEmbedding (flash-attn's module): tables from base ** (-2i / dim), with xPos scaling the
+    queries' and dividing the keys'; a packed qkv, and q with a packed kv, rotated in place at an
+    offset; the tables grow with the positions asked for."""
+    torch.manual_seed(10)
+    dim, batch, seqlen, d = 8, 2, 5, 16
+    module = RotaryEmbedding(dim, base=100.0, scale_base=scale_base)
+    positions = 3 + torch.arange(seqlen).expand(batch, seqlen)
+
+    def tables(n):
+        angles = torch.arange(n, dtype=torch.float64)[:, None] * 100.0 ** (-torch.arange(0, dim, 2) / dim)
+        scale = torch.ones(n, dim // 2, dtype=torch.float64)
+        if scale_base is not None:
+            scale = ((torch.arange(0, dim, 2) + 0.4 * dim) / (1.4 * dim)) ** ((torch.arange(n)[:, None] - n // 2)
+                                                                              / scale_base)
+        return (angles.cos() * scale, angles.sin() * scale), (angles.cos() / scale, angles.sin() / scale)
+
+    qkv = torch.randn(batch, seqlen, 3, 2, d)
+    expected_q, expected_k = (_scaled_rotation(qkv[:, :, i], *t, positions) for i, t in enumerate(tables(8)))
+    out = module(qkv.clone(), seqlen_offset=3)
+    assert rel_err(out[:, :, 0], expected_q) < 1e-5 and rel_err(out[:, :, 1], expected_k) < 1e-5
+    assert torch.equal(out[:, :, 2], qkv[:, :, 2])
+    q, kv = torch.randn(batch, seqlen, 4, d), torch.randn(batch, seqlen, 2, 2, d)
+    q_out, kv_out = module(q.clone(), kv.clone(), seqlen_offset=torch.tensor([3, 3]), max_seqlen=12)
+    (q_tables, k_tables) = tables(12)  # rebuilt for 12 positions: xPos's centre moves with them
+    assert rel_err(q_out, _scaled_rotation(q, *q_tables, positions)) < 1e-5
+    assert rel_err(kv_out[:, :, 0], _scaled_rotation(kv[:, :, 0], *k_tables, positions)) < 1e-5
+    assert torch.equal(kv_out[:, :, 1], kv[:, :, 1])
+    with pytest.raises(cuflash.FlashAttentionError, match="max_seqlen"):
+        RotaryEmbedding(dim)(q, kv, seqlen_offset=torch.tensor([3, 3]))

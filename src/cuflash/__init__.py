@@ -5,7 +5,7 @@ from .interface import (backward, flash_attn_func, flash_attn_kvpacked_func, fla
                         flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                         forward, scaled_dot_product_attention)
 from .kvcache import flash_attn_with_kvcache
-from .rotary import apply_rotary_emb, apply_rotary_emb_kv_, apply_rotary_emb_qkv_
+from .rotary import RotaryEmbedding, apply_rotary_emb, apply_rotary_emb_kv_, apply_rotary_emb_qkv_
 from . import bert_padding
 
 __version__ = "0.1.0"
@@ -14,5 +14,6 @@ __all__ = [
     "ErrorCode", "FlashAttentionError", "flash_attn_func", "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func", "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "scaled_dot_product_attention", "forward", "backward",
-    "apply_rotary_emb", "apply_rotary_emb_qkv_", "apply_rotary_emb_kv_", "bert_padding", "__version__",
+    "apply_rotary_emb", "apply_rotary_emb_qkv_", "apply_rotary_emb_kv_", "RotaryEmbedding", "bert_padding",
+    "__version__",
 ]

@@ -181,3 +181,75 @@ def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0):
              f"{tuple(getattr(kv, 'shape', ()))}")
     apply_rotary_emb(kv[:, :, 0], cos, sin, interleaved, True, seqlen_offsets)
     return kv
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """flash-attn's `flash_attn.layers.rotary.RotaryEmbedding`: rotary tables of `dim` dims (the
+    frequencies base ** (-2i / dim)), built in fp32 for the positions seen so far and cached in the
+    inputs' dtype, applied in place to a packed qkv, or to q and a packed kv.
+
+    interleaved: GPT-J pairs, else GPT-NeoX halves. scale_base: xPos (Sun et al., 2022): the queries'
+    tables times, the keys' divided by, ((2i + 0.4 dim) / (1.4 dim)) ** ((p - n // 2) / scale_base)
+    at position p of tables built for n positions (flash-attn's rule).
+    """
+
+    inv_freq: torch.Tensor  # buffers (not saved in a state dict)
+    scale: torch.Tensor | None
+
+    def __init__(self, dim: int, base=10000.0, interleaved=False, scale_base=None, device=None):
+        super().__init__()
+        self.dim, self.base, self.interleaved, self.scale_base = dim, float(base), interleaved, scale_base
+        self.register_buffer("inv_freq", self._inv_freq(device), persistent=False)
+        self.register_buffer("scale", None if scale_base is None else self._scale(device), persistent=False)
+        self._positions = 0  # how many positions the cached tables hold
+        self._tables: tuple | None = None  # cos, sin, and with xPos the keys' cos_k, sin_k
+
+    def _inv_freq(self, device) -> torch.Tensor:
+        return 1.0 / self.base ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim)
+
+    def _scale(self, device) -> torch.Tensor:
+        return (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) + 0.4 * self.dim) / (1.4 * self.dim)
+
+    def _update(self, positions: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Rebuilds the tables for `positions` positions when they hold fewer, live on another device
+        or dtype, or were made in inference mode and a training step needs them."""
+        cached = self._tables[0] if self._tables is not None else None
+        if (cached is not None and positions <= self._positions and cached.device == device and cached.dtype == dtype
+                and not (self.training and cached.is_inference())):
+            return
+        self._positions = positions
+        # fp32 throughout, whatever dtype a module-wide .half() gave the buffers: positions are large.
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:
+            inv_freq = self._inv_freq(device)
+        angles = torch.outer(torch.arange(positions, device=device, dtype=torch.float32), inv_freq.to(device))
+        cos, sin = angles.cos(), angles.sin()
+        scale = self.scale
+        if scale is None:
+            self._tables = (cos.to(dtype), sin.to(dtype))
+            return
+        if scale.dtype != torch.float32:
+            scale = self._scale(device)
+        power = (torch.arange(positions, device=device, dtype=torch.float32) - positions // 2) / self.scale_base
+        scale = scale.to(device) ** power[:, None]
+        self._tables = tuple(t.to(dtype) for t in (cos * scale, sin * scale, cos / scale, sin / scale))
+
+    def forward(self, qkv, kv=None, seqlen_offset=0, max_seqlen=None, num_heads_q=None):
+        """qkv: packed as apply_rotary_emb_qkv_ takes it; or, with kv (batch, seqlen, 2, nheads_k,
+        headdim), just q (batch, seqlen, nheads, headdim). seqlen_offset: int or (batch,) tensor; a
+        tensor needs max_seqlen (the tables are built up to it). Rotates in place; returns qkv, or
+        (q, kv)."""
+        if max_seqlen is not None:
+            self._update(max_seqlen, qkv.device, qkv.dtype)
+        elif isinstance(seqlen_offset, int):
+            self._update(qkv.shape[1] + seqlen_offset, qkv.device, qkv.dtype)
+        if self._tables is None:
+            fail(ErrorCode.INVALID_ARGUMENT, "a tensor seqlen_offset needs max_seqlen, the positions to build the "
+                 "rotary tables for")
+        cos, sin, *keys = self._tables
+        cos_k, sin_k = keys or (None, None)
+        if kv is None:
+            return apply_rotary_emb_qkv_(qkv, cos, sin, cos_k, sin_k, self.interleaved, seqlen_offset, num_heads_q)
+        q = apply_rotary_emb(qkv, cos, sin, self.interleaved, True, seqlen_offset)
+        return q, apply_rotary_emb_kv_(kv, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k,
+                                       self.interleaved, seqlen_offset)
