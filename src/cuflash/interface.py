@@ -219,18 +219,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         (..., nheads, L, Ev), a view in torch's layout of a (batch, L, nheads, Ev) buffer. Rows that
         see no key give 0 (torch gives NaN).
     """
-    if all(isinstance(t, torch.Tensor) and t.ndim == 2 for t in (query, key, value)):  # one head
-        return scaled_dot_product_attention(query[None], key[None], value[None], attn_mask, dropout_p, is_causal,
-                                            scale, enable_gqa)[0]
-    if (all(isinstance(t, torch.Tensor) and t.ndim >= 1 for t in (query, key, value))
-            and value.shape[-1] != query.shape[-1] == key.shape[-1]):
-        # The kernels take one head dim: every input zero-padded to the larger (zero dims add nothing
-        # to a score or to the output's first Ev dims), the scale of query's own E, out cut to Ev.
-        e, ev = query.shape[-1], value.shape[-1]
-        padded = (torch.nn.functional.pad(t, (0, max(e, ev) - t.shape[-1])) for t in (query, key, value))
-        out = scaled_dot_product_attention(*padded, attn_mask, dropout_p, is_causal, e ** -0.5 if scale is None
-                                           else scale, enable_gqa)
-        return out[..., :ev]
+    options = (attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    # One cheap test keeps the common call off the reshaped paths below.
+    if (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+            and (query.ndim == 2 or value.shape[-1:] != query.shape[-1:])):
+        reshaped = _one_head_or_padded(query, key, value, options)
+        if reshaped is not None:
+            return reshaped
     plain = (attn_mask is None and number(dropout_p) and dropout_p == 0 and type(is_causal) is bool
              and (scale is None or type(scale) is float) and type(enable_gqa) is bool)
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -240,6 +235,22 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out, _ = ops.forward(_to_flash(query), _to_flash(key), _to_flash(value), p)
     out = out.transpose(1, 2)
     return out if query.ndim == 4 else out.reshape(query.shape)
+
+
+def _one_head_or_padded(query, key, value, options):
+    """scaled_dot_product_attention of inputs torch takes and the kernels take after a reshape, or
+    None (the checks then say what is wrong): (L, E), (S, E), (S, Ev) as one head; a value head dim
+    Ev other than E with every input zero-padded to the larger (zero dims add nothing to a score or
+    to the output's first Ev dims), at the scale of query's own E, the output cut back to Ev."""
+    attn_mask, dropout_p, is_causal, scale, enable_gqa = options
+    if query.ndim == key.ndim == value.ndim == 2:
+        return scaled_dot_product_attention(query[None], key[None], value[None], *options)[0]
+    if query.ndim and value.ndim and key.shape[-1:] == query.shape[-1:] != value.shape[-1:]:
+        e, ev = query.shape[-1], value.shape[-1]
+        padded = (torch.nn.functional.pad(t, (0, max(e, ev) - t.shape[-1])) for t in (query, key, value))
+        return scaled_dot_product_attention(*padded, attn_mask, dropout_p, is_causal,
+                                            e ** -0.5 if scale is None else scale, enable_gqa)[..., :ev]
+    return None
 
 
 def _to_flash(t):

@@ -104,11 +104,10 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
     layout = checked(key, lambda: _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                                                 window_size, softcap, alibi_slopes, num_splits))
-    # The kernels address the index tensors by position: a strided view becomes a contiguous copy
-    # (flash-attn refuses one).
-    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
-        t.contiguous() if isinstance(t, torch.Tensor) else t
-        for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
+    if layout.strided_indexes:  # the kernels address them by position (flash-attn refuses such views)
+        cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
+            t.contiguous() if isinstance(t, torch.Tensor) else t
+            for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
     seqlens = layout.capacity if cache_seqlens is None else cache_seqlens
     # (is_compiling first: torch.compile cannot trace the capture query)
     if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -127,6 +126,7 @@ class _Layout:
     seqlen_new: int
     shifted: bool  # see _Call
     query_span: int  # positions from cache_seqlens that the new tokens and the queries take
+    strided_indexes: bool  # an index tensor is a strided view, to be copied contiguous on every call
 
 
 def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -178,7 +178,9 @@ def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     if rotary_cos is not None or rotary_sin is not None:
         check_cos_sin(rotary_cos, rotary_sin, head_dim, q.device, ("rotary_cos", "rotary_sin"))
     shifted = causal or (left, right) != (-1, -1)
-    return _Layout(params, capacity, seqlen_new, shifted, max(seqlen_new, seqlen_q if shifted else 1))
+    strided = any(isinstance(t, torch.Tensor) and not t.is_contiguous()
+                  for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
+    return _Layout(params, capacity, seqlen_new, shifted, max(seqlen_new, seqlen_q if shifted else 1), strided)
 
 
 def _rotate(call: _Call, q, k, rotary_cos, rotary_sin, interleaved):
