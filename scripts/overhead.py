@@ -1,5 +1,6 @@
-"""Host time per call of each layer of cuflash's forward, and of a flash_attn_with_kvcache decode
-step (one token appended, contiguous or paged cache), on problems small enough that the GPU
+"""Host time per call of each layer of cuflash's forward, of one autograd step (forward and backward),
+beside torch SDPA (its flash backend), and of a flash_attn_with_kvcache decode step (one token
+appended, contiguous or paged cache), on problems small enough that the GPU
 finishes first (so the wall time of many back-to-back calls is the host's). Usage, on a GPU:
 PYTHONPATH=src python3 scripts/overhead.py (fastest of 5 interleaved rounds per layer)"""
 import time
@@ -49,6 +50,22 @@ table = torch.arange(16, device="cuda", dtype=torch.int32)[None]
 seqlens = torch.tensor([100], device="cuda", dtype=torch.int32)
 
 
+FLASH = torch.nn.attention.SDPBackend.FLASH_ATTENTION
+
+
+def _sdpa_flash_forward():
+    with torch.nn.attention.sdpa_kernel(FLASH):
+        return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                v.transpose(1, 2), is_causal=True)
+
+
+def _sdpa_flash_step():
+    with torch.nn.attention.sdpa_kernel(FLASH):
+        out = torch.nn.functional.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2),
+                                                               vg.transpose(1, 2), is_causal=True)
+    torch.autograd.grad(out, (qg, kg, vg), dout.transpose(1, 2))
+
+
 def _sdpa_flash_decode():
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         return torch.nn.functional.scaled_dot_product_attention(q1.transpose(1, 2), k_cache[:, :101].transpose(1, 2),
@@ -71,6 +88,10 @@ layers = {
     "scaled_dot_product_attention, no grad": lambda: _no_grad_sdpa(),
     "torch SDPA (flash backend choice)": lambda: torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True),
+    "torch SDPA, flash backend": _sdpa_flash_forward,
+    "flash_attn_func forward+backward (autograd.grad)": lambda: torch.autograd.grad(
+        cuflash.flash_attn_func(qg, kg, vg, causal=True), (qg, kg, vg), dout),
+    "torch SDPA flash backend forward+backward (autograd.grad)": _sdpa_flash_step,
     "decode step, contiguous, int cache_seqlens": lambda: cuflash.flash_attn_with_kvcache(
         q1, k_cache, v_cache, k1, v1, cache_seqlens=100, causal=True),
     "decode step, contiguous, tensor cache_seqlens": lambda: cuflash.flash_attn_with_kvcache(

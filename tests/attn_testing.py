@@ -37,11 +37,14 @@ def table_cell(q: torch.Tensor, head_dim: int, seqlen: int, banded: bool):
 
 def force_candidates(monkeypatch, **passes):
     """select() takes these candidates (forward=, dkdv=, dq=) instead of the table's; the plans made
-    meanwhile stay in a cache of their own."""
+    meanwhile stay in caches of their own (launch plans, and the checked call signatures that keep
+    their own plans: memo.py)."""
+    from cuflash import memo
     from cuflash.kernels import launch, plan
     table = plan.table_entry
     monkeypatch.setattr(plan, "table_entry", lambda prob, params: dataclasses.replace(table(prob, params), **passes))
     monkeypatch.setattr(launch, "_plans", {})
+    monkeypatch.setattr(memo, "CHECKED", {})
 
 
 def seed_of(*parts) -> int:

@@ -8,6 +8,7 @@ import torch
 import cuflash
 from attn_testing import BOUNDS, GPU_DTYPES, check_against_oracle, flash_fn, make_qkv, \
     rel_err, run_and_grad, seed_of
+from cuflash.params import AttentionParams
 from cuflash.reference import attention_reference
 
 
@@ -235,7 +236,8 @@ def test_deterministic_reaches_the_params(monkeypatch):
 
     def record(name):
         def op(*args):
-            seen.append((name, args[-1].deterministic))
+            params = next(a for a in args if isinstance(a, AttentionParams))
+            seen.append((name, params.deterministic))
             return (args[1], None) if name == "fwd" else args[1:4]
         return op
     monkeypatch.setattr(interface.ops, "forward", record("fwd"))

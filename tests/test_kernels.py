@@ -227,6 +227,63 @@ def test_launch_plans_are_reused_per_signature_and_hold_no_tensors():
     assert len(launch._plans) == 8
 
 
+@interpret
+def test_public_calls_launch_their_signature_plans_directly(monkeypatch):
+    """flash_attn_func and scaled_dot_product_attention keep the launch plans of each checked call
+    signature (memo.py, ops.forward): a later call of the signature launches them without launch()'s
+    lookup, forward and backward, and computes the oracle's values on its own new data; what the
+    signature leaves open makes a plan of its own: a base off 16-byte alignment (Triton specializes
+    pointers on it) and dO's strides."""
+    from cuflash import memo
+    from cuflash.kernels import attention
+
+    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
+    monkeypatch.setattr(memo, "CHECKED", {})
+    looked_up = []
+
+    def counting(key, tensors, build, _launch=attention.launch):
+        looked_up.append(key[0].__name__)
+        return _launch(key, tensors, build)
+    monkeypatch.setattr(attention, "launch", counting)
+
+    def step(q, k, v, dout, sdpa=False):
+        if sdpa:
+            fn = lambda a, b, c: cuflash.scaled_dot_product_attention(  # noqa: E731
+                a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), is_causal=True,
+                enable_gqa=True).transpose(1, 2)
+        else:
+            fn = lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=True)  # noqa: E731
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # (in place: a clone would realign q)
+        out = fn(*leaves)
+        out.backward(dout)
+        got = [out.detach()] + [t.grad for t in leaves]
+        offset = 0 if sdpa else k.shape[1] - q.shape[1]
+        want = run_and_grad(lambda a, b, c: attention_reference(a, b, c, causal=True, causal_offset=offset)[0],
+                            q.double(), k.double(), v.double(), dout.double())
+        for g, w in zip(got, want):
+            assert rel_err(g, w) < 1e-5
+        found = list(looked_up)
+        looked_up.clear()
+        return found
+
+    def fresh():
+        q, k, v = make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu")
+        return q, k, v, torch.randn_like(q)
+
+    torch.manual_seed(11)
+    assert step(*fresh()) == ["attention_forward", "attention_backward"]
+    assert step(*fresh()) == []  # new data: the signature's plans, launched directly
+    q, k, v, dout = fresh()
+    shifted = torch.empty(q.numel() + 1)[1:].view(q.shape).copy_(q)  # base 4 bytes past 16-byte alignment
+    assert step(shifted, k, v, dout) == ["attention_forward", "attention_backward"]
+    assert step(shifted, k, v, dout) == []
+    strided = torch.randn(2, 4, 17, 40).transpose(1, 2)  # dO at other strides
+    assert step(q, k, v, strided) == ["attention_backward"]
+    q, k, v, dout = fresh()
+    assert step(q[:, :16], k, v, dout[:, :16], sdpa=True) == ["attention_forward", "attention_backward"]
+    assert step(q[:, 1:], k, v, dout[:, 1:], sdpa=True) == []
+
+
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The kernels an H100 runs for a causal 300-token call compile for sm_90 with the installed
     Triton and its ptxas, outside the interpreter (scripts/compile_check.py's stand-in driver, in a
@@ -290,32 +347,40 @@ def test_memo_tables_drop_the_oldest_and_stay_bounded_under_threads():
 
 
 @interpret
-def test_launch_plan_workspaces_are_fresh_and_zero_filled():
+def test_launch_plan_workspaces_are_fresh_and_made_as_asked():
     """A tensor that a plan's build adds to the launch's tensors is a workspace: every later call of
-    the signature gets a new zero-filled one (the fused backward's dQ sum), not the first call's."""
+    the signature gets a new one, not the first call's: zero-filled (the fused backward's dQ sum), or
+    uninitialized where build asked for that (kernels that write it whole before reading it)."""
     import triton
     import triton.language as tl
 
     from cuflash.kernels import launch
 
     @triton.jit
-    def increment(Work, Out, N: tl.constexpr):
+    def increment(Work, Scratch, Out, N: tl.constexpr):
         offs = tl.arange(0, N)
-        work = tl.load(Work + offs) + 1
+        tl.store(Scratch + offs, offs)
+        work = tl.load(Work + offs) + tl.load(Scratch + offs)
         tl.store(Work + offs, work)
         tl.store(Out + offs, work)
 
     def build(tensors):
-        tensors["Work"] = torch.zeros(8)
-        return [(increment, (1,), dict(Work=tensors["Work"], Out=tensors["Out"], N=8))]
+        tensors["Work"] = launch.workspace((8,), torch.float32, torch.device("cpu"))
+        tensors["Scratch"] = launch.workspace((8,), torch.float32, torch.device("cpu"), zeroed=False)
+        return [(increment, (1,), dict(Work=tensors["Work"], Scratch=tensors["Scratch"], Out=tensors["Out"], N=8))]
 
     firsts = []
-    for _ in range(3):
+    for i in range(6):
         tensors = dict(Out=torch.empty(8))
-        launch.launch(("workspace test",), tensors, lambda: build(tensors))
-        assert torch.equal(tensors["Out"], torch.ones(8)) and torch.equal(tensors["Work"], torch.ones(8))
-        firsts.append(tensors["Work"])
+        plan = launch.launch(("workspace test",), tensors, lambda: build(tensors))
+        assert torch.equal(tensors["Out"], torch.arange(8.0)) and torch.equal(tensors["Work"], torch.arange(8.0))
+        if i < 3:
+            firsts.append(tensors["Work"])
+        else:  # poisoned and freed: the allocator hands this memory out again
+            tensors["Work"].fill_(float("nan"))
+            tensors["Scratch"].fill_(float("nan"))
     assert len({w.data_ptr() for w in firsts}) == 3
+    assert {name: zeroed for name, (*_, zeroed) in plan.workspaces.items()} == {"Work": True, "Scratch": False}
 
 
 @pytest.mark.gpu
@@ -496,7 +561,7 @@ def test_hopper_backward(fused, dtype, head_dim, causal, seqlen_q, seqlen_k, lay
     check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal, deterministic=not fused),
                          q, k, v, causal)
     if fused:
-        assert any("DQAcc" in workspaces for workspaces, _ in launch._plans.values())
+        assert any("DQAcc" in plan.workspaces for plan in launch._plans.values())
 
 
 @pytest.mark.gpu
@@ -517,7 +582,7 @@ def test_hopper_backward_persistent(head_dim, causal, fused, monkeypatch):
     q, k, v = make_qkv(2, 1000, 1100, 4, 2, head_dim, torch.bfloat16, "cuda")
     check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal, deterministic=not fused),
                          q, k, v, causal)
-    assert any("DQAcc" in workspaces for workspaces, _ in launch._plans.values()) == fused
+    assert any("DQAcc" in plan.workspaces for plan in launch._plans.values()) == fused
 
 
 @pytest.mark.gpu

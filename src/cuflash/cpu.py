@@ -126,8 +126,8 @@ def _sequences(p: AttentionParams):
         yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), p.sequence(b)
 
 
-def attention_forward(q, k, v, params: AttentionParams):
-    """Same contract as kernels.attention_forward."""
+def attention_forward(q, k, v, params: AttentionParams, plans: dict | None = None):
+    """Same contract as kernels.attention_forward (plans: the kernels' launch plans; none here)."""
     if not params.varlen:
         return _forward(q, k, v, params)
     outs, lses = [], []
@@ -139,8 +139,8 @@ def attention_forward(q, k, v, params: AttentionParams):
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
-def attention_backward(dout, q, k, v, out, lse, params: AttentionParams):
-    """Same contract as kernels.attention_backward."""
+def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, plans: dict | None = None):
+    """Same contract as kernels.attention_backward (plans: as attention_forward's)."""
     if not params.varlen:
         return _backward(dout, q, k, v, out, lse, params)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))

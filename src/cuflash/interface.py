@@ -9,7 +9,7 @@ from .dropout import draw_seed, head_ids, keep_mask
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_attn_mask, check_block_table,
                      check_blocks, check_cu_seqlens, check_dropout, check_same, check_softcap, check_tensor,
                      check_window, fail, lse_dtype, resolve_scale)
-from .memo import checked, number, plain_flash_options, signature
+from .memo import number, plain_flash_options, remembered, signature
 from .params import AttentionParams
 from .reference import attention_probs
 
@@ -29,9 +29,9 @@ def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, sof
 
 
 def _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                  deterministic) -> AttentionParams:
+                  deterministic) -> tuple[AttentionParams, dict | None]:
     """flash_attn_func's inputs checked and its options as AttentionParams, once per call signature
-    (memo.py)."""
+    (memo.py), with the signature's launch plans (ops.forward)."""
     plain = (plain_flash_options(softmax_scale, causal, window_size, softcap, alibi_slopes) and number(dropout_p)
              and dropout_p == 0 and type(deterministic) is bool)
     key = signature((q, k, v), softmax_scale, causal, window_size, softcap, deterministic) if plain else None
@@ -41,7 +41,7 @@ def _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_sl
         _check_device(q)
         return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
                        deterministic)
-    return checked(key, build)
+    return remembered(key, build)
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -91,8 +91,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         (out, softmax_lse (batch, nheads, seqlen_q) fp32, probs (batch, nheads, seqlen_q, seqlen_k)).
         Rows that see no key give out = 0 and softmax_lse = +inf.
     """
-    p = _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic)
-    out, lse = ops.forward(q, k, v, p)
+    p, plans = _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                             deterministic)
+    out, lse = ops.forward(q, k, v, p, plans)
     if return_attn_probs:
         return out, lse, _probs(q, k, p).to(q.dtype)
     return out
@@ -230,9 +231,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
              and (scale is None or type(scale) is float) and type(enable_gqa) is bool)
     deterministic = torch.are_deterministic_algorithms_enabled()
     sig = signature((query, key, value), is_causal, scale, enable_gqa, deterministic) if plain else None
-    p = checked(sig, lambda: _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                            deterministic))
-    out, _ = ops.forward(_to_flash(query), _to_flash(key), _to_flash(value), p)
+    p, plans = remembered(sig, lambda: _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                    enable_gqa, deterministic))
+    out, _ = ops.forward(_to_flash(query), _to_flash(key), _to_flash(value), p, plans)
     out = out.transpose(1, 2)
     return out if query.ndim == 4 else out.reshape(query.shape)
 

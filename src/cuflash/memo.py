@@ -66,3 +66,11 @@ def checked(key: tuple | None, build: Callable[[], V]) -> V:
         if key is not None:
             remember(CHECKED, key, value, MAX_CHECKED)
     return value  # type: ignore[return-value]
+
+
+def remembered(key: tuple | None, build: Callable[[], V]) -> tuple[V, dict | None]:
+    """(checked(key, build), the dict in which the backend keeps the launch plans of the key's calls
+    (ops.forward)); without a key (build() made anew every call) no dict."""
+    if key is None:
+        return build(), None
+    return checked(key, lambda: (build(), {}))

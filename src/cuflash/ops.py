@@ -21,7 +21,7 @@ import torch
 
 from .cpu import append_to_cache
 from .errors import ErrorCode, fail, lse_dtype
-from .params import TENSOR_FIELDS, AttentionParams
+from .params import FIELD_NAMES, AttentionParams
 
 BACKENDS = ("auto", "triton", "cpu")
 
@@ -178,22 +178,22 @@ def _contiguous_last(dout: torch.Tensor) -> torch.Tensor:
     return dout if dout.stride(-1) == 1 else dout.contiguous()
 
 
-def _save(ctx, q, k, v, out, lse, args) -> None:
+def _save(ctx, q, k, v, out, lse, params: AttentionParams, plans: dict | None = None) -> None:
     """What both autograd paths keep for the backward: the tensors (the option tensors among them)
-    through save_for_backward, the other AttentionParams fields (args, in order) as they are."""
-    ctx.save_for_backward(q, k, v, out, lse, *(args[i] for i in TENSOR_FIELDS))
-    ctx.params = [None if i in TENSOR_FIELDS else a for i, a in enumerate(args)]
+    through save_for_backward, the params without them, and the forward's launch plans (forward())."""
+    tensors = params.tensors()
+    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.params = params if tensors.count(None) == len(tensors) else params.with_tensors((None,) * len(tensors))
+    ctx.plans = plans
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zero tensor made for lse's gradient on every backward
 
 
 def _restore(ctx) -> tuple:
-    """(q, k, v, out, lse, the AttentionParams fields in order) as _save kept them."""
+    """(q, k, v, out, lse, params) as _save kept them."""
     q, k, v, out, lse, *tensors = ctx.saved_tensors
-    args = list(ctx.params)
-    for i, t in zip(TENSOR_FIELDS, tensors):
-        args[i] = t
-    return q, k, v, out, lse, args
+    params = ctx.params if tensors.count(None) == len(tensors) else ctx.params.with_tensors(tuple(tensors))
+    return q, k, v, out, lse, params
 
 
 class _Attention(torch.autograd.Function):
@@ -202,33 +202,35 @@ class _Attention(torch.autograd.Function):
     # forward takes ctx (no separate setup_context): apply() would otherwise bind the arguments
     # through inspect.signature on every call.
     @staticmethod
-    def forward(ctx, q, k, v, params: AttentionParams):
-        out, lse = _backend(q.device, q.dtype).attention_forward(q, k, v, params)
-        _save(ctx, q, k, v, out, lse, params.as_args())
+    def forward(ctx, q, k, v, params: AttentionParams, plans: dict | None):
+        out, lse = _backend(q.device, q.dtype).attention_forward(q, k, v, params, plans=plans)
+        _save(ctx, q, k, v, out, lse, params, plans)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # only lse was differentiated (it has no gradient): every gradient is zero
-            return None, None, None, None
-        q, k, v, out, lse, args = _restore(ctx)
-        params = AttentionParams(*args)
+            return None, None, None, None, None
+        q, k, v, out, lse, params = _restore(ctx)
         with torch.no_grad():
-            grads = _backward_backend(q, params).attention_backward(_contiguous_last(dout), q, k, v, out, lse, params)
+            grads = _backward_backend(q, params).attention_backward(_contiguous_last(dout), q, k, v, out, lse, params,
+                                                                    plans=ctx.plans)
         if torch.is_grad_enabled():
             # create_graph=True: the gradients get a node that raises if they are differentiated
             # again (the kernels' gradients have no gradient), rather than counting as constants.
             error = torch._C._functions.DelayedError(b"cuflash: attention has no double backward", 3)
             grads = error(*(g.detach().requires_grad_() for g in grads))
-        return (*grads, None)
+        return (*grads, None, None)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
-    """(out, softmax_lse), differentiable in q, k, v."""
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, plans: dict | None = None):
+    """(out, softmax_lse), differentiable in q, k, v. plans: a dict that the public functions keep per
+    checked call signature (memo.py) whose params have no tensor fields, where the backend keeps this
+    call's launch plans for the next call of the signature (kernels/attention.py); None elsewhere."""
     if _direct(q):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return _Attention.apply(q, k, v, params)
-        return _backend(q.device, q.dtype).attention_forward(q, k, v, params)  # no graph: ~10 us less
+            return _Attention.apply(q, k, v, params, plans)
+        return _backend(q.device, q.dtype).attention_forward(q, k, v, params, plans=plans)  # no graph: ~10 us less
     return attention_forward(q, k, v, *params.as_args())
 
 
@@ -261,15 +263,16 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *args = inputs
-    _save(ctx, q, k, v, *output, args)
+    _save(ctx, q, k, v, *output, AttentionParams(*args))
 
 
 def _backward(ctx, dout, _dlse):
+    fields = len(FIELD_NAMES)
     if dout is None:  # (as _Attention.backward)
-        return (None,) * (3 + len(ctx.params))
-    q, k, v, out, lse, args = _restore(ctx)
-    dq, dk, dv = attention_backward(_contiguous_last(dout), q, k, v, out, lse, *args)
-    return (dq, dk, dv) + (None,) * len(args)
+        return (None,) * (3 + fields)
+    q, k, v, out, lse, params = _restore(ctx)
+    dq, dk, dv = attention_backward(_contiguous_last(dout), q, k, v, out, lse, *params.as_args())
+    return (dq, dk, dv) + (None,) * fields
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -98,6 +98,14 @@ class AttentionParams:
         """The fields in order: the trailing arguments of the custom ops."""
         return tuple(getattr(self, name) for name in FIELD_NAMES)  # (traced by torch.compile)
 
+    def tensors(self) -> tuple:
+        """The tensor fields (None where not given), in a fixed order (with_tensors')."""
+        return _TENSORS(self)
+
+    def with_tensors(self, tensors: tuple) -> AttentionParams:
+        """These params with the tensor fields `tensors`, in tensors()' order."""
+        return dataclasses.replace(self, **dict(zip(_TENSOR_NAMES, tensors)))
+
 
 def per_sequence(x: torch.Tensor | int, batch: int, device: torch.device) -> torch.Tensor:
     """A (batch,) long tensor of x, given per sequence or as one int for all."""
@@ -116,8 +124,6 @@ def cache_slot(seq: torch.Tensor, positions: torch.Tensor, rows_per_seq: int, ta
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))
 _TENSOR_NAMES = ("alibi_slopes", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k", "block_table")
-# Positions of the tensor fields among FIELD_NAMES (autograd saves those with save_for_backward).
-TENSOR_FIELDS = tuple(i for i, name in enumerate(FIELD_NAMES) if name in _TENSOR_NAMES)
 # key()'s field getters, in C (a Python loop over the fields costs microseconds per launch).
 _SCALARS = operator.attrgetter(*(name for name in FIELD_NAMES if name not in _TENSOR_NAMES))
 _TENSORS = operator.attrgetter(*_TENSOR_NAMES)

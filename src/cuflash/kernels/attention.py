@@ -8,31 +8,61 @@ import torch
 from ..params import AttentionParams
 from .compat import gluon_kernels
 from .device import tf32
-from .launch import launch
+from .launch import launch, workspace
 from .plan import Entry, select, user_tiles_checked
 from .triton import Tiles
 from .triton import backward as triton_backward
 from .triton import forward as triton_forward
 from .variant import problem, variant_tensors
 
+_TENSOR_FIELDS = len(AttentionParams(1.0).tensors())
 gluon_forward = gluon_kernels("forward")  # None where Triton has not its Gluon dialect
 gluon_backward = gluon_kernels("backward")
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams,
-                      entry: Entry | None = None):
+                      entry: Entry | None = None, plans: dict | None = None):
     """q (B, Nq, H, D), k and v (B, Nk, Hk, D), any strides with a contiguous last dim (varlen:
     (total, H, D); paged varlen: k and v (num_blocks, page_block_size, Hk, D)). Returns out shaped
     like q and softmax_lse (B, H, Nq) (varlen: (H, total_q)) fp32. entry: candidates instead of the
-    table's (kernels/plan.py), for tuning and tests."""
+    table's (kernels/plan.py), for tuning and tests. plans (ops.forward): the launch plans of one call
+    signature of a public function, which fixes q, k and v's shapes, strides, dtypes and devices and
+    params: a later call finds its plan there by what the signature leaves open (_open_key), skipping
+    launch()'s lookup (its dict of every argument tensor, key and signature)."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (~2x faster than torch.empty)
     lse = torch.empty(params.lse_shape(q), dtype=torch.float32, device=q.device)
+    key = _open_key(plans, params, entry, "forward", (q, k, v))
+    plan = None if key is None or plans is None else plans.get(key)
+    if plan is not None:
+        plan(dict(Q=q, K=k, V=v, Out=out, Lse=lse))
+        return out, lse
     tensors = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **variant_tensors(params))
     if params.block_table is not None:
         tensors["BlockTable"] = params.block_table
     with user_tiles_checked(params, q.shape[-1], q.dtype):
-        launch((attention_forward, params.key(), entry, tf32(q)), tensors, lambda: [_forward(tensors, params, entry)])
+        plan = launch((attention_forward, params.key(), entry, tf32(q)), tensors,
+                      lambda: [_forward(tensors, params, entry)])
+    _keep(plans, key, plan)
     return out, lse
+
+
+def _open_key(plans: dict | None, params: AttentionParams, entry: Entry | None, pass_: str,
+              inputs: tuple[torch.Tensor, ...], *extra) -> tuple | None:
+    """The key of a plan in `plans`: what a launch plan depends on beyond a public function's call
+    signature, which fixes the inputs' shapes, strides, dtypes and devices and params: TF32 (fp32
+    inputs) and each input's 16-byte alignment (Triton specializes a pointer on it, the Gluon kernels
+    need it); `extra` in a backward: dO's strides and dtype (autograd passes any). None without plans,
+    with candidates (entry) or tensor fields in params (their tensors would be launch arguments that no
+    key holds)."""
+    if plans is None or entry is not None or params.tensors().count(None) != _TENSOR_FIELDS:
+        return None
+    return pass_, tf32(inputs[0]), *(t.data_ptr() % 16 == 0 for t in inputs), *extra
+
+
+def _keep(plans: dict | None, key: tuple | None, plan) -> None:
+    # A handful of plans per signature at most (a backward's dO strides vary only by caller).
+    if key is not None and plans is not None and len(plans) < 16:
+        plans[key] = plan
 
 
 def _forward(t: dict, params: AttentionParams, entry: Entry | None) -> tuple:
@@ -43,23 +73,32 @@ def _forward(t: dict, params: AttentionParams, entry: Entry | None) -> tuple:
     return gluon_forward.launch_args(t, prob, params, cfg)
 
 
-def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: Entry | None = None):
+def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: Entry | None = None,
+                       plans: dict | None = None):
     """Gradients of attention_forward: dq, dk, dv shaped like q, k, v. dout and out are shaped
-    like q, lse like the forward's softmax_lse."""
+    like q, lse like the forward's softmax_lse. plans: attention_forward's, whose out and lse these
+    are."""
     lse = lse.contiguous()
     tensors = dict(Q=q, K=k, V=v, Out=out, DO=dout, Lse=lse, Delta=torch.empty_like(lse),
                    DQ=torch.empty_like(q, memory_format=torch.contiguous_format),
                    DK=torch.empty_like(k, memory_format=torch.contiguous_format),
-                   DV=torch.empty_like(v, memory_format=torch.contiguous_format), **variant_tensors(params))
-    with user_tiles_checked(params, q.shape[-1], q.dtype):
-        launch((attention_backward, params.key(), entry, tf32(q)), tensors,
-               lambda: _backward(tensors, params, entry))
+                   DV=torch.empty_like(v, memory_format=torch.contiguous_format))
+    key = _open_key(plans, params, entry, "backward", (q, k, v, dout), dout.stride(), dout.dtype)
+    plan = None if key is None or plans is None else plans.get(key)
+    if plan is not None:
+        plan(tensors)
+    else:
+        tensors.update(variant_tensors(params))
+        with user_tiles_checked(params, q.shape[-1], q.dtype):
+            plan = launch((attention_backward, params.key(), entry, tf32(q)), tensors,
+                          lambda: _backward(tensors, params, entry))
+        _keep(plans, key, plan)
     return tensors["DQ"], tensors["DK"], tensors["DV"]
 
 
 def _backward(t: dict, params: AttentionParams, entry: Entry | None) -> list[tuple]:
     """delta (rowsum(dO * O)), then dK/dV, then dQ (or, fused into dK/dV, its fp32 sum's cast).
-    Workspaces added to t are made anew, zero-filled, on every call (kernels/launch.py)."""
+    Workspaces added to t are made anew on every call (kernels/launch.py's workspace())."""
     prob = problem(t["Q"], t["K"], t["V"], params, t["DO"])
     plan = select(prob, params, entry)
     dkdv = plan.dkdv
@@ -69,7 +108,7 @@ def _backward(t: dict, params: AttentionParams, entry: Entry | None) -> list[tup
         launches.append(triton_backward.dkdv_launch(t, prob, params, dkdv))
     else:
         if plan.dq is None:
-            t["DQAcc"] = torch.zeros(t["Q"].shape, dtype=torch.float32, device=t["Q"].device)
+            t["DQAcc"] = workspace(t["Q"].shape, torch.float32, t["Q"].device)
         launches.append(gluon_backward.dkdv_launch(t, prob, params, dkdv))
     if plan.dq is None:
         launches.append(triton_backward.cast_launch(t, prob))

@@ -26,7 +26,37 @@ from .device import scratch
 # One plan per signature; a workload with endlessly new shapes (varlen batches with a new longest
 # sequence each step) drops the oldest plans past this many.
 MAX_PLANS = 4096
-_plans: dict[tuple, tuple[dict, list[_Launch]]] = {}  # (workspaces the build added, launches)
+_plans: dict[tuple, Plan] = {}
+_uninitialized: set[int] = set()  # ids of the workspaces build() asked for uninitialized
+
+
+def workspace(shape: tuple, dtype: torch.dtype, device: torch.device, zeroed: bool = True) -> torch.Tensor:
+    """A workspace for build() to add to launch()'s tensors: zero-filled, or with zeroed=False
+    uninitialized (for kernels that write all of it before reading any), and made the same way anew
+    for every later call of the plan."""
+    if zeroed:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    t = torch.empty(shape, dtype=dtype, device=device)
+    _uninitialized.add(id(t))
+    return t
+
+
+class Plan:
+    """The launches of one signature, and the workspaces they need, made anew on every call:
+    (shape, dtype, device, zero-filled) by name."""
+    __slots__ = ("workspaces", "launches")
+
+    def __init__(self, workspaces: dict[str, tuple], launches: list[_Launch]):
+        self.workspaces, self.launches = workspaces, launches
+
+    def __call__(self, tensors: dict[str, torch.Tensor | int]) -> None:
+        """Launches on `tensors`, the same names in the same order as when the plan was made (its
+        workspaces are added)."""
+        for name, (shape, dtype, device, zeroed) in self.workspaces.items():
+            tensors[name] = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
+        values = tuple(tensors.values())
+        for one in self.launches:
+            one(values)
 
 
 class _Launch:
@@ -80,28 +110,26 @@ def signature(values) -> tuple:
                  else -2**31 <= t < 2**31 for t in values)
 
 
-def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[], list[tuple]]) -> None:
+def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[], list[tuple]]) -> Plan:
     """Runs the launches build() describes, [(kernel, grid, keyword arguments with num_warps,
     num_stages or maxnreg)], on `tensors`: every tensor argument of those kernels, by argument name (the same
     name for the same tensor in each kernel), and any int argument that every kernel taking it leaves
     unspecialized (do_not_specialize), whose value may change between calls of a plan. build() runs for
     a new signature only; key must hold the launcher (its first element) and everything else the
-    arguments depend on. build() may add zero-filled workspaces to `tensors`; later calls of the
-    signature get fresh ones."""
+    arguments depend on. build() may add workspaces (workspace()) to `tensors`; later calls of the
+    signature get fresh ones. Returns the plan, which a caller that knows the next call's signature to
+    be the same may call directly (kernels/attention.py)."""
     full_key = (key, tuple(tensors), signature(tensors.values()))
     plan = _plans.get(full_key)
     if plan is None:
         given = set(tensors)
+        _uninitialized.clear()  # (no stale id of a freed workspace may match a new one)
         described = build()
-        workspaces = {name: (t.shape, t.dtype, t.device) for name, t in tensors.items()
-                      if name not in given and isinstance(t, torch.Tensor)}
+        workspaces = {name: (t.shape, t.dtype, t.device, id(t) not in _uninitialized)
+                      for name, t in tensors.items() if name not in given and isinstance(t, torch.Tensor)}
+        _uninitialized.clear()
         names = tuple(tensors)
-        plan = workspaces, [_Launch(kernel, grid, kwargs, names) for kernel, grid, kwargs in described]
-        remember(_plans, full_key, plan, MAX_PLANS)
-        return
-    workspaces, launches = plan
-    for name, (shape, dtype, device) in workspaces.items():
-        tensors[name] = torch.zeros(shape, dtype=dtype, device=device)
-    values = tuple(tensors.values())
-    for one in launches:
-        one(values)
+        plan = Plan(workspaces, [_Launch(kernel, grid, kwargs, names) for kernel, grid, kwargs in described])
+        return remember(_plans, full_key, plan, MAX_PLANS)
+    plan(tensors)
+    return plan

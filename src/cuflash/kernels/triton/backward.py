@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ...params import AttentionParams
 from ..device import cdiv
+from ..launch import workspace
 from ..variant import Problem, lse_strides, variant_args, variant_tensors
 from . import Tiles
 from .common import LOG2E, advance, band, dropout_keep, head_options, load_pair, logits, mma, query_program, \
@@ -274,7 +275,8 @@ def delta_launch(t: dict, prob: Problem, params: AttentionParams, acc_init: bool
     rows, batch = (q.shape[0], 1) if params.varlen else (prob.seqlen_q, prob.batch)
     padded_q = cdiv(prob.seqlen_q, ROWS_PER_PROGRAM) * ROWS_PER_PROGRAM  # whole query tiles of the Gluon kernels
     if acc_init:
-        t["AccInit"] = torch.zeros((2, prob.batch * prob.nheads, padded_q), dtype=torch.float32, device=q.device)
+        # Every element written (the grid covers padded_q rows of each (batch, head)) before the dK/dV kernel reads.
+        t["AccInit"] = workspace((2, prob.batch * prob.nheads, padded_q), torch.float32, q.device, zeroed=False)
     return _attn_bwd_delta, (cdiv(rows, ROWS_PER_PROGRAM), batch * prob.nheads), dict(
         Out=t["Out"], DO=dout, Lse=t["Lse"], Delta=t["Delta"], AccInit=t.get("AccInit"),
         stride_o=prob.strides(t["Out"]), stride_do=prob.strides(dout), stride_l=lse_strides(prob, params),
