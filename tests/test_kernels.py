@@ -284,6 +284,43 @@ def test_public_calls_launch_their_signature_plans_directly(monkeypatch):
     assert step(q[:, 1:], k, v, dout[:, 1:], sdpa=True) == []
 
 
+def test_compiled_launcher_calls_the_launcher_as_the_runner_does(monkeypatch):
+    """compat.compiled_launcher passes the compiled kernel's launcher what Triton's runner passes it
+    (grid, the current device's stream, the kernel's function and metadata, then the arguments), with
+    no launch metadata or hooks while the hook chains are empty, and goes through the runner while a
+    hook is set (a profiler's)."""
+    from triton import knobs
+
+    from cuflash.kernels.compat import compiled_launcher
+
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        def run(self, *args):
+            calls.append(("run", args))
+
+        def __getitem__(self, grid):
+            return lambda *args: calls.append(("runner", grid, args))
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 3, raising=False)  # (absent from CPU builds)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device, raising=False)
+    launch = compiled_launcher(Compiled(), (4, 5, 6))
+    launch("a", 7)
+    assert calls == [("run", (4, 5, 6, 1003, "function", "metadata", None, None, None, "a", 7))]
+    calls.clear()
+
+    def hook(metadata):
+        pass
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch("a", 7)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert calls == [("runner", (4, 5, 6), ("a", 7))]
+
+
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The kernels an H100 runs for a causal 300-token call compile for sm_90 with the installed
     Triton and its ptxas, outside the interpreter (scripts/compile_check.py's stand-in driver, in a
@@ -443,6 +480,28 @@ def test_launch_plans_on_gpu(head_dim):
     worker.join()
     assert done == [True], "the step in another thread failed (its traceback is printed above)"
     assert len(launch._plans) == plans  # the later steps reused the first one's plans
+
+
+@pytest.mark.gpu
+def test_launch_plans_call_launch_hooks_on_gpu():
+    """A profiler's launch hook (Triton's knobs.runtime.launch_enter_hook) sees the launches of a
+    signature's plans too (compat.compiled_launcher goes through Triton's runner while one is set),
+    and the results stay the oracle's."""
+    from triton import knobs
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    torch.manual_seed(2)
+    q, k, v = make_qkv(2, 300, 300, 4, 2, 64, torch.bfloat16, "cuda")
+    check_against_oracle(flash_fn(True), q, k, v, True)  # the signature's plans made
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        check_against_oracle(flash_fn(True), q, k, v, True)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert any("attn_fwd" in name for name in seen) and any("bwd" in name for name in seen), seen
 
 
 @pytest.mark.gpu

@@ -90,12 +90,13 @@ def _backend(device: torch.device, dtype: torch.dtype):
     return cpu
 
 
-def _backward_backend(q: torch.Tensor, params: AttentionParams):
-    """The backend of a backward, which no paged (block_table) call has (flash-attn has none either)."""
+def _backward_backend(q: torch.Tensor, params: AttentionParams, forward_backend=None):
+    """The backend of a backward (the forward's, where given), which no paged (block_table) call has
+    (flash-attn has none either)."""
     if params.block_table is not None:
         fail(ErrorCode.UNSUPPORTED_FEATURE, "no backward through paged K/V (block_table): flash_attn_varlen_func "
              "with block_table is forward only; pass contiguous k and v (total_k, nheads_k, headdim) to train")
-    return _backend(q.device, q.dtype)
+    return forward_backend or _backend(q.device, q.dtype)
 
 
 @torch.library.custom_op("cuflash::fwd", mutates_args=())
@@ -203,8 +204,10 @@ class _Attention(torch.autograd.Function):
     # through inspect.signature on every call.
     @staticmethod
     def forward(ctx, q, k, v, params: AttentionParams, plans: dict | None):
-        out, lse = _backend(q.device, q.dtype).attention_forward(q, k, v, params, plans=plans)
+        backend = _backend(q.device, q.dtype)
+        out, lse = backend.attention_forward(q, k, v, params, plans=plans)
         _save(ctx, q, k, v, out, lse, params, plans)
+        ctx.backend = backend
         return out, lse
 
     @staticmethod
@@ -212,15 +215,16 @@ class _Attention(torch.autograd.Function):
         if dout is None:  # only lse was differentiated (it has no gradient): every gradient is zero
             return None, None, None, None, None
         q, k, v, out, lse, params = _restore(ctx)
+        backend = _backward_backend(q, params, ctx.backend)
+        dout = _contiguous_last(dout)
+        if not torch.is_grad_enabled():
+            return (*backend.attention_backward(dout, q, k, v, out, lse, params, plans=ctx.plans), None, None)
+        # create_graph=True: the gradients get a node that raises if they are differentiated again
+        # (the kernels' gradients have no gradient), rather than counting as constants.
         with torch.no_grad():
-            grads = _backward_backend(q, params).attention_backward(_contiguous_last(dout), q, k, v, out, lse, params,
-                                                                    plans=ctx.plans)
-        if torch.is_grad_enabled():
-            # create_graph=True: the gradients get a node that raises if they are differentiated
-            # again (the kernels' gradients have no gradient), rather than counting as constants.
-            error = torch._C._functions.DelayedError(b"cuflash: attention has no double backward", 3)
-            grads = error(*(g.detach().requires_grad_() for g in grads))
-        return (*grads, None, None)
+            grads = backend.attention_backward(dout, q, k, v, out, lse, params, plans=ctx.plans)
+        error = torch._C._functions.DelayedError(b"cuflash: attention has no double backward", 3)
+        return (*error(*(g.detach().requires_grad_() for g in grads)), None, None)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, plans: dict | None = None):

@@ -8,14 +8,39 @@ the TMA reduction into global memory (the fused backward's dQ) has a Gluon funct
 3.6, whose IR builder has the operation.
 """
 import importlib
-from typing import Any
+from typing import Any, Callable
 
+import torch
 import triton
+from triton import knobs
 
 TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 # The Gluon kernels were written against 3.6 and 3.9; Gluon's API changed between the releases
 # that have it, so older ones take the Triton kernels.
 GLUON_TRITON = TRITON_VERSION >= (3, 6)
+
+
+def compiled_launcher(compiled, grid: tuple[int, int, int]) -> Callable[..., None]:
+    """A function launching the compiled kernel `compiled` on `grid` with its arguments in signature
+    order, on the current device's current torch stream, through the launcher the kernel's own runner
+    (`compiled[grid]`) calls, with the same arguments but without the runner's Python per launch: the
+    current device through torch.cuda, and, in Triton 3.6 and 3.9 (whose launch hooks are chains that
+    are never None), launch metadata built and two empty hook chains called from C. While a hook is
+    set (a profiler such as proton), launches go through the runner."""
+    runner = compiled[grid]  # (loads the kernel onto the device)
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    stream_of, current_device, hooks = torch._C._cuda_getCurrentRawStream, torch._C._cuda_getDevice, knobs.runtime
+
+    def launch(*args) -> None:
+        if _no_hook(hooks.launch_enter_hook) and _no_hook(hooks.launch_exit_hook):
+            run(*grid, stream_of(current_device()), function, metadata, None, None, None, *args)
+        else:
+            runner(*args)
+    return launch
+
+
+def _no_hook(hook) -> bool:
+    return hook is None or (type(hook) is knobs.HookChain and not hook.calls)
 
 
 def gluon_kernels(name: str):

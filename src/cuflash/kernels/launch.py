@@ -7,8 +7,8 @@ signature builds the arguments, launches through Triton's JIT (compiling if need
 compiled kernel with its arguments in the kernel's order; later calls put the new tensors in
 their places and launch the compiled kernel directly, skipping our argument building and Triton's
 binding and specialization of ~45 arguments, each about half of a short forward's host time
-(scripts/overhead.py). Compiled-kernel launches (`compiled[grid](*args)`, every argument in
-signature order) work the same in Triton 3.6 and 3.9.
+(scripts/overhead.py). The compiled kernel is launched through its launcher directly
+(compat.compiled_launcher: the arguments of Triton's own runner, the same in Triton 3.6 and 3.9).
 
 Under Triton's interpreter (the CPU tests) there is no compiled kernel: plans launch the
 interpreted kernel with the stored arguments, the same order and tensor slots as on the GPU.
@@ -21,6 +21,7 @@ import torch
 import triton
 
 from ..memo import remember
+from .compat import compiled_launcher
 from .device import scratch
 
 # One plan per signature; a workload with endlessly new shapes (varlen batches with a new longest
@@ -82,7 +83,7 @@ class _Launch:
         if compiled is None:  # the interpreter
             self.run, self.scratch = lambda *a: kernel[grid](*a, **options), False
         else:
-            self.run = compiled[(*grid, 1, 1)[:3]]
+            self.run = compiled_launcher(compiled, (*grid, 1, 1)[:3])
             # Descriptors built in the kernel need global scratch; Triton's allocator is per thread
             # (a context variable) and autograd runs the backward in its own thread.
             self.scratch = getattr(compiled.metadata, "global_scratch_size", 0) > 0
