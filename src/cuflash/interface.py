@@ -218,7 +218,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         scale: default 1/sqrt(E).
     Returns:
         (..., nheads, L, Ev), a view in torch's layout of a (batch, L, nheads, Ev) buffer. Rows that
-        see no key give 0 (torch gives NaN).
+        see no key give 0, as in torch (its math backend's safe softmax).
     """
     options = (attn_mask, dropout_p, is_causal, scale, enable_gqa)
     # One cheap test keeps the common call off the reshaped paths below.
