@@ -36,16 +36,19 @@ q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _
 qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 dout = torch.randn_like(q)
 p = AttentionParams(0.125, window_right=0)
-ka.attention_forward(q, k, v, p)
-(full_key, (_, (one,))), = kl._plans.items()
-cells = dict(zip(one.run.__code__.co_freevars, (c.cell_contents for c in one.run.__closure__)))
-compiled, grid = cells["self"], cells["grid"]
-out = torch.empty_like(q)
-lse = torch.empty(p.lse_shape(q), dtype=torch.float32, device="cuda")
+out, lse = ka.attention_forward(q, k, v, p)
+(full_key, plan), = kl._plans.items()
+one, = plan.launches
 tensors = dict(Q=q, K=k, V=v, Out=out, Lse=lse)
+kernel, grid, kwargs = ka._forward(dict(tensors), p, None)
+compiled = kernel[grid](**kwargs)
+grid = (*grid, 1, 1)[:3]
 args = one.args.copy()
 for i, j in one.slots:
     args[i] = tuple(tensors.values())[j]
+plans: dict = {}
+ka.attention_forward(q, k, v, p, plans=plans)
+ka.attention_backward(dout, q, k, v, out, lse, p, plans=plans)
 device = driver.active.get_current_device()
 stream = driver.active.get_current_stream(device)
 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
@@ -60,11 +63,12 @@ def sdpa_flash():
 
 def sdpa_flash_step():
     with torch.nn.attention.sdpa_kernel(FLASH):
-        torch.nn.functional.scaled_dot_product_attention(qgt, kgt, vgt, is_causal=True).backward(dout.transpose(1, 2))
+        out = torch.nn.functional.scaled_dot_product_attention(qgt, kgt, vgt, is_causal=True)
+    torch.autograd.grad(out, (qg, kg, vg), dout.transpose(1, 2))
 
 
 def cuflash_step():
-    cuflash.flash_attn_func(qg, kg, vg, causal=True).backward(dout)
+    torch.autograd.grad(cuflash.flash_attn_func(qg, kg, vg, causal=True), (qg, kg, vg), dout)
 
 
 q1, k1, v1 = (torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -81,7 +85,8 @@ def decode_paged():
 pieces = {
     "C launcher alone (compiled.run, stream given)": lambda: compiled.run(
         grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args),
-    "Triton runner (compiled[grid](*args))": lambda: one.run(*args),
+    "Triton runner (compiled[grid](*args))": lambda: compiled[grid](*args),
+    "plan launcher (compat.compiled_launcher)": lambda: one.run(*args),
     "current device + stream": lambda: driver.active.get_current_stream(driver.active.get_current_device()),
     "plan step: _Launch(values)": lambda: one(tuple(tensors.values())),
     "plan signature()": lambda: kl.signature(tensors.values()),
@@ -89,7 +94,11 @@ pieces = {
     "out + lse allocation": lambda: (torch.empty_like(q, memory_format=torch.contiguous_format),
                                      torch.empty(p.lse_shape(q), dtype=torch.float32, device="cuda")),
     "kernels.attention_forward": lambda: ka.attention_forward(q, k, v, p),
+    "kernels.attention_forward, the signature's plans": lambda: ka.attention_forward(q, k, v, p, plans=plans),
+    "kernels.attention_backward, the signature's plans": lambda: ka.attention_backward(
+        dout, q, k, v, out, lse, p, plans=plans),
     "flash_attn_func": lambda: cuflash.flash_attn_func(q, k, v, causal=True),
+    "flash_attn_func, inputs requiring grad": lambda: cuflash.flash_attn_func(qg, kg, vg, causal=True),
     "torch SDPA flash backend": sdpa_flash,
     "flash_attn_func forward+backward": cuflash_step,
     "torch SDPA flash forward+backward": sdpa_flash_step,
