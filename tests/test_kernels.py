@@ -483,6 +483,42 @@ def test_launch_plans_on_gpu(head_dim):
 
 
 @pytest.mark.gpu
+def test_inputs_on_a_gpu_other_than_the_current_one():
+    """Inputs on cuda:1 while cuda:0 stays current, as in a model split over GPUs in one process
+    (transformers' device_map="auto"): the Gluon and Triton kernels, forward and backward, first
+    call and the signature's plans after it, match the oracle; a paged decode step, the rotary
+    kernel and the teaching methods give what they give with cuda:1 current; cuda:0 stays current."""
+    from cuflash import methods
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    with torch.cuda.device(0):
+        for dtype, seqlen in ((torch.bfloat16, 1100), (torch.float32, 70)):
+            torch.manual_seed(seqlen)
+            for _ in range(2):
+                q, k, v = make_qkv(2, seqlen, seqlen, 4, 2, 64, dtype, "cuda:1")
+                check_against_oracle(flash_fn(True), q, k, v, True)
+
+        def decode_step(device_index):
+            torch.manual_seed(9)
+            q1, k1, v1 = (torch.randn(2, 1, 8, 128, device="cuda:1", dtype=torch.bfloat16) for _ in range(3))
+            pages = [torch.randn(16, 16, 8, 128, device="cuda:1", dtype=torch.bfloat16) for _ in range(2)]
+            table = torch.randperm(16, device="cuda:1", dtype=torch.int32).view(2, 8)
+            seqlens = torch.tensor([100, 37], device="cuda:1", dtype=torch.int32)
+            with torch.cuda.device(device_index):
+                out = cuflash.flash_attn_with_kvcache(q1, *pages, k1, v1, cache_seqlens=seqlens, block_table=table,
+                                                      causal=True)
+                x = torch.randn(2, 9, 4, 64, device="cuda:1")
+                cos, sin = torch.randn(2, 32, 16, device="cuda:1").unbind(0)
+                rotated = cuflash.apply_rotary_emb(x, cos, sin)
+                fa1 = methods.forward("fa1", *make_qkv(1, 40, 40, 2, 2, 32, torch.float32, "cuda:1"))[0]
+            return out, *pages, rotated, fa1
+
+        for ours, theirs in zip(decode_step(0), decode_step(1)):
+            assert torch.equal(ours, theirs)
+        assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.gpu
 def test_launch_plans_call_launch_hooks_on_gpu():
     """A profiler's launch hook (Triton's knobs.runtime.launch_enter_hook) sees the launches of a
     signature's plans too (compat.compiled_launcher goes through Triton's runner while one is set),

@@ -2,6 +2,7 @@
 global scratch for tensor descriptors, what the copy engine can address, and small integer helpers."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -31,6 +32,31 @@ def max_shared_memory(device: torch.device) -> int:
         return 1 << 62
     from triton.runtime import driver
     return driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"]
+
+
+_HERE = contextlib.nullcontext()
+
+
+def on_device(t: torch.Tensor):
+    """A context in which Triton launches on t's GPU. Triton loads a kernel onto, launches it on and
+    allocates its scratch on the current CUDA device, which need not be the inputs' (a model split
+    over GPUs in one process, as transformers' device_map="auto" places it, calls attention on each
+    while the current device stays the first); flash-attn and torch switch to their inputs' device
+    as this does. Nothing where t is on the current device or on the CPU."""
+    index = t.get_device()
+    if index < 0 or index == torch._C._cuda_getDevice():
+        return _HERE
+    return torch.cuda.device(index)
+
+
+def on_inputs_device(fn):
+    """fn(x, ...) run in on_device(x): for functions that launch Triton kernels of their own (the
+    teaching methods)."""
+    @functools.wraps(fn)
+    def run(x, *args, **kwargs):
+        with on_device(x):
+            return fn(x, *args, **kwargs)
+    return run
 
 
 def scratch(size: int, alignment: int, stream) -> torch.Tensor:

@@ -22,7 +22,7 @@ import triton
 
 from ..memo import remember
 from .compat import compiled_launcher
-from .device import scratch
+from .device import on_device, scratch
 
 # One plan per signature; a workload with endlessly new shapes (varlen batches with a new longest
 # sequence each step) drops the oldest plans past this many.
@@ -51,13 +51,14 @@ class Plan:
         self.workspaces, self.launches = workspaces, launches
 
     def __call__(self, tensors: dict[str, torch.Tensor | int]) -> None:
-        """Launches on `tensors`, the same names in the same order as when the plan was made (its
-        workspaces are added)."""
+        """Launches on `tensors`, the same names in the same order as when the plan was made, the
+        first a tensor on the launches' device (its workspaces are added)."""
         for name, (shape, dtype, device, zeroed) in self.workspaces.items():
             tensors[name] = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
         values = tuple(tensors.values())
-        for one in self.launches:
-            one(values)
+        with on_device(values[0]):  # type: ignore[arg-type]
+            for one in self.launches:
+                one(values)
 
 
 class _Launch:
@@ -113,9 +114,10 @@ def signature(values) -> tuple:
 
 def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[], list[tuple]]) -> Plan:
     """Runs the launches build() describes, [(kernel, grid, keyword arguments with num_warps,
-    num_stages or maxnreg)], on `tensors`: every tensor argument of those kernels, by argument name (the same
-    name for the same tensor in each kernel), and any int argument that every kernel taking it leaves
-    unspecialized (do_not_specialize), whose value may change between calls of a plan. build() runs for
+    num_stages or maxnreg)], on `tensors`: every tensor argument of those kernels, by argument name
+    (the same name for the same tensor in each kernel; the first one names a tensor on the launches'
+    device), and any int argument that every kernel taking it leaves unspecialized
+    (do_not_specialize), whose value may change between calls of a plan. build() runs for
     a new signature only; key must hold the launcher (its first element) and everything else the
     arguments depend on. build() may add workspaces (workspace()) to `tensors`; later calls of the
     signature get fresh ones. Returns the plan, which a caller that knows the next call's signature to
@@ -124,13 +126,14 @@ def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[
     plan = _plans.get(full_key)
     if plan is None:
         given = set(tensors)
-        _uninitialized.clear()  # (no stale id of a freed workspace may match a new one)
-        described = build()
-        workspaces = {name: (t.shape, t.dtype, t.device, id(t) not in _uninitialized)
-                      for name, t in tensors.items() if name not in given and isinstance(t, torch.Tensor)}
-        _uninitialized.clear()
-        names = tuple(tensors)
-        plan = Plan(workspaces, [_Launch(kernel, grid, kwargs, names) for kernel, grid, kwargs in described])
+        with on_device(next(iter(tensors.values()))):  # type: ignore[arg-type]
+            _uninitialized.clear()  # (no stale id of a freed workspace may match a new one)
+            described = build()
+            workspaces = {name: (t.shape, t.dtype, t.device, id(t) not in _uninitialized)
+                          for name, t in tensors.items() if name not in given and isinstance(t, torch.Tensor)}
+            _uninitialized.clear()
+            names = tuple(tensors)
+            plan = Plan(workspaces, [_Launch(kernel, grid, kwargs, names) for kernel, grid, kwargs in described])
         return remember(_plans, full_key, plan, MAX_PLANS)
     plan(tensors)
     return plan

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..kernels.triton.common import LN2, LOG2E, tile_ptrs
-from ..kernels.device import arch, padded_head_dim
+from ..kernels.device import arch, on_inputs_device, padded_head_dim
 
 
 @triton.jit
@@ -129,6 +129,7 @@ def _tiles(head_dim: int, device) -> tuple[int, int, int]:
     return (64, 64, block_d) if block_d <= 128 else (32, 32, block_d)
 
 
+@on_inputs_device
 def attention_forward(q, k, v, scale: float, causal: bool):
     batch, seqlen_q, nheads, head_dim = q.shape
     block_m, block_n, block_d = _tiles(head_dim, q.device)
@@ -143,6 +144,7 @@ def attention_forward(q, k, v, scale: float, causal: bool):
     return out, lse.view(batch, nheads, seqlen_q)
 
 
+@on_inputs_device
 def attention_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
     batch, seqlen_q, nheads, head_dim = q.shape
     block_m, block_n, block_d = _tiles(head_dim, q.device)

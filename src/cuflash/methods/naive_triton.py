@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..kernels.triton.common import LOG2E
-from ..kernels.device import arch, cdiv, next_power_of_2
+from ..kernels.device import arch, cdiv, next_power_of_2, on_inputs_device
 
 
 @triton.jit
@@ -118,6 +118,7 @@ def _probs(q, k, scale: float, causal: bool):
     return p, lse
 
 
+@on_inputs_device
 def attention_forward(q, k, v, scale: float, causal: bool):
     p, lse = _probs(q, k, scale, causal)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -125,6 +126,7 @@ def attention_forward(q, k, v, scale: float, causal: bool):
     return out, lse
 
 
+@on_inputs_device
 def attention_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
     p, _ = _probs(q, k, scale, causal)
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
