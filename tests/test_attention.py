@@ -78,6 +78,53 @@ def test_sdpa_two_three_and_five_dims(backend):
             assert rel_err(ours, theirs) < 1e-5, (shape, options)
 
 
+def test_empty_inputs(backend):
+    """Inputs with a dim of size 0 (but the head dim) give torch SDPA's results, output and q/k/v
+    gradients shaped and valued as torch's (no key: out 0, gradients 0; no batch, head or query: empty),
+    with GQA, causal, a mask, five dims and a value head dim other than query's; flash_attn_func gives
+    flash-attn's for seqlen_k = 0 (out 0, softmax_lse +inf), and so do the packed and explicit passes."""
+    torch.manual_seed(12)
+    cases = [((0, 4, 5, 16), (0, 2, 7, 16), (0, 2, 7, 16), dict(enable_gqa=True)),
+             ((2, 0, 5, 16), (2, 0, 7, 16), (2, 0, 7, 16), dict()),
+             ((2, 4, 0, 16), (2, 4, 7, 16), (2, 4, 7, 16), dict(is_causal=True)),
+             ((2, 4, 5, 16), (2, 4, 0, 16), (2, 4, 0, 16), dict(is_causal=True)),
+             ((2, 4, 5, 16), (2, 2, 0, 16), (2, 2, 0, 16), dict(attn_mask=torch.ones(5, 0, dtype=torch.bool),
+                                                               enable_gqa=True)),
+             ((3, 0, 4, 5, 16), (3, 0, 4, 7, 16), (3, 0, 4, 7, 16), dict()),
+             ((3, 5, 16), (3, 0, 16), (3, 0, 8), dict())]
+    for shapes in cases:
+        *tensors, options = shapes
+        query, key, value = (torch.randn(*shape) for shape in tensors)
+        dout = torch.randn(*query.shape[:-1], value.shape[-1])
+        ours = run_and_grad_any(lambda a, b, c: cuflash.scaled_dot_product_attention(a, b, c, **options),
+                                (query, key, value), dout)
+        theirs = run_and_grad_any(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, **options),
+                                  (query.double(), key.double(), value.double()), dout.double())
+        for x, y in zip(ours, theirs):
+            assert x.shape == y.shape and torch.equal(x.double(), y), shapes
+    q, k, v = make_qkv(2, 6, 0, 4, 2, 16, torch.float32, "cpu")
+    out, lse, probs = cuflash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(q)) and torch.equal(lse, torch.full((2, 4, 6), float("inf")))
+    assert probs.shape == (2, 4, 6, 0)
+    grads = run_and_grad_any(lambda a, b, c: cuflash.flash_attn_func(a, b, c), (q, k, v), torch.randn_like(q))[1:]
+    assert all(torch.equal(g, torch.zeros_like(t)) for g, t in zip(grads, (q, k, v)))
+    kv = torch.stack([k, v], dim=2)
+    assert torch.equal(cuflash.flash_attn_kvpacked_func(q, kv), torch.zeros_like(q))
+    out, lse = cuflash.forward(q, k, v)
+    assert torch.equal(out, torch.zeros_like(q)) and torch.isinf(lse).all()
+    dq, dk, dv = cuflash.backward(torch.randn_like(q), q, k, v, out, lse)
+    assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == k.shape and dv.shape == v.shape
+
+
+def run_and_grad_any(fn, inputs, dout):
+    """fn's output and the gradients of its inputs (zeros where it has none, as torch gives for empty
+    tensors)."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(dout)
+    return [out.detach()] + [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
+
+
 @pytest.mark.parametrize("value_dim", [8, 24])
 def test_sdpa_value_head_dim_other_than_query(backend, value_dim):
     """value's head dim Ev other than query's E (torch allows it): output and gradients of q, k, v

@@ -59,7 +59,9 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def check_tensor(name: str, t, ndim: int, layout: str) -> None:
+def check_tensor(name: str, t, ndim: int, layout: str, empty: bool = False) -> None:
+    """empty: dims of size 0 (but the head dim) are accepted, where the function computes an empty
+    result (torch SDPA's rule; flash-attn's for seqlen_k = 0)."""
     # Runs on every call: the common case reads cheap attributes only (t.device.type costs as much
     # as the rest together).
     if t is None:
@@ -74,7 +76,7 @@ def check_tensor(name: str, t, ndim: int, layout: str) -> None:
     if head_dim == 0:
         fail(ErrorCode.UNSUPPORTED_HEAD_DIM,
              f"{name} has head dim 0 (shape {tuple(t.shape)}); supported: 1 to {MAX_HEAD_DIM}")
-    if t.numel() == 0:
+    if t.numel() == 0 and not empty:
         fail(ErrorCode.EMPTY_TENSOR, f"{name} has no elements (shape {tuple(t.shape)}); every dimension must be >= 1")
     if t.dtype not in KERNEL_DTYPES and not (t.is_cpu and t.dtype in CPU_DTYPES):
         allowed = CPU_DTYPES if t.is_cpu else KERNEL_DTYPES
@@ -86,12 +88,12 @@ def check_tensor(name: str, t, ndim: int, layout: str) -> None:
              f"call .contiguous() on it")
 
 
-def check_attention_inputs(q, k, v, names=("q", "k", "v")) -> None:
-    """Checks q (B, Nq, H, D), k and v (B, Nk, Hk, D) in flash-attn's layout."""
+def check_attention_inputs(q, k, v, names=("q", "k", "v"), empty: bool = False) -> None:
+    """Checks q (B, Nq, H, D), k and v (B, Nk, Hk, D) in flash-attn's layout (empty: see check_tensor)."""
     nq, nk, nv = names
-    check_tensor(nq, q, 4, "(batch, seqlen_q, nheads, headdim)")
-    check_tensor(nk, k, 4, "(batch, seqlen_k, nheads_k, headdim)")
-    check_tensor(nv, v, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    check_tensor(nq, q, 4, "(batch, seqlen_q, nheads, headdim)", empty)
+    check_tensor(nk, k, 4, "(batch, seqlen_k, nheads_k, headdim)", empty)
+    check_tensor(nv, v, 4, "(batch, seqlen_k, nheads_k, headdim)", empty)
     for name, t in ((nk, k), (nv, v)):
         if t.dtype != q.dtype:
             fail(ErrorCode.DTYPE_MISMATCH, f"{name} has dtype {t.dtype} but {nq} has {q.dtype}; all must match")
@@ -107,7 +109,7 @@ def check_attention_inputs(q, k, v, names=("q", "k", "v")) -> None:
         fail(ErrorCode.SHAPE_MISMATCH, f"{nk} has head dim {k.shape[3]} but {nq} has {head_dim}; they must match")
     if head_dim > MAX_HEAD_DIM:
         fail(ErrorCode.UNSUPPORTED_HEAD_DIM, f"{nq} has head dim {head_dim}; supported: 1 to {MAX_HEAD_DIM}")
-    if q.shape[2] % k.shape[2] != 0:
+    if (q.shape[2] % k.shape[2] if k.shape[2] else q.shape[2]) != 0:
         fail(ErrorCode.SHAPE_MISMATCH,
              f"{nq} has {q.shape[2]} heads, not a multiple of the {k.shape[2]} heads of {nk} (MQA/GQA needs one)")
 
@@ -115,7 +117,7 @@ def check_attention_inputs(q, k, v, names=("q", "k", "v")) -> None:
 def check_same(name: str, t, like: torch.Tensor, like_name: str, shape=None) -> None:
     """Checks that t matches `like` in dtype and device, and has `shape` (default like's)."""
     shape = tuple(like.shape) if shape is None else tuple(shape)
-    check_tensor(name, t, len(shape), str(shape))
+    check_tensor(name, t, len(shape), str(shape), empty=like.numel() == 0)
     if tuple(t.shape) != shape:
         fail(ErrorCode.SHAPE_MISMATCH, f"{name} has shape {tuple(t.shape)}; expected {shape} to match {like_name}")
     if t.device != like.device:

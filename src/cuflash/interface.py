@@ -37,7 +37,7 @@ def _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_sl
     key = signature((q, k, v), softmax_scale, causal, window_size, softcap, deterministic) if plain else None
 
     def build():
-        check_attention_inputs(q, k, v)
+        check_attention_inputs(q, k, v, empty=True)
         _check_device(q)
         return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
                        deterministic)
@@ -102,7 +102,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim); see flash_attn_func."""
-    check_tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)")
+    check_tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)", empty=True)
     if qkv.shape[2] != 3:
         fail(ErrorCode.SHAPE_MISMATCH, f"qkv must have size 3 in dim 2, got shape {tuple(qkv.shape)}")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
@@ -113,7 +113,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash_attn_func on q (batch, seqlen_q, nheads, headdim) and kv (batch, seqlen_k, 2, nheads_k,
     headdim); see flash_attn_func."""
-    check_tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    check_tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)", empty=True)
     if kv.shape[2] != 2:
         fail(ErrorCode.SHAPE_MISMATCH, f"kv must have size 2 in dim 2, got shape {tuple(kv.shape)}")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
@@ -254,9 +254,17 @@ def _one_head_or_padded(query, key, value, options):
     return None
 
 
+def _batched(t):
+    """(..., H, N, D) -> (B, H, N, D): the leading dims merged (or a batch of one added); 4-D inputs
+    skip the reshape (~2 us each)."""
+    if t.ndim == 4:
+        return t
+    return t[None] if t.ndim == 3 else t.flatten(0, -4)
+
+
 def _to_flash(t):
-    """(..., H, N, D) -> (B, N, H, D), a view (4-D inputs skip the reshape: ~2 us each)."""
-    return (t if t.ndim == 4 else t.reshape(-1, *t.shape[-3:])).transpose(1, 2)
+    """(..., H, N, D) -> (B, N, H, D), a view."""
+    return _batched(t).transpose(1, 2)
 
 
 def _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
@@ -265,9 +273,9 @@ def _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     dropout_p = check_dropout(dropout_p)
     names = ("query", "key", "value")
     for name, t in zip(names, (query, key, value)):
-        # What the views need (a tensor of rank >= 3 with elements) is checked as given, the rest on
-        # the views.
-        if not isinstance(t, torch.Tensor) or t.ndim < 3 or t.numel() == 0:
+        # What the views need (a tensor of rank >= 3) and the head dim are checked as given (the
+        # messages show the caller's shapes), the rest on the views.
+        if not isinstance(t, torch.Tensor) or t.ndim < 3 or t.shape[-1] == 0:
             check_tensor(name, t, max(3, getattr(t, "ndim", 3)), "(..., nheads, seqlen, headdim)")
     if not (query.ndim == key.ndim == value.ndim) or query.shape[:-3] != key.shape[:-3]:
         fail(ErrorCode.SHAPE_MISMATCH, f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
@@ -279,14 +287,14 @@ def _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         fail(ErrorCode.SHAPE_MISMATCH, f"key has head dim {key.shape[-1]} but query has {query.shape[-1]}; they "
              f"must be equal (as torch)")
     q, k, v = _to_flash(query), _to_flash(key), _to_flash(value)
-    check_attention_inputs(q, k, v, names)
+    check_attention_inputs(q, k, v, names, empty=True)
     _check_device(q)
     mask = None
     if attn_mask is not None:
         if is_causal:
             fail(ErrorCode.INVALID_ARGUMENT, "pass either attn_mask or is_causal=True, not both (as torch)")
         mask = check_attn_mask(attn_mask, (*query.shape[:-1], key.shape[-2]), q.device)
-        mask = mask.reshape(-1, *mask.shape[-3:])
+        mask = _batched(mask)
     return AttentionParams(resolve_scale(scale, q.shape[-1], "scale"), window_right=0 if is_causal else -1,
                            bottom_right=False, attn_mask=mask, dropout_p=dropout_p,
                            rng_seed=draw_seed(q.device) if dropout_p > 0 else None, deterministic=deterministic)
@@ -294,7 +302,7 @@ def _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
 
 def _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, block_m, block_n,
                      deterministic=False) -> AttentionParams:
-    check_attention_inputs(q, k, v)
+    check_attention_inputs(q, k, v, empty=True)
     _check_device(q)
     block_m, block_n = check_blocks(block_m, block_n)
     return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0, deterministic,

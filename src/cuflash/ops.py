@@ -227,10 +227,28 @@ class _Attention(torch.autograd.Function):
         return (*error(*(g.detach().requires_grad_() for g in grads)), None, None)
 
 
+class _Empty(torch.autograd.Function):
+    """Attention with no query or no key (a dim of size 0): out 0 and softmax_lse +inf, gradients 0,
+    as flash-attn gives for seqlen_k = 0 and torch SDPA for every empty input; nothing is launched."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, params: AttentionParams):
+        ctx.save_for_backward(q, k, v)
+        lse = q.new_full(params.lse_shape(q), float("inf"), dtype=lse_dtype(q.dtype))
+        ctx.mark_non_differentiable(lse)
+        return torch.zeros_like(q, memory_format=torch.contiguous_format), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        return (*(torch.zeros_like(t) for t in ctx.saved_tensors), None)
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, plans: dict | None = None):
     """(out, softmax_lse), differentiable in q, k, v. plans: a dict that the public functions keep per
     checked call signature (memo.py) whose params have no tensor fields, where the backend keeps this
     call's launch plans for the next call of the signature (kernels/attention.py); None elsewhere."""
+    if q.numel() == 0 or k.numel() == 0:
+        return _Empty.apply(q, k, v, params)
     if _direct(q):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return _Attention.apply(q, k, v, params, plans)
@@ -240,6 +258,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
 
 def backward(dout, q, k, v, out, softmax_lse, params: AttentionParams):
     """(dq, dk, dv)."""
+    if q.numel() == 0 or k.numel() == 0:  # (_Empty's)
+        return tuple(torch.zeros_like(t) for t in (q, k, v))
     if _direct(q):
         return _backward_backend(q, params).attention_backward(dout, q, k, v, out, softmax_lse, params)
     return attention_backward(dout, q, k, v, out, softmax_lse, *params.as_args())
