@@ -101,12 +101,13 @@ def test_head_dim_too_large():
 
 
 def test_empty_tensor():
-    """Where no empty result is defined, an empty input raises (the dense functions and SDPA take them:
-    test_attention.py's test_empty_inputs)."""
+    """Where no empty result is defined, an empty input raises (the dense and varlen functions and
+    SDPA take them: test_empty_inputs in test_attention.py and test_varlen.py)."""
     q, k, v = qkv()
     with raises(ErrorCode.EMPTY_TENSOR, "k", "no elements"):
-        cuflash.flash_attn_varlen_func(q[0], k[0, :0], v[0, :0], torch.tensor([0, 8], dtype=torch.int32),
-                                       torch.tensor([0, 0], dtype=torch.int32), 8, 0)
+        cuflash.flash_attn_varlen_func(q[0], k[:0], v[:0], torch.tensor([0, 8], dtype=torch.int32),
+                                       torch.tensor([0, 0], dtype=torch.int32), 8, 0,
+                                       block_table=torch.zeros(1, 1, dtype=torch.int32))  # a pool of no page
     with raises(ErrorCode.EMPTY_TENSOR, "q", "no elements"):
         cuflash.flash_attn_with_kvcache(q[:, :0], k, v)
 

@@ -227,8 +227,8 @@ def check_cu_seqlens(name: str, cu_seqlens, max_name: str, max_seqlen, total: in
              f"{batch + 1}; both describe the same batch")
     if cu_seqlens.device != device:
         fail(ErrorCode.DEVICE_MISMATCH, f"{name} is on {cu_seqlens.device} but q is on {device}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
-        fail(ErrorCode.INVALID_ARGUMENT, f"{max_name} must be an int >= 1, got {max_seqlen!r}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        fail(ErrorCode.INVALID_ARGUMENT, f"{max_name} must be an int >= 0, got {max_seqlen!r}")
     if not torch.compiler.is_compiling():  # the values need a host copy; a compiled graph trusts them
         values = cu_seqlens.tolist()
         lengths = [b - a for a, b in zip(values, values[1:])]

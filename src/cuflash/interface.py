@@ -143,15 +143,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out (total_q, nheads, headdim); with return_attn_probs, (out, softmax_lse (nheads, total_q)
         fp32, probs (batch, nheads, max_seqlen_q, max_seqlen_k), zero-padded).
     """
-    check_tensor("q", q, 3, "(total_q, nheads, headdim)")
+    check_tensor("q", q, 3, "(total_q, nheads, headdim)", empty=True)
     paged = block_table is not None
     layout = "(num_blocks, page_block_size, nheads_k, headdim) with block_table" if paged else \
         "(total_k, nheads_k, headdim)"
-    check_tensor("k", k, 4 if paged else 3, layout)
-    check_tensor("v", v, 4 if paged else 3, layout)
+    check_tensor("k", k, 4 if paged else 3, layout, empty=not paged)
+    check_tensor("v", v, 4 if paged else 3, layout, empty=not paged)
     if paged and k.shape != v.shape:
         fail(ErrorCode.SHAPE_MISMATCH, f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match")
-    check_attention_inputs(q[None], k[:1] if paged else k[None], v[:1] if paged else v[None])
+    check_attention_inputs(q[None], k[:1] if paged else k[None], v[:1] if paged else v[None], empty=True)
     _check_device(q)
     batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q.shape[0], "q", q.device)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, None if paged else k.shape[0],
