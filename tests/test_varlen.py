@@ -129,25 +129,33 @@ def test_varlen_empty_inputs(backend):
     """A batch whose sequences have no key at all (max_seqlen_k = 0, as flash-attn takes it) gives out 0,
     softmax_lse +inf and zero gradients, also through pages nobody reads; one with no query rows gives
     empty results. Sequences of no key beside others: test_varlen."""
-    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
-    no_keys = torch.zeros(4, dtype=torch.int32)
-    q, dout = torch.randn(8, 4, 16), torch.randn(8, 4, 16)
-    k, v = torch.randn(0, 2, 16), torch.randn(0, 2, 16)
+    check_varlen_empty("cpu")
+
+
+@pytest.mark.gpu
+def test_varlen_empty_inputs_on_gpu():
+    check_varlen_empty("cuda")
+
+
+def check_varlen_empty(device):
+    def ints(*values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    cu_q, no_keys = ints(0, 3, 3, 8), ints(0, 0, 0, 0)
+    q, dout = (torch.randn(8, 4, 16, device=device) for _ in range(2))
+    k, v = (torch.randn(0, 2, 16, device=device) for _ in range(2))
     got = run_and_grad(lambda a, b, c: cuflash.flash_attn_varlen_func(a[0], b[0], c[0], cu_q, no_keys, 5, 0,
                                                                       causal=True)[None],
                        q[None], k[None], v[None], dout[None])
-    assert torch.equal(got[0], torch.zeros(1, 8, 4, 16)) and torch.equal(got[1], torch.zeros(1, 8, 4, 16))
+    assert torch.equal(got[0], torch.zeros_like(q)[None]) and torch.equal(got[1], torch.zeros_like(q)[None])
     assert got[2].shape == got[3].shape == (1, 0, 2, 16)
     _, lse, probs = cuflash.flash_attn_varlen_func(q, k, v, cu_q, no_keys, 5, 0, return_attn_probs=True)
-    assert torch.equal(lse, torch.full((4, 8), float("inf"))) and probs.shape == (3, 4, 5, 0)
-    pool = torch.randn(4, 16, 2, 16)
-    paged = cuflash.flash_attn_varlen_func(q, pool, pool, cu_q, no_keys, 5, 0,
-                                           block_table=torch.zeros(3, 1, dtype=torch.int32))
+    assert torch.equal(lse, torch.full((4, 8), float("inf"), device=device)) and probs.shape == (3, 4, 5, 0)
+    pool = torch.randn(4, 16, 2, 16, device=device)
+    paged = cuflash.flash_attn_varlen_func(q, pool, pool, cu_q, no_keys, 5, 0, block_table=ints(0, 0, 0)[:, None])
     assert torch.equal(paged, torch.zeros_like(q))
-    none = torch.zeros(2, dtype=torch.int32)
-    out = cuflash.flash_attn_varlen_func(q[:0], torch.randn(6, 2, 16), torch.randn(6, 2, 16), none,
-                                         torch.tensor([0, 6], dtype=torch.int32), 0, 6)
-    assert out.shape == (0, 4, 16)
+    keys = torch.randn(6, 2, 16, device=device)
+    assert cuflash.flash_attn_varlen_func(q[:0], keys, keys, ints(0, 0), ints(0, 6), 0, 6).shape == (0, 4, 16)
 
 
 def test_varlen_strided_cu_seqlens_and_block_table(backend):
