@@ -2,7 +2,14 @@
 beside torch SDPA (its flash backend), and of a flash_attn_with_kvcache decode step (one token
 appended, contiguous or paged cache), on problems small enough that the GPU
 finishes first (so the wall time of many back-to-back calls is the host's). Usage, on a GPU:
-PYTHONPATH=src python3 scripts/overhead.py (fastest of 5 interleaved rounds per layer)"""
+PYTHONPATH=src python3 scripts/overhead.py (fastest of 5 interleaved rounds per layer); with --pieces,
+the forward's launch path piece by piece (the compiled kernel's C launcher alone, Triton's runner, our
+launcher, the plan lookup, the allocations) and cProfile's top entries of a forward, an autograd step
+and a paged decode step."""
+import cProfile
+import io
+import pstats
+import sys
 import time
 
 import torch
@@ -100,12 +107,62 @@ layers = {
         q1, k_pages, v_pages, k1, v1, cache_seqlens=seqlens, block_table=table, causal=True),
     "torch SDPA flash, the decode step's attention only": _sdpa_flash_decode,
 }
+PROFILED = ("flash_attn_func (validation + op)", "flash_attn_func forward+backward (autograd.grad)",
+            "decode step, paged, tensor cache_seqlens")
+
+
+def _pieces() -> dict:
+    """The forward's launch path, piece by piece, on the signature's plans (kernels/attention.py)."""
+    from triton.runtime import driver
+
+    from cuflash.kernels import launch
+    plans: dict = {}
+    ka.attention_forward(q, k, v, p, plans=plans)
+    ka.attention_backward(dout, q, k, v, out, lse, p, plans=plans)
+    one, = next(plan for key, plan in plans.items() if key[0] == "forward").launches
+    tensors = dict(Q=q, K=k, V=v, Out=out, Lse=lse)
+    values = tuple(tensors.values())
+    args = one.args.copy()
+    for i, j in one.slots:
+        args[i] = values[j]
+    compiled, grid3 = kernel[grid](**kwargs), (*grid, 1, 1)[:3]
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    print(f"{len(args)} launcher arguments")
+    return {
+        "the C launcher alone (compiled.run, stream given)": lambda: compiled.run(
+            *grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args),
+        "Triton's runner (compiled[grid](*args))": lambda: compiled[grid3](*args),
+        "our launcher (compat.compiled_launcher)": lambda: one.run(*args),
+        "launch()'s signature": lambda: launch.signature(values),
+        "params.key()": p.key,
+        "out + lse allocation": lambda: (torch.empty_like(q, memory_format=torch.contiguous_format),
+                                         torch.empty(p.lse_shape(q), dtype=torch.float32, device="cuda")),
+        "kernels.attention_forward, launch()'s lookup": lambda: ka.attention_forward(q, k, v, p),
+        "kernels.attention_forward, the signature's plans": lambda: ka.attention_forward(q, k, v, p, plans=plans),
+        "kernels.attention_backward, the signature's plans": lambda: ka.attention_backward(
+            dout, q, k, v, out, lse, p, plans=plans),
+        **{name: layers[name] for name in PROFILED},
+    }
+
+
 print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
+timed = _pieces() if "--pieces" in sys.argv else layers
 # Host timings drift by up to 2x within a process (clocks, other tenants): every layer is timed in
 # 5 interleaved rounds and the fastest round reported.
-best = {name: per_call_us(fn, 500) for name, fn in layers.items()}
+best = {name: per_call_us(fn, 500) for name, fn in timed.items()}
 for _ in range(4):
-    for name, fn in layers.items():
+    for name, fn in timed.items():
         best[name] = min(best[name], per_call_us(fn, 500))
 for name, us in best.items():
     print(f"{us:8.1f} us  {name}")
+if "--pieces" in sys.argv:
+    for name in PROFILED:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(500):
+            layers[name]()
+        profile.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+        print(f"== cProfile, 500 calls: {name}\n{text.getvalue()}")
