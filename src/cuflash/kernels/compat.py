@@ -5,7 +5,8 @@ there the Triton kernels take every input.
 
 Gluon's names that changed after 3.6: the TMA load and store and the thread barrier were renamed;
 the TMA reduction into global memory (the fused backward's dQ) has a Gluon function only after
-3.6, whose IR builder has the operation.
+3.6, whose IR builder has the operation. compiled_launcher is the one use of Triton's launch
+internals (a compiled kernel's launcher and its arguments), the same in both.
 """
 import importlib
 from typing import Any, Callable
