@@ -9,7 +9,10 @@ order base, new, new, base, then one CSV row per case with both rounds of each t
 
 The first times `cuflash bench` (TFLOP/s: a ratio above 1 is faster; each round's output in
 OUT/<round>-<tree>/), the second scripts/overhead.py (host microseconds per call: below 1 is faster;
-each round's output in OUT/<round>-<tree>.txt).
+each round's output in OUT/<round>-<tree>.txt). A host's speed drifts between rounds (up to 2x
+within minutes on the GPU machines), so --overhead also gives each row's new/base with every
+round's time taken over the same round's torch SDPA flash backend (ANCHOR), which both trees run
+alike (column vs_anchor).
 Writes OUT/ab.csv and prints the rows and the geometric mean of the ratios.
 """
 import csv
@@ -21,6 +24,7 @@ import sys
 from pathlib import Path
 
 ORDER = ("base", "new", "new", "base")
+ANCHOR = ("torch SDPA, flash backend",)
 KEY = ("provider", "dtype", "mode", "variant", "head_dim", "seqlen", "causal")
 
 
@@ -43,25 +47,31 @@ def main() -> int:
         return 2
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    columns = ("layer",) if sys.argv[2:] == ["--overhead"] else KEY
+    overhead = sys.argv[2:] == ["--overhead"]
+    columns = ("layer",) if overhead else KEY
     rounds = [(tree, _round(out, i, tree, sys.argv[2:])) for i, tree in enumerate(ORDER, 1)]
     base = [r for tree, r in rounds if tree == "base"]
     new = [r for tree, r in rounds if tree == "new"]
+    anchored = overhead and all(ANCHOR in r for _, r in rounds)
     rows, logs = [], []
     for key in base[0]:
         b, n = [r[key] for r in base if key in r], [r[key] for r in new if key in r]
         if len(b) == 2 and len(n) == 2:
             ratio = (n[0] + n[1]) / (b[0] + b[1])
-            rows.append([*key, *b, *n, round(ratio, 4)])
+            row = [*key, *b, *n, round(ratio, 4)]
+            if anchored:
+                row.append(round(sum(r[key] / r[ANCHOR] for r in new) / sum(r[key] / r[ANCHOR] for r in base), 4))
+            rows.append(row)
             logs.append(math.log(ratio))
     with open(out / "ab.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow([*columns, "base_r1", "base_r2", "new_r1", "new_r2", "ratio"])
+        w.writerow([*columns, "base_r1", "base_r2", "new_r1", "new_r2", "ratio", *(["vs_anchor"] if anchored else [])])
         w.writerows(rows)
     for row in rows:
         print(",".join(map(str, row)))
     if logs:
-        print(f"{len(rows)} cases; new/base {min(r[-1] for r in rows):.3f}-{max(r[-1] for r in rows):.3f}, "
+        print(f"{len(rows)} cases; new/base {min(r[len(columns) + 4] for r in rows):.3f}-"
+              f"{max(r[len(columns) + 4] for r in rows):.3f}, "
               f"geometric mean {math.exp(sum(logs) / len(logs)):.4f}")
     return 0
 
