@@ -184,7 +184,7 @@ def _save(ctx, q, k, v, out, lse, params: AttentionParams, plans: dict | None = 
     through save_for_backward, the params without them, and the forward's launch plans (forward())."""
     tensors = params.tensors()
     ctx.save_for_backward(q, k, v, out, lse, *tensors)
-    ctx.params = params if tensors.count(None) == len(tensors) else params.with_tensors((None,) * len(tensors))
+    ctx.params = params.with_tensors((None,) * len(tensors)) if params.holds_tensors else params
     ctx.plans = plans
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zero tensor made for lse's gradient on every backward
@@ -193,7 +193,7 @@ def _save(ctx, q, k, v, out, lse, params: AttentionParams, plans: dict | None = 
 def _restore(ctx) -> tuple:
     """(q, k, v, out, lse, params) as _save kept them."""
     q, k, v, out, lse, *tensors = ctx.saved_tensors
-    params = ctx.params if tensors.count(None) == len(tensors) else ctx.params.with_tensors(tuple(tensors))
+    params = ctx.params.with_tensors(tuple(tensors)) if any(t is not None for t in tensors) else ctx.params
     return q, k, v, out, lse, params
 
 

@@ -102,6 +102,11 @@ class AttentionParams:
         """The tensor fields (None where not given), in a fixed order (with_tensors')."""
         return _TENSORS(self)
 
+    @property
+    def holds_tensors(self) -> bool:
+        """Whether any tensor field is given."""
+        return _TENSORS(self).count(None) != len(_TENSOR_NAMES)
+
     def with_tensors(self, tensors: tuple) -> AttentionParams:
         """These params with the tensor fields `tensors`, in tensors()' order."""
         return dataclasses.replace(self, **dict(zip(_TENSOR_NAMES, tensors)))

@@ -15,7 +15,6 @@ from .triton import backward as triton_backward
 from .triton import forward as triton_forward
 from .variant import problem, variant_tensors
 
-_TENSOR_FIELDS = len(AttentionParams(1.0).tensors())
 gluon_forward = gluon_kernels("forward")  # None where Triton has not its Gluon dialect
 gluon_backward = gluon_kernels("backward")
 
@@ -54,7 +53,7 @@ def _open_key(plans: dict | None, params: AttentionParams, entry: Entry | None, 
     need it); `extra` in a backward: dO's strides and dtype (autograd passes any). None without plans,
     with candidates (entry) or tensor fields in params (their tensors would be launch arguments that no
     key holds)."""
-    if plans is None or entry is not None or params.tensors().count(None) != _TENSOR_FIELDS:
+    if plans is None or entry is not None or params.holds_tensors:
         return None
     return pass_, tf32(inputs[0]), *(t.data_ptr() % 16 == 0 for t in inputs), *extra
 
