@@ -420,6 +420,41 @@ def test_launch_plan_workspaces_are_fresh_and_made_as_asked():
     assert {name: zeroed for name, (*_, zeroed) in plan.workspaces.items()} == {"Work": True, "Scratch": False}
 
 
+@interpret
+def test_launch_plan_arguments_are_found_by_identity():
+    """A kernel's tensor argument takes its place in the plan by identity among the launch's
+    tensors, whatever the name (the unsplit decode writes its result through the arguments that
+    name the partial buffers); a tensor that is not one of them (a view made in build) would be
+    frozen into the plan and raises, as an int argument the kernel specializes on does."""
+    import triton
+    import triton.language as tl
+
+    from cuflash.kernels import launch
+
+    @triton.jit(do_not_specialize=["add"])
+    def copy_add(Src, Dst, add, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(Dst + offs, tl.load(Src + offs) + add)
+
+    @triton.jit
+    def copy_add_specialized(Src, Dst, add, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(Dst + offs, tl.load(Src + offs) + add)
+
+    for add in (1, 2):  # the second call: the first call's plan, new tensors and int
+        tensors = dict(In=torch.arange(8.0), Out=torch.empty(8), add=add)
+        launch.launch(("identity test",), tensors, lambda: [
+            (copy_add, (1,), dict(Src=tensors["In"], Dst=tensors["Out"], add=tensors["add"], N=8))])
+        assert torch.equal(tensors["Out"], torch.arange(8.0) + add)
+    tensors = dict(In=torch.arange(16.0), Out=torch.empty(8), add=0)
+    with pytest.raises(TypeError, match="Src is not one of the launch's tensors"):
+        launch.launch(("view test",), tensors, lambda: [
+            (copy_add, (1,), dict(Src=tensors["In"][::2], Dst=tensors["Out"], add=0, N=8))])
+    with pytest.raises(TypeError, match="add may change"):
+        launch.launch(("specialized test",), tensors, lambda: [
+            (copy_add_specialized, (1,), dict(Src=tensors["In"], Dst=tensors["Out"], add=0, N=8))])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seqlen", [256, 512, 1024, 2048])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

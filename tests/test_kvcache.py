@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import BOUNDS, GPU_DTYPES, rel_err, rotary_reference, strided_view
+from attn_testing import BOUNDS, GPU_DTYPES, interpret, rel_err, rotary_reference, strided_view
 from cuflash.reference import attention_reference
 
 
@@ -253,6 +253,50 @@ def test_decode_matches_full_attention(backend, monkeypatch):
     assert torch.allclose(torch.cat(outs, dim=1), full, atol=1e-5)
 
 
+@interpret
+def test_decode_steps_launch_their_signature_plans_directly(monkeypatch):
+    """flash_attn_with_kvcache keeps the decode's launch plans per checked call signature: a later
+    step launches them without launch()'s lookup and still appends and attends right, on new data
+    and new lengths, with the splits' partial results made anew; a query off 16-byte alignment or an
+    int cache_seqlens (an argument of its own plan) looks one up."""
+    from cuflash import memo
+    from cuflash.kernels.triton import decode
+
+    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
+    monkeypatch.setattr(memo, "CHECKED", {})
+    looked_up = []
+
+    def counting(key, tensors, build, _launch=decode.launch):
+        looked_up.append(key[0].__name__)
+        return _launch(key, tensors, build)
+    monkeypatch.setattr(decode, "launch", counting)
+    torch.manual_seed(27)
+    k_cache, v_cache = (torch.randn(9, 8, 2, 16) for _ in range(2))
+    table = torch.tensor([[4, 0, 7, 1], [2, 8, 5, 3]], dtype=torch.int32)
+
+    def step(seqlens, q=None):
+        q = torch.randn(2, 1, 4, 16) if q is None else q
+        k, v = (torch.randn(2, 1, 2, 16) for _ in range(2))
+        out = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
+                                              num_splits=3)
+        lengths = [seqlens] * 2 if isinstance(seqlens, int) else seqlens.tolist()
+        for b, n in enumerate(lengths):
+            keys, values = (c[table[b].long()].flatten(0, 1)[:n + 1] for c in (k_cache, v_cache))
+            assert torch.equal(keys[-1], k[b, 0]) and torch.equal(values[-1], v[b, 0])
+            assert rel_err(out[b:b + 1], attention_reference(q[b:b + 1], keys[None], values[None])[0]) < 1e-5
+        found = [name for name in looked_up if name == "decode_forward"]
+        looked_up.clear()
+        return found
+
+    assert step(torch.tensor([3, 20], dtype=torch.int32)) == ["decode_forward"]
+    assert step(torch.tensor([9, 30], dtype=torch.int32)) == []
+    shifted = torch.empty(2 * 4 * 16 + 1)[1:].view(2, 1, 4, 16).normal_()  # 4 bytes past 16-byte alignment
+    assert step(torch.tensor([10, 1], dtype=torch.int32), shifted) == ["decode_forward"]
+    assert step(torch.tensor([11, 2], dtype=torch.int32), shifted) == []
+    assert step(12) == ["decode_forward"]
+    assert step(13) == []
+
+
 def _call(**overrides):
     args = dict(q=torch.randn(2, 1, 4, 16), k_cache=torch.randn(2, 32, 2, 16), v_cache=torch.randn(2, 32, 2, 16),
                 k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16),
@@ -291,9 +335,68 @@ def _call(**overrides):
     (dict(k_cache=torch.randn(1, 32, 2, 16), v_cache=torch.randn(1, 32, 2, 16)), "SHAPE_MISMATCH", "cache rows"),
     (dict(v_cache=torch.randn(2, 32, 16)), "INVALID_DIMENSION", "v_cache"),
 ])
-def test_bad_input_leaves_the_cache_untouched(overrides, code, word):
+def test_bad_input_leaves_the_cache_untouched(backend, overrides, code, word):
     err = _call(**overrides)
     assert err.code.name == code and word in str(err), str(err)
+
+
+def _extremes_by_hand(seqlens, seqlen_new, leftpad, rows, table, rows_per_seq, repeats):
+    """params.IndexExtremes in plain Python, sequence by sequence."""
+    given = next(t for t in (seqlens, leftpad, rows, table) if isinstance(t, torch.Tensor))
+    lengths = seqlens.tolist() if isinstance(seqlens, torch.Tensor) else [seqlens] * given.shape[0]
+    pads, row_list = (leftpad.tolist() if leftpad is not None else None), (rows.tolist() if rows is not None else None)
+    used = [0] if table is None else [page for b, pages in enumerate(table.tolist()) for p, page in enumerate(pages)
+                                      if p * rows_per_seq < lengths[b] + seqlen_new] or [0]
+    if table is not None and len(used) < table.numel():
+        used.append(0)  # (an unused entry counts as page 0)
+    return cuflash.params.IndexExtremes(
+        min(lengths), max(lengths), min(pads) if pads else 0,
+        max(p - n for p, n in zip(pads, lengths)) if pads else 0, min(row_list) if row_list else 0,
+        max(row_list) if row_list else 0, bool(repeats and row_list and len(set(row_list)) < len(row_list)),
+        min(used), max(used))
+
+
+def _index_case(name, gen):
+    """(cache_seqlens, seqlen_new, cache_leftpad, cache_batch_idx, block_table, rows_per_seq, repeats)."""
+    i32 = dict(dtype=torch.int32)
+    if name == "seqlens":
+        return torch.randint(-5, 900, (3,), generator=gen, **i32), 1, None, None, None, 16, True
+    if name == "int_seqlens_paged":  # 300 pages: more than one tile of them; unused entries hold anything
+        table = torch.randint(-10**9, 10**9, (2, 300), generator=gen, **i32)
+        table[:, :20] = torch.randint(0, 50, (2, 20), generator=gen, **i32)
+        return 300, 4, None, None, table, 16, True
+    if name == "paged_past_the_end":
+        table = torch.randint(0, 8, (70, 5), generator=gen, **i32)
+        table[7, 4], table[9, 1] = 99, -3  # sequence 7 reaches its fifth page, sequence 9 not its second
+        seqlens = torch.randint(0, 64, (70,), generator=gen, **i32)
+        seqlens[7], seqlens[9] = 70, 15
+        return seqlens, 1, None, None, table, 16, False
+    if name == "leftpad_rows":  # 70 sequences: two tiles; a repeat across them; int64 rows beyond int32
+        seqlens = torch.randint(5, 50, (70,), generator=gen, **i32)
+        leftpad = torch.randint(0, 5, (70,), generator=gen, **i32)
+        leftpad[66] = 60
+        rows = torch.randperm(100, generator=gen)[:70]
+        rows[67] = rows[3]
+        rows[10] = 2**40
+        return seqlens, 2, leftpad, rows, None, 64, True
+    if name == "distinct_rows":
+        return torch.randint(0, 9, (70,), generator=gen, **i32), 1, None, torch.randperm(90, generator=gen)[:70], \
+            None, 64, True
+    assert name == "rows_no_repeat_asked"
+    rows = torch.tensor([4, 4, -1], dtype=torch.int32)
+    return 7, 0, None, rows, None, 64, False
+
+
+@pytest.mark.parametrize("case", ["seqlens", "int_seqlens_paged", "paged_past_the_end", "leftpad_rows",
+                                  "distinct_rows", "rows_no_repeat_asked"])
+def test_index_extremes_of_each_backend(backend, case):
+    """The extremes the value checks read (cpu.py's torch ops, the Triton kernel through the
+    interpreter), against plain Python: repeats across the kernel's tiles of sequences, pages past
+    a tile of them, unused page entries holding anything, int64 rows, an int cache_seqlens."""
+    args = _index_case(case, torch.Generator().manual_seed(26))
+    got = cuflash.ops.index_extremes(torch.zeros(1), *args)
+    assert got == _extremes_by_hand(*args)
+    assert type(got.repeated) is bool
 
 
 def test_layout_checks_run_once_per_signature(monkeypatch):

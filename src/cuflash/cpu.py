@@ -15,7 +15,7 @@ import torch
 
 from .dropout import head_ids, keep_mask
 from .errors import lse_dtype
-from .params import AttentionParams, cache_slot, per_sequence
+from .params import AttentionParams, IndexExtremes, cache_slot, per_sequence
 
 BLOCK_M = 256  # query rows and keys per tile where the call asks for none (AttentionParams.block_m/_n)
 BLOCK_N = 512
@@ -243,11 +243,11 @@ def append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_rows, b
 
 
 def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad, cache_rows, block_table,
-                   params: AttentionParams, num_splits: int = 0, k_new=None, v_new=None):
-    """Same contract as kernels.decode_forward: k_new, v_new appended (append_to_cache), then each
-    sequence's keys (cache positions leftpad[b] .. cache_seqlens[b] + seqlen_new - 1) gathered into
-    one packed tensor, attended as a varlen batch. num_splits changes only the kernels' rounding: not
-    used here."""
+                   params: AttentionParams, num_splits: int = 0, k_new=None, v_new=None, plans: dict | None = None):
+    """Same contract as kernels.decode_forward (plans: none here): k_new, v_new appended
+    (append_to_cache), then each sequence's keys (cache positions leftpad[b] .. cache_seqlens[b] +
+    seqlen_new - 1) gathered into one packed tensor, attended as a varlen batch. num_splits changes
+    only the kernels' rounding: not used here."""
     if k_new is not None:
         append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_rows, block_table)
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -264,3 +264,21 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad,
                                  max_seqlen_q=seqlen_q, max_seqlen_k=max(1, int(lengths.max())))
     out, lse = attention_forward(q.reshape(batch * seqlen_q, nheads, head_dim), k_packed, v_packed, params)
     return out.view(q.shape), lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
+
+
+def index_extremes(cache_seqlens, seqlen_new: int, leftpad, rows, table, rows_per_seq: int,
+                   repeats: bool) -> IndexExtremes:
+    """params.IndexExtremes of a decode step's index tensors (at least one given; cache_seqlens
+    may be an int), as torch ops; repeats: whether to look for a repeated cache_batch_idx row."""
+    def lo_hi(x: torch.Tensor | None) -> tuple[int, int]:
+        return (0, 0) if x is None else (int(x.min()), int(x.max()))
+
+    given = next(t for t in (cache_seqlens, leftpad, rows, table) if isinstance(t, torch.Tensor))
+    seqlens = per_sequence(cache_seqlens, given.shape[0], given.device)
+    used = None
+    if table is not None:  # the pages before each sequence's end, 0 in the others' place
+        positions = torch.arange(0, table.shape[1] * rows_per_seq, rows_per_seq, device=table.device)
+        used = torch.where(positions < (seqlens + seqlen_new)[:, None], table, 0)
+    repeated = repeats and rows is not None and bool((rows.sort().values.diff() == 0).any())
+    return IndexExtremes(*lo_hi(seqlens), lo_hi(leftpad)[0], lo_hi(None if leftpad is None else leftpad - seqlens)[1],
+                         *lo_hi(rows), repeated, *lo_hi(used))

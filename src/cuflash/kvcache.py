@@ -10,15 +10,13 @@ sequence's keys and runs the blocked varlen attention on them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from . import ops
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_softcap, check_tensor, check_window,
                      fail, resolve_scale)
-from .memo import checked, plain_flash_options, signature
-from .params import AttentionParams, per_sequence
+from .memo import plain_flash_options, remembered, signature
+from .params import AttentionParams, IndexExtremes, per_sequence
 from .rotary import check_cos_sin, rotate
 
 
@@ -73,7 +71,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                      block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
     q, k = _rotate(call, q, k, rotary_cos, rotary_sin, rotary_interleaved)
     out, lse = ops.decode(q, k_cache, v_cache, call.seqlens, call.seqlen_new, call.leftpad, call.rows, call.table,
-                          call.params, num_splits, k, v)
+                          call.params, num_splits, k, v, call.plans)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -88,6 +86,7 @@ class _Call:
     table: torch.Tensor | None  # block_table
     params: AttentionParams
     shifted: bool  # query token i at position cache_seqlens + i (causal or windowed), else all at cache_seqlens
+    plans: dict | None  # the launch plans of the call signature (memo.remembered)
 
 
 def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -101,9 +100,9 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
     key = signature((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
                      cache_seqlens if given else None), "kvcache", softmax_scale, causal, window_size, softcap,
                     num_splits) if plain else None
-    layout = checked(key, lambda: _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                                cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                                                window_size, softcap, alibi_slopes, num_splits))
+    layout, plans = remembered(key, lambda: _check_layout(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits))
     if layout.strided_indexes:  # the kernels address them by position (flash-attn refuses such views)
         cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
             t.contiguous() if isinstance(t, torch.Tensor) else t
@@ -111,10 +110,10 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
     seqlens = layout.capacity if cache_seqlens is None else cache_seqlens
     # (is_compiling first: torch.compile cannot trace the capture query)
     if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _check_values(seqlens, layout.seqlen_new, layout.capacity, cache_leftpad, cache_batch_idx, k_cache.shape[0],
+        _check_values(q, seqlens, layout.seqlen_new, layout.capacity, cache_leftpad, cache_batch_idx, k_cache.shape[0],
                       block_table, k_cache.shape[1], rotary_cos, layout.query_span)
     return _Call(seqlens, layout.seqlen_new, cache_leftpad, cache_batch_idx, block_table, layout.params,
-                 layout.shifted)
+                 layout.shifted, plans)
 
 
 @dataclass(frozen=True)
@@ -198,50 +197,31 @@ def _rotate(call: _Call, q, k, rotary_cos, rotary_sin, interleaved):
     return q, k
 
 
-def _check_values(seqlens, seqlen_new, capacity, leftpad, rows, cache_rows, table, rows_per_seq, rotary_cos,
+def _check_values(q, seqlens, seqlen_new, capacity, leftpad, rows, cache_rows, table, rows_per_seq, rotary_cos,
                   query_span):
-    """Checks the values of the index arguments before anything is written. Each index tensor is
-    summarized on the device (its smallest and largest value, a flag), the summaries read to the
-    host together, once (skipped while a CUDA graph is captured: its replays see other values), and
-    compared there with the ints: every small kernel adds to a decode step's host time."""
-    facts: dict[str, Any] = {}  # name -> an int, or a 0-d tensor read below
-
-    def span(name: str, x) -> None:
-        if isinstance(x, torch.Tensor) and x.numel():
-            facts[name + "_lo"], facts[name + "_hi"] = x.aminmax()
-        else:  # an int for all sequences, or no sequence at all
-            facts[name + "_lo"] = facts[name + "_hi"] = 0 if isinstance(x, torch.Tensor) else x
-
-    span("seqlens", seqlens)
-    if leftpad is not None:
-        span("leftpad", leftpad)
-        span("past", leftpad - seqlens)  # > 0 where a sequence would start past its end
-    if rows is not None:
-        span("rows", rows)
-        facts["duplicated"] = (rows.sort().values.diff() == 0).any() if seqlen_new and rows.numel() > 1 else False
-    if table is not None:
-        ends = seqlens + seqlen_new
-        used = torch.arange(0, table.shape[1] * rows_per_seq, rows_per_seq, device=table.device) < (
-            ends[:, None] if isinstance(ends, torch.Tensor) else ends)
-        span("table", torch.where(used, table, 0))  # pages past a sequence's end may hold anything
-    on_device = [name for name, x in facts.items() if isinstance(x, torch.Tensor)]
-    if on_device:
-        facts.update(zip(on_device, torch.stack([facts[name] for name in on_device]).tolist()))
+    """Checks the values of the index arguments before anything is written, from their extremes
+    (params.IndexExtremes), which the backend reduces on the device and reads to the host at once
+    (skipped while a CUDA graph is captured: its replays see other values): every small kernel adds
+    to a decode step's host time, and the read waits for the GPU."""
+    if any(isinstance(t, torch.Tensor) for t in (seqlens, leftpad, rows, table)):
+        facts = ops.index_extremes(q, seqlens, seqlen_new, leftpad, rows, table, rows_per_seq, seqlen_new > 0)
+    else:  # an int cache_seqlens alone
+        facts = IndexExtremes(seqlens, seqlens, 0, 0, 0, 0, False, 0, 0)
 
     def values(x):
         return x.tolist() if isinstance(x, torch.Tensor) else x
 
-    if facts["seqlens_lo"] < 0 or facts["seqlens_hi"] + seqlen_new > capacity:
+    if facts.seqlens_lo < 0 or facts.seqlens_hi + seqlen_new > capacity:
         room = (f"block_table's {table.shape[1]} pages of {rows_per_seq} positions" if table is not None
                 else f"the cache's {capacity} positions per sequence")
         fail(ErrorCode.INVALID_ARGUMENT, f"cache_seqlens {values(seqlens)} + {seqlen_new} new tokens must fit {room}")
-    if leftpad is not None and (facts["leftpad_lo"] < 0 or facts["past_hi"] > 0):
+    if leftpad is not None and (facts.leftpad_lo < 0 or facts.past_hi > 0):
         fail(ErrorCode.INVALID_ARGUMENT, f"cache_leftpad {leftpad.tolist()} must lie in [0, cache_seqlens]")
-    if rows is not None and (facts["rows_lo"] < 0 or facts["rows_hi"] >= cache_rows or facts["duplicated"]):
+    if rows is not None and (facts.rows_lo < 0 or facts.rows_hi >= cache_rows or facts.repeated):
         fail(ErrorCode.INVALID_ARGUMENT, f"cache_batch_idx {rows.tolist()} must be distinct rows of the "
              f"{cache_rows} cache rows")
-    if table is not None and (facts["table_lo"] < 0 or facts["table_hi"] >= cache_rows):
+    if table is not None and (facts.pages_lo < 0 or facts.pages_hi >= cache_rows):
         fail(ErrorCode.INVALID_ARGUMENT, f"block_table points outside the {cache_rows} cache blocks")
-    needed = facts["seqlens_hi"] + query_span  # the largest rotary position used, plus one
+    needed = facts.seqlens_hi + query_span  # the largest rotary position used, plus one
     if rotary_cos is not None and needed > rotary_cos.shape[0]:
         fail(ErrorCode.INVALID_ARGUMENT, f"rotary_cos has {rotary_cos.shape[0]} positions; {needed} are needed")

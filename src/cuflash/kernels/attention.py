@@ -8,7 +8,7 @@ import torch
 from ..params import AttentionParams
 from .compat import gluon_kernels
 from .device import tf32
-from .launch import launch, workspace
+from .launch import keep, kept, launch, open_key, workspace
 from .plan import Entry, select, user_tiles_checked
 from .triton import Tiles
 from .triton import backward as triton_backward
@@ -26,12 +26,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     like q and softmax_lse (B, H, Nq) (varlen: (H, total_q)) fp32. entry: candidates instead of the
     table's (kernels/plan.py), for tuning and tests. plans (ops.forward): the launch plans of one call
     signature of a public function, which fixes q, k and v's shapes, strides, dtypes and devices and
-    params: a later call finds its plan there by what the signature leaves open (_open_key), skipping
-    launch()'s lookup (its dict of every argument tensor, key and signature)."""
+    params: a later call finds its plan there by what the signature leaves open (launch.open_key)."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (~2x faster than torch.empty)
     lse = torch.empty(params.lse_shape(q), dtype=torch.float32, device=q.device)
     key = _open_key(plans, params, entry, "forward", (q, k, v))
-    plan = None if key is None or plans is None else plans.get(key)
+    plan = kept(plans, key)
     if plan is not None:
         plan(dict(Q=q, K=k, V=v, Out=out, Lse=lse))
         return out, lse
@@ -41,27 +40,18 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     with user_tiles_checked(params, q.shape[-1], q.dtype):
         plan = launch((attention_forward, params.key(), entry, tf32(q)), tensors,
                       lambda: [_forward(tensors, params, entry)])
-    _keep(plans, key, plan)
+    keep(plans, key, plan)
     return out, lse
 
 
 def _open_key(plans: dict | None, params: AttentionParams, entry: Entry | None, pass_: str,
               inputs: tuple[torch.Tensor, ...], *extra) -> tuple | None:
-    """The key of a plan in `plans`: what a launch plan depends on beyond a public function's call
-    signature, which fixes the inputs' shapes, strides, dtypes and devices and params: TF32 (fp32
-    inputs) and each input's 16-byte alignment (Triton specializes a pointer on it, the Gluon kernels
-    need it); `extra` in a backward: dO's strides and dtype (autograd passes any). None without plans,
-    with candidates (entry) or tensor fields in params (their tensors would be launch arguments that no
-    key holds)."""
-    if plans is None or entry is not None or params.holds_tensors:
+    """launch.open_key, with `extra` in a backward dO's strides and dtype (autograd passes any); None
+    with candidates (entry) or tensor fields in params (their tensors would be launch arguments that
+    no key holds)."""
+    if entry is not None or params.holds_tensors:
         return None
-    return pass_, tf32(inputs[0]), *(t.data_ptr() % 16 == 0 for t in inputs), *extra
-
-
-def _keep(plans: dict | None, key: tuple | None, plan) -> None:
-    # A handful of plans per signature at most (a backward's dO strides vary only by caller).
-    if key is not None and plans is not None and len(plans) < 16:
-        plans[key] = plan
+    return open_key(plans, pass_, inputs, *extra)
 
 
 def _forward(t: dict, params: AttentionParams, entry: Entry | None) -> tuple:
@@ -83,7 +73,7 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: 
                    DK=torch.empty_like(k, memory_format=torch.contiguous_format),
                    DV=torch.empty_like(v, memory_format=torch.contiguous_format))
     key = _open_key(plans, params, entry, "backward", (q, k, v, dout), dout.stride(), dout.dtype)
-    plan = None if key is None or plans is None else plans.get(key)
+    plan = kept(plans, key)
     if plan is not None:
         plan(tensors)
     else:
@@ -91,7 +81,7 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: 
         with user_tiles_checked(params, q.shape[-1], q.dtype):
             plan = launch((attention_backward, params.key(), entry, tf32(q)), tensors,
                           lambda: _backward(tensors, params, entry))
-        _keep(plans, key, plan)
+        keep(plans, key, plan)
     return tensors["DQ"], tensors["DK"], tensors["DV"]
 
 

@@ -22,7 +22,7 @@ import triton
 
 from ..memo import remember
 from .compat import compiled_launcher
-from .device import on_device, scratch
+from .device import on_device, scratch, tf32
 
 # One plan per signature; a workload with endlessly new shapes (varlen batches with a new longest
 # sequence each step) drops the oldest plans past this many.
@@ -66,20 +66,30 @@ class _Launch:
     with the tensors' places left empty (a plan holds no tensor)."""
     __slots__ = ("run", "args", "slots", "scratch")
 
-    def __init__(self, kernel, grid: tuple, kwargs: dict, names: tuple[str, ...]):
+    def __init__(self, kernel, grid: tuple, kwargs: dict, tensors: dict[str, torch.Tensor | int]):
         options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in kwargs}
         args = [kwargs.pop(name) for name in kernel.arg_names]
         if kwargs:
             raise TypeError(f"{kernel.fn.__name__}: not kernel arguments: {sorted(kwargs)}")
         compiled = kernel[grid](*args, **options)  # this call's launch (compiles a new variant)
-        self.slots = tuple((i, names.index(name)) for i, name in enumerate(kernel.arg_names) if name in names)
-        for i, _ in self.slots:
-            if not isinstance(args[i], torch.Tensor) and kernel.arg_names[i] not in _unspecialized(kernel):
-                raise TypeError(f"{kernel.fn.__name__}: {kernel.arg_names[i]} may change between calls of a plan, "
-                                "but the kernel specializes on its value (do_not_specialize)")
+        # A tensor argument takes the place of the same tensor among `tensors`, an int the place of its name.
+        places = {id(t): j for j, t in enumerate(tensors.values()) if isinstance(t, torch.Tensor)}
+        names = tuple(tensors)
+        slots = []
+        for i, (name, arg) in enumerate(zip(kernel.arg_names, args)):
+            if isinstance(arg, torch.Tensor):
+                if id(arg) not in places:
+                    raise TypeError(f"{kernel.fn.__name__}: {name} is not one of the launch's tensors and "
+                                    "would be frozen into its plan")
+                slots.append((i, places[id(arg)]))
+            elif name in tensors:
+                if name not in _unspecialized(kernel):
+                    raise TypeError(f"{kernel.fn.__name__}: {name} may change between calls of a plan, but the "
+                                    "kernel specializes on its value (do_not_specialize)")
+                slots.append((i, names.index(name)))
+        for i, _ in slots:
             args[i] = None
-        if any(isinstance(a, torch.Tensor) for a in args):
-            raise TypeError("a tensor argument missing from the launch's tensors would be frozen into its plan")
+        self.slots = tuple(slots)
         self.args = args
         if compiled is None:  # the interpreter
             self.run, self.scratch = lambda *a: kernel[grid](*a, **options), False
@@ -114,10 +124,10 @@ def signature(values) -> tuple:
 
 def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[], list[tuple]]) -> Plan:
     """Runs the launches build() describes, [(kernel, grid, keyword arguments with num_warps,
-    num_stages or maxnreg)], on `tensors`: every tensor argument of those kernels, by argument name
-    (the same name for the same tensor in each kernel; the first one names a tensor on the launches'
-    device), and any int argument that every kernel taking it leaves unspecialized
-    (do_not_specialize), whose value may change between calls of a plan. build() runs for
+    num_stages or maxnreg)], on `tensors`: every tensor argument of those kernels (found there by
+    identity, under any name; the first value is a tensor on the launches' device), and by argument
+    name any int argument that every kernel taking it leaves unspecialized (do_not_specialize),
+    whose value may change between calls of a plan. build() runs for
     a new signature only; key must hold the launcher (its first element) and everything else the
     arguments depend on. build() may add workspaces (workspace()) to `tensors`; later calls of the
     signature get fresh ones. Returns the plan, which a caller that knows the next call's signature to
@@ -132,8 +142,30 @@ def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[
             workspaces = {name: (t.shape, t.dtype, t.device, id(t) not in _uninitialized)
                           for name, t in tensors.items() if name not in given and isinstance(t, torch.Tensor)}
             _uninitialized.clear()
-            names = tuple(tensors)
-            plan = Plan(workspaces, [_Launch(kernel, grid, kwargs, names) for kernel, grid, kwargs in described])
+            plan = Plan(workspaces, [_Launch(kernel, grid, kwargs, tensors) for kernel, grid, kwargs in described])
         return remember(_plans, full_key, plan, MAX_PLANS)
     plan(tensors)
     return plan
+
+
+def open_key(plans: dict | None, pass_: str, inputs: tuple[torch.Tensor, ...], *extra) -> tuple | None:
+    """The key of a plan in `plans`, a dict that a public function keeps per checked call signature
+    (memo.remembered), which fixes the inputs' shapes, strides, dtypes and devices and the options:
+    what a launch plan depends on beyond them, TF32 (fp32 inputs), each input's 16-byte alignment
+    (Triton specializes a pointer on it, the Gluon kernels need it) and `extra`. None without plans.
+    A later call of the signature finds its plan there, skipping launch()'s lookup (its dict of every
+    argument, key and signature) and the work of choosing the launches."""
+    if plans is None:
+        return None
+    return pass_, tf32(inputs[0]), *(t.data_ptr() % 16 == 0 for t in inputs), *extra
+
+
+def kept(plans: dict | None, key: tuple | None) -> Plan | None:
+    """The plan keep() put in `plans` under `key`, if any."""
+    return None if key is None or plans is None else plans.get(key)
+
+
+def keep(plans: dict | None, key: tuple | None, plan: Plan) -> None:
+    # A handful of plans per signature at most (a backward's dO strides vary only by caller).
+    if key is not None and plans is not None and len(plans) < 16:
+        plans[key] = plan

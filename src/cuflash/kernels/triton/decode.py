@@ -9,16 +9,18 @@ kernel merges; with one split the kernel writes the result directly.
 
 Keys are addressed by position, through the page table of a paged cache or the cache row of the
 sequence, so nothing is gathered or copied before the kernel, and no value (sequence lengths,
-pages) is read to the host: the launch can be captured in a CUDA graph.
+pages) is read to the host: the launch can be captured in a CUDA graph. The eager call's checks of
+those values (kvcache.py) take their extremes from one more program here (index_extremes), read to
+the host with one copy.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ...params import AttentionParams
+from ...params import AttentionParams, IndexExtremes
 from ..device import cdiv, next_power_of_2, num_sms, padded_head_dim
-from ..launch import launch
+from ..launch import keep, kept, launch, open_key, workspace
 from ..plan import decode_tiles
 from ..variant import logit_scales
 from . import Tiles
@@ -189,6 +191,88 @@ def _append_kv(KNew, VNew, K, V, CacheSeqlens, CacheRows, BlockTable, stride_kn,
     tl.store(V + block * stride_v[0] + slot * stride_v[1] + h * stride_v[2] + d, v, mask=ok)
 
 
+@triton.jit(do_not_specialize=["cache_seqlen"])
+def _index_extremes(Extremes, CacheSeqlens, Leftpad, CacheRows, BlockTable, stride_tb, batch, pages, rows_per_seq,
+                    cache_seqlen, seqlen_new, SEQLENS: tl.constexpr, LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr,
+                    REPEATS: tl.constexpr, PAGED: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
+    """params.IndexExtremes of a decode step's index tensors, in its field order as int64, by one
+    program: they hold a few entries per sequence. Lanes past the batch repeat sequence 0's values,
+    which move no extreme."""
+    zero = tl.zeros([BLOCK_B], dtype=tl.int64)
+    s0 = zero + cache_seqlen
+    if SEQLENS:
+        s0 = zero + tl.load(CacheSeqlens).to(tl.int64)
+    lp0 = zero
+    if LEFTPAD:
+        lp0 = zero + tl.load(Leftpad).to(tl.int64)
+    r0 = zero
+    if BATCH_IDX:
+        r0 = zero + tl.load(CacheRows).to(tl.int64)
+    s_lo, s_hi, lp_lo, past_hi, r_lo, r_hi = s0, s0, lp0, zero, r0, r0
+    if LEFTPAD:
+        past_hi = lp0 - s0
+    repeated, p_lo, p_hi = zero, zero, zero
+    for b0 in range(0, batch, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        ok = b < batch
+        s = s0
+        if SEQLENS:
+            s = tl.where(ok, tl.load(CacheSeqlens + b, mask=ok, other=0).to(tl.int64), s0)
+        s_lo, s_hi = tl.minimum(s_lo, s), tl.maximum(s_hi, s)
+        if LEFTPAD:
+            lp = tl.where(ok, tl.load(Leftpad + b, mask=ok, other=0).to(tl.int64), lp0)
+            lp_lo, past_hi = tl.minimum(lp_lo, lp), tl.maximum(past_hi, lp - s)
+        if BATCH_IDX:
+            r = tl.where(ok, tl.load(CacheRows + b, mask=ok, other=0).to(tl.int64), r0)
+            r_lo, r_hi = tl.minimum(r_lo, r), tl.maximum(r_hi, r)
+            if REPEATS:  # each row against the rows of the sequences before it
+                for c0 in range(0, b0 + BLOCK_B, BLOCK_B):
+                    c = c0 + tl.arange(0, BLOCK_B)
+                    rc = tl.load(CacheRows + c, mask=c < batch, other=0).to(tl.int64)
+                    same = (r[:, None] == rc[None, :]) & (c[None, :] < b[:, None]) & ok[:, None]
+                    repeated = tl.maximum(repeated, tl.max(same.to(tl.int64), 1))
+        if PAGED:  # the pages before each sequence's end (0 in the others' place, as the CPU backend)
+            ends = s + seqlen_new
+            for p0 in range(0, pages, BLOCK_P):
+                p = p0 + tl.arange(0, BLOCK_P)
+                used = ok[:, None] & (p[None, :] < pages) & (p[None, :] * rows_per_seq < ends[:, None])
+                page = tl.load(BlockTable + b[:, None] * stride_tb + p[None, :], mask=used, other=0).to(tl.int64)
+                p_lo, p_hi = tl.minimum(p_lo, tl.min(page, 1)), tl.maximum(p_hi, tl.max(page, 1))
+    tl.store(Extremes + 0, tl.min(s_lo, 0))
+    tl.store(Extremes + 1, tl.max(s_hi, 0))
+    tl.store(Extremes + 2, tl.min(lp_lo, 0))
+    tl.store(Extremes + 3, tl.max(past_hi, 0))
+    tl.store(Extremes + 4, tl.min(r_lo, 0))
+    tl.store(Extremes + 5, tl.max(r_hi, 0))
+    tl.store(Extremes + 6, tl.max(repeated, 0))
+    tl.store(Extremes + 7, tl.min(p_lo, 0))
+    tl.store(Extremes + 8, tl.max(p_hi, 0))
+
+
+def index_extremes(cache_seqlens: torch.Tensor | int, seqlen_new: int, leftpad: torch.Tensor | None,
+                   cache_rows: torch.Tensor | None, block_table: torch.Tensor | None, rows_per_seq: int,
+                   repeats: bool) -> IndexExtremes:
+    """cpu.index_extremes's contract, reduced by one program on the tensors' device and read to the
+    host with one copy (a decode step's other index checks would each be a kernel)."""
+    optional = (cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None, leftpad, cache_rows, block_table)
+    given = {name: t for name, t in zip(_DECODE_OPTIONAL, optional) if t is not None}
+    first = next(iter(given.values()))
+    batch, pages = first.shape[0], 0 if block_table is None else block_table.shape[1]
+    extremes = torch.empty(len(IndexExtremes._fields), dtype=torch.int64, device=first.device)
+    tensors: dict[str, torch.Tensor | int] = dict(Extremes=extremes, **given)
+    tensors["cache_seqlen"] = 0 if "CacheSeqlens" in given else cache_seqlens
+    block_b = max(16, min(64, next_power_of_2(batch)))
+    block_p = max(16, min(next_power_of_2(pages), 4096 // block_b))
+    launch((index_extremes, seqlen_new, rows_per_seq, repeats), tensors, lambda: [(_index_extremes, (1,), dict(
+        Extremes=extremes, **{name: given.get(name) for name in _DECODE_OPTIONAL[:4]},
+        stride_tb=0 if block_table is None else block_table.stride(0), batch=batch, pages=pages,
+        rows_per_seq=rows_per_seq, cache_seqlen=tensors["cache_seqlen"], seqlen_new=seqlen_new,
+        SEQLENS="CacheSeqlens" in given, LEFTPAD="Leftpad" in given, BATCH_IDX="CacheRows" in given,
+        REPEATS=repeats, PAGED=block_table is not None, BLOCK_B=block_b, BLOCK_P=block_p, num_warps=4))])
+    facts = IndexExtremes(*extremes.tolist())
+    return facts._replace(repeated=bool(facts.repeated))
+
+
 def num_splits_for(programs: int, capacity: int, block_n: int, device: torch.device, requested: int = 0) -> int:
     """How many splits of each sequence's keys: `requested`, or (0) enough to give every SM
     PROGRAMS_PER_SM programs, never more than MAX_SPLITS or than the cache has key tiles."""
@@ -199,15 +283,33 @@ def num_splits_for(programs: int, capacity: int, block_n: int, device: torch.dev
 def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | int,
                    seqlen_new: int, leftpad: torch.Tensor | None, cache_rows: torch.Tensor | None,
                    block_table: torch.Tensor | None, params: AttentionParams, num_splits: int = 0,
-                   k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, tiles: Tiles | None = None):
+                   k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, tiles: Tiles | None = None,
+                   plans: dict | None = None):
     """q (B, Sq, H, D) attending to the keys leftpad[b] .. cache_seqlens[b] + seqlen_new - 1 of
     sequence b of the cache (cache_seqlens an int: the same for every sequence; leftpad None: 0):
     k_cache, v_cache (rows, rows_per_seq, Hk, D), any strides but the last dim's, sequence b in row
     cache_rows[b] (default b), or pages of rows_per_seq keys listed by block_table (B, pages).
     k_new, v_new (B, seqlen_new, Hk, D): written into the cache at positions cache_seqlens[b] ..
-    first, by a kernel of the same launch plan (else the cache holds them already).
+    first, by a kernel of the same launch plan (else the cache holds them already). tiles: the decode
+    kernel's instead of the table's (tuning). plans: as kernels.attention_forward's, from
+    flash_attn_with_kvcache's call signature (whose options hold no tensor).
     Returns out (B, Sq, H, D) and softmax_lse (B, H, Sq) fp32."""
     batch, seqlen_q, nheads, head_dim = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    given = isinstance(cache_seqlens, torch.Tensor)
+    optional = (cache_seqlens if given else None, leftpad, cache_rows, block_table, params.alibi_slopes, k_new, v_new)
+    inputs = (q, k_cache, v_cache, *(t for t in optional if isinstance(t, torch.Tensor)))
+    tensors: dict[str, torch.Tensor | int] = dict(Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse)
+    tensors.update({name: t for name, t in zip(_OPTIONAL, optional) if t is not None})
+    # An int cache_seqlens is an argument of the plan like the tensors (the kernels do not specialize
+    # on it, only on its width), so that a decode loop stepping through positions keeps one plan.
+    tensors["cache_seqlen"] = seqlen = 0 if given else cache_seqlens
+    key = None if tiles is not None else open_key(plans, "decode", inputs, -2**31 <= seqlen < 2**31)
+    plan = kept(plans, key)
+    if plan is not None:
+        plan(tensors)
+        return out, lse
     nheads_k, rows_per_seq = k_cache.shape[2], k_cache.shape[1]
     block_d = padded_head_dim(head_dim)
     fills_gpu = batch * nheads_k >= PROGRAMS_PER_SM * num_sms(q.device)
@@ -216,29 +318,22 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     m_tiles = cdiv(seqlen_q * nheads // nheads_k, block_m)
     capacity = rows_per_seq * (block_table.shape[1] if block_table is not None else 1)
     splits = num_splits_for(batch * nheads_k * m_tiles, capacity, cfg.block_n, q.device, num_splits)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    tensors: dict[str, torch.Tensor | int] = dict(Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse, OutPart=out,
-                                                  LsePart=lse)
-    if splits > 1:
-        tensors.update(OutPart=torch.empty((splits, *q.shape), dtype=torch.float32, device=q.device),
-                       LsePart=torch.empty((splits, batch, seqlen_q, nheads), dtype=torch.float32, device=q.device))
-    # An int cache_seqlens is an argument of the plan like the tensors (the kernels do not specialize
-    # on it), so that a decode loop stepping through positions keeps one plan.
-    given = isinstance(cache_seqlens, torch.Tensor)
-    tensors["cache_seqlen"] = 0 if given else cache_seqlens
-    optional = (cache_seqlens if given else None, leftpad, cache_rows, block_table, params.alibi_slopes, k_new, v_new)
-    tensors.update({name: t for name, t in zip(_OPTIONAL, optional) if t is not None})
-    launch((decode_forward, params.key(), cfg, block_m, splits, seqlen_new), tensors,
-           lambda: _launches(tensors, params, cfg, block_m, m_tiles, splits, seqlen_new, not fills_gpu))
+    keep(plans, key, launch((decode_forward, params.key(), cfg, block_m, splits, seqlen_new), tensors,
+                            lambda: _launches(tensors, params, cfg, block_m, m_tiles, splits, seqlen_new,
+                                              not fills_gpu)))
     return out, lse
 
 
 def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tiles: int, splits: int,
               seqlen_new: int, prefetch_pages: bool) -> list[tuple]:
-    """The append (with new tokens), the decode kernel, then (with splits) the combine."""
-    q, k_cache, v_cache, out_part, lse_part = t["Q"], t["K"], t["V"], t["OutPart"], t["LsePart"]
+    """The append (with new tokens), the decode kernel, then (with splits) the combine, whose
+    partial results are workspaces (uninitialized: each split writes every row of its part)."""
+    q, k_cache, v_cache = t["Q"], t["K"], t["V"]
     batch, seqlen_q, nheads, head_dim = q.shape
+    out_part, lse_part = t["Out"], t["Lse"]
+    if splits > 1:
+        out_part = t["OutPart"] = workspace((splits, *q.shape), torch.float32, q.device, zeroed=False)
+        lse_part = t["LsePart"] = workspace((splits, batch, seqlen_q, nheads), torch.float32, q.device, zeroed=False)
     nheads_k = k_cache.shape[2]
     block_d = padded_head_dim(head_dim)
     # (split, batch, token, head) strides of the partial results; one split writes the final ones.
