@@ -79,6 +79,13 @@ def _sdpa_flash_decode():
                                                                 v_cache[:, :101].transpose(1, 2))
 
 
+def _sdpa_flash_decode_step():
+    # The step as torch code writes it: the new token into the cache (two slice copies), then attention.
+    k_cache[:, 100:101] = k1
+    v_cache[:, 100:101] = v1
+    return _sdpa_flash_decode()
+
+
 layers = {
     "Triton JIT launch (_attn_fwd[grid](**kwargs))": lambda: kernel[grid](**kwargs),
     "launcher (kernels.attention_forward: a launch plan)": lambda: ka.attention_forward(q, k, v, p),
@@ -106,6 +113,7 @@ layers = {
     "decode step, paged, tensor cache_seqlens": lambda: cuflash.flash_attn_with_kvcache(
         q1, k_pages, v_pages, k1, v1, cache_seqlens=seqlens, block_table=table, causal=True),
     "torch SDPA flash, the decode step's attention only": _sdpa_flash_decode,
+    "torch SDPA flash, a decode step (two slice copies, attention)": _sdpa_flash_decode_step,
 }
 PROFILED = ("flash_attn_func (validation + op)", "flash_attn_func forward+backward (autograd.grad)",
             "decode step, paged, tensor cache_seqlens")

@@ -67,6 +67,43 @@ def test_append_rotary_and_attend(backend, paged, seqlen_q, rotary):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+@pytest.mark.parametrize("seqlen_q,window", [(1, (1, 0)), (4, (-1, -1)), (4, (2, 0))])
+@pytest.mark.parametrize("page", [0, 8])
+def test_appended_tokens_land_whatever_the_split_and_band(backend, page, seqlen_q, window, num_splits):
+    """The decode kernel writes the new tokens before it reads them: all of them land, through the
+    page table or the cache row, where they straddle splits, outnumber a key tile (20 new keys, the
+    interpreter's 16-key tiles), lie outside every query's band (a window of 1 or 2 keys) or are read
+    by two query tiles of a GQA group (8 heads x 4 tokens); the output is the oracle's on the updated
+    cache."""
+    torch.manual_seed(28 + page + seqlen_q + num_splits)
+    batch, nheads, nheads_k, d, seqlen_new, capacity = 2, 16, 2, 16, 20, 64
+    seqlens = torch.tensor([3, 40], dtype=torch.int32)
+    if page:
+        k_cache = torch.randn(batch * capacity // page + 2, page, nheads_k, d)
+        table = torch.randperm(k_cache.shape[0])[:batch * capacity // page].view(batch, -1).int()
+    else:
+        k_cache, table = torch.randn(batch, capacity, nheads_k, d), None
+    v_cache = torch.randn_like(k_cache)
+
+    def logical(cache, b):
+        return cache[table[b].long()].flatten(0, 1) if page else cache[b]
+
+    before = [(logical(k_cache, b).clone(), logical(v_cache, b).clone()) for b in range(batch)]
+    q = torch.randn(batch, seqlen_q, nheads, d)
+    k, v = (torch.randn(batch, seqlen_new, nheads_k, d) for _ in range(2))
+    out = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
+                                          window_size=window, num_splits=num_splits)
+    for b, n in enumerate(seqlens.tolist()):
+        for cache, new, old in ((k_cache, k[b], before[b][0]), (v_cache, v[b], before[b][1])):
+            assert torch.equal(logical(cache, b)[n:n + seqlen_new], new)
+            assert torch.equal(logical(cache, b)[:n], old[:n])
+            assert torch.equal(logical(cache, b)[n + seqlen_new:], old[n + seqlen_new:])
+        keys, values = (logical(c, b)[:n + seqlen_new][None] for c in (k_cache, v_cache))
+        ref, _ = attention_reference(q[b:b + 1], keys, values, window_size=window)
+        assert rel_err(out[b:b + 1], ref) < 1e-5, b
+
+
 def test_batch_idx_leftpad_window_and_no_new_tokens(backend):
     torch.manual_seed(3)
     batch_cache, batch, nheads, d = 4, 2, 2, 16
@@ -255,10 +292,10 @@ def test_decode_matches_full_attention(backend, monkeypatch):
 
 @interpret
 def test_decode_steps_launch_their_signature_plans_directly(monkeypatch):
-    """flash_attn_with_kvcache keeps the decode's launch plans per checked call signature: a later
-    step launches them without launch()'s lookup and still appends and attends right, on new data
-    and new lengths, with the splits' partial results made anew; a query off 16-byte alignment or an
-    int cache_seqlens (an argument of its own plan) looks one up."""
+    """flash_attn_with_kvcache keeps the launch plans of the decode and of its value checks per checked
+    call signature: a later step launches them without launch()'s lookup and still appends and
+    attends right, on new data and new lengths, with the splits' partial results made anew; a query
+    off 16-byte alignment or an int cache_seqlens (an argument of its own plans) looks them up."""
     from cuflash import memo
     from cuflash.kernels.triton import decode
 
@@ -284,16 +321,17 @@ def test_decode_steps_launch_their_signature_plans_directly(monkeypatch):
             keys, values = (c[table[b].long()].flatten(0, 1)[:n + 1] for c in (k_cache, v_cache))
             assert torch.equal(keys[-1], k[b, 0]) and torch.equal(values[-1], v[b, 0])
             assert rel_err(out[b:b + 1], attention_reference(q[b:b + 1], keys[None], values[None])[0]) < 1e-5
-        found = [name for name in looked_up if name == "decode_forward"]
+        found = list(looked_up)
         looked_up.clear()
         return found
 
-    assert step(torch.tensor([3, 20], dtype=torch.int32)) == ["decode_forward"]
+    both = ["index_extremes", "decode_forward"]  # the value checks' launch, then the step's
+    assert step(torch.tensor([3, 20], dtype=torch.int32)) == both
     assert step(torch.tensor([9, 30], dtype=torch.int32)) == []
     shifted = torch.empty(2 * 4 * 16 + 1)[1:].view(2, 1, 4, 16).normal_()  # 4 bytes past 16-byte alignment
     assert step(torch.tensor([10, 1], dtype=torch.int32), shifted) == ["decode_forward"]
     assert step(torch.tensor([11, 2], dtype=torch.int32), shifted) == []
-    assert step(12) == ["decode_forward"]
+    assert step(12) == both
     assert step(13) == []
 
 

@@ -266,10 +266,11 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad,
     return out.view(q.shape), lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
-def index_extremes(cache_seqlens, seqlen_new: int, leftpad, rows, table, rows_per_seq: int,
-                   repeats: bool) -> IndexExtremes:
+def index_extremes(cache_seqlens, seqlen_new: int, leftpad, rows, table, rows_per_seq: int, repeats: bool,
+                   plans: dict | None = None) -> IndexExtremes:
     """params.IndexExtremes of a decode step's index tensors (at least one given; cache_seqlens
-    may be an int), as torch ops; repeats: whether to look for a repeated cache_batch_idx row."""
+    may be an int), as torch ops; repeats: whether to look for a repeated cache_batch_idx row
+    (plans: the kernels' launch plans; none here)."""
     def lo_hi(x: torch.Tensor | None) -> tuple[int, int]:
         return (0, 0) if x is None else (int(x.min()), int(x.max()))
 

@@ -111,7 +111,7 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
     # (is_compiling first: torch.compile cannot trace the capture query)
     if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_values(q, seqlens, layout.seqlen_new, layout.capacity, cache_leftpad, cache_batch_idx, k_cache.shape[0],
-                      block_table, k_cache.shape[1], rotary_cos, layout.query_span)
+                      block_table, k_cache.shape[1], rotary_cos, layout.query_span, plans)
     return _Call(seqlens, layout.seqlen_new, cache_leftpad, cache_batch_idx, block_table, layout.params,
                  layout.shifted, plans)
 
@@ -198,13 +198,13 @@ def _rotate(call: _Call, q, k, rotary_cos, rotary_sin, interleaved):
 
 
 def _check_values(q, seqlens, seqlen_new, capacity, leftpad, rows, cache_rows, table, rows_per_seq, rotary_cos,
-                  query_span):
+                  query_span, plans):
     """Checks the values of the index arguments before anything is written, from their extremes
     (params.IndexExtremes), which the backend reduces on the device and reads to the host at once
     (skipped while a CUDA graph is captured: its replays see other values): every small kernel adds
     to a decode step's host time, and the read waits for the GPU."""
     if any(isinstance(t, torch.Tensor) for t in (seqlens, leftpad, rows, table)):
-        facts = ops.index_extremes(q, seqlens, seqlen_new, leftpad, rows, table, rows_per_seq, seqlen_new > 0)
+        facts = ops.index_extremes(q, seqlens, seqlen_new, leftpad, rows, table, rows_per_seq, seqlen_new > 0, plans)
     else:  # an int cache_seqlens alone
         facts = IndexExtremes(seqlens, seqlens, 0, 0, 0, 0, False, 0, 0)
 

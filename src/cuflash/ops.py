@@ -271,8 +271,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, plans: dict | None = None):
     """(out, softmax_lse) of a decode step (attention_decode; cache_seqlens an int or (B,) int32),
     no autograd, after k_new, v_new (B, seqlen_new, Hk, D) are written into the cache in place: by
-    the backend in the same launch plan when called directly, else (a traced graph) by torch ops
-    before the op, which itself then mutates nothing. plans: as forward()'s."""
+    the backend's decode when called directly, else (a traced graph) by torch ops before the op,
+    which itself then mutates nothing. plans: as forward()'s."""
     if _direct(q):
         return _backend(q.device, q.dtype).decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new,
                                                           cache_leftpad, cache_rows, block_table, params, num_splits,
@@ -287,11 +287,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
 
 def index_extremes(q: torch.Tensor, cache_seqlens: torch.Tensor | int, seqlen_new: int,
                    cache_leftpad: torch.Tensor | None, cache_rows: torch.Tensor | None,
-                   block_table: torch.Tensor | None, rows_per_seq: int, repeats: bool) -> IndexExtremes:
+                   block_table: torch.Tensor | None, rows_per_seq: int, repeats: bool,
+                   plans: dict | None = None) -> IndexExtremes:
     """What a decode step's checks need of its index tensors' values (params.IndexExtremes; at least
-    one index tensor given), from the backend of q's call."""
+    one index tensor given), from the backend of q's call. plans: as decode()'s."""
     return _backend(q.device, q.dtype).index_extremes(cache_seqlens, seqlen_new, cache_leftpad, cache_rows,
-                                                      block_table, rows_per_seq, repeats)
+                                                      block_table, rows_per_seq, repeats, plans=plans)
 
 
 def _setup_context(ctx, inputs, output):

@@ -5,7 +5,8 @@ busy even at batch 1. A program owns one KV head of one sequence together with e
 that reads it (seqlen_q tokens x the nheads / nheads_k query heads of the GQA group, packed into
 one tile, so a K/V tile is loaded once for the whole group), and one split of the sequence's keys.
 Splits write their normalized output and log-sum-exp to fp32 partial buffers that a small combine
-kernel merges; with one split the kernel writes the result directly.
+kernel merges; with one split the kernel writes the result directly. A step's new keys and values
+are written into the cache by the programs that read them, before their loop (one launch less).
 
 Keys are addressed by position, through the page table of a paged cache or the cache row of the
 sequence, so nothing is gathered or copied before the kernel, and no value (sequence lengths,
@@ -28,21 +29,22 @@ from .common import LN2, LOG2E, NO_MASK, logits, mma, score_tile, softmax_step
 
 MAX_SPLITS = 64  # the combine kernel holds one row of every split in registers
 PROGRAMS_PER_SM = 2  # the split heuristic's target
-# The decode kernel's optional tensor arguments and the append's new keys and values, in the
-# launch's tensors only when given.
-_DECODE_OPTIONAL = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes")
-_OPTIONAL = (*_DECODE_OPTIONAL, "KNew", "VNew")
+# The decode kernel's optional tensor arguments (the index tensors first, then ALiBi's slopes and the
+# new keys and values to append), in the launch's tensors only when given.
+_OPTIONAL = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes", "KNew", "VNew")
+_INDEXES = _OPTIONAL[:4]
 
 
 @triton.jit(do_not_specialize=["cache_seqlen"])
-def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, Slopes,
-                stride_q, stride_k, stride_v, stride_o, stride_l, stride_tb, stride_slope_b,
+def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, Slopes, KNew, VNew,
+                stride_q, stride_k, stride_v, stride_o, stride_l, stride_tb, stride_slope_b, stride_kn, stride_vn,
                 nheads_k, seqlen_q, group_size, rows_per_seq, head_dim, num_splits, cache_seqlen, seqlen_new,
                 window_left, window_right, qk_scale, softcap,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 SEQLENS: tl.constexpr, PAGED: tl.constexpr, LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr, APPEND: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr):
     split = tl.program_id(0)
     start_r = tl.program_id(1) * BLOCK_M
     off_b = (tl.program_id(2) // nheads_k).to(tl.int64)
@@ -84,6 +86,29 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
     chunk = tl.cdiv(tl.cdiv(seqlen_k, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seqlen_k)
+    if APPEND:
+        # The new tokens (keys seqlen_k - seqlen_new ..) of this split's share are written into the
+        # cache first, this KV head's, by every program that may read them (the query tiles of a
+        # large GQA group write the same values), and are visible to all its threads after the
+        # barrier. The share is the split's whole one: a band may leave a new key to no program's loop.
+        for start_n in range(tl.maximum(lo, seqlen_k - seqlen_new), hi, BLOCK_N):
+            cols = start_n + offs_n
+            new_ok = (cols < hi)[:, None] & d_ok[None, :]
+            token = cols - (seqlen_k - seqlen_new)
+            if PAGED:
+                block = tl.load(table + cols // rows_per_seq, mask=cols < hi, other=0).to(tl.int64)
+                slot = (cols % rows_per_seq).to(tl.int64)
+            else:
+                slot = (first + cols).to(tl.int64)
+            k_new = tl.load(KNew + off_b * stride_kn[0] + token[:, None] * stride_kn[1] + off_hk * stride_kn[2]
+                            + offs_d[None, :], mask=new_ok)
+            tl.store(K + (block * stride_k[0] + slot * stride_k[1])[:, None] + off_hk * stride_k[2] + offs_d[None, :],
+                     k_new, mask=new_ok)
+            v_new = tl.load(VNew + off_b * stride_vn[0] + token[:, None] * stride_vn[1] + off_hk * stride_vn[2]
+                            + offs_d[None, :], mask=new_ok)
+            tl.store(V + (block * stride_v[0] + slot * stride_v[1])[:, None] + off_hk * stride_v[2] + offs_d[None, :],
+                     v_new, mask=new_ok)
+        tl.debug_barrier()
     if HAS_LEFT:
         lo = tl.maximum(lo, tl.maximum(start_r // group_size + offset - window_left, 0) // BLOCK_N * BLOCK_N)
     if HAS_RIGHT:
@@ -163,35 +188,6 @@ def _decode_combine(OutPart, LsePart, Out, Lse, nheads, seqlen_q, head_dim, num_
 
 
 @triton.jit(do_not_specialize=["cache_seqlen"])
-def _append_kv(KNew, VNew, K, V, CacheSeqlens, CacheRows, BlockTable, stride_kn, stride_vn, stride_k, stride_v,
-               stride_tb, nheads_k, rows_per_seq, head_dim, cache_seqlen,
-               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
-               BATCH_IDX: tl.constexpr):
-    """Writes new token i of sequence b (every KV head) into the cache at position cache_seqlens[b] + i,
-    addressed as the decode kernel reads it: through the page table, or in the sequence's cache row."""
-    i = tl.program_id(0)
-    off_b = tl.program_id(1).to(tl.int64)
-    pos = cache_seqlen + i
-    if SEQLENS:
-        pos = tl.load(CacheSeqlens + off_b).to(tl.int64) + i
-    if PAGED:
-        block = tl.load(BlockTable + off_b * stride_tb + pos // rows_per_seq).to(tl.int64)
-        slot = (pos % rows_per_seq).to(tl.int64)
-    else:
-        block = off_b
-        if BATCH_IDX:
-            block = tl.load(CacheRows + off_b).to(tl.int64)
-        slot = pos.to(tl.int64)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    ok = (h < nheads_k) & (d < head_dim)
-    k = tl.load(KNew + off_b * stride_kn[0] + i * stride_kn[1] + h * stride_kn[2] + d, mask=ok)
-    tl.store(K + block * stride_k[0] + slot * stride_k[1] + h * stride_k[2] + d, k, mask=ok)
-    v = tl.load(VNew + off_b * stride_vn[0] + i * stride_vn[1] + h * stride_vn[2] + d, mask=ok)
-    tl.store(V + block * stride_v[0] + slot * stride_v[1] + h * stride_v[2] + d, v, mask=ok)
-
-
-@triton.jit(do_not_specialize=["cache_seqlen"])
 def _index_extremes(Extremes, CacheSeqlens, Leftpad, CacheRows, BlockTable, stride_tb, batch, pages, rows_per_seq,
                     cache_seqlen, seqlen_new, SEQLENS: tl.constexpr, LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr,
                     REPEATS: tl.constexpr, PAGED: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
@@ -251,24 +247,31 @@ def _index_extremes(Extremes, CacheSeqlens, Leftpad, CacheRows, BlockTable, stri
 
 def index_extremes(cache_seqlens: torch.Tensor | int, seqlen_new: int, leftpad: torch.Tensor | None,
                    cache_rows: torch.Tensor | None, block_table: torch.Tensor | None, rows_per_seq: int,
-                   repeats: bool) -> IndexExtremes:
+                   repeats: bool, plans: dict | None = None) -> IndexExtremes:
     """cpu.index_extremes's contract, reduced by one program on the tensors' device and read to the
-    host with one copy (a decode step's other index checks would each be a kernel)."""
+    host with one copy (a decode step's other index checks would each be a kernel). plans: as
+    decode_forward's."""
     optional = (cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None, leftpad, cache_rows, block_table)
-    given = {name: t for name, t in zip(_DECODE_OPTIONAL, optional) if t is not None}
+    given = {name: t for name, t in zip(_INDEXES, optional) if t is not None}
     first = next(iter(given.values()))
-    batch, pages = first.shape[0], 0 if block_table is None else block_table.shape[1]
     extremes = torch.empty(len(IndexExtremes._fields), dtype=torch.int64, device=first.device)
     tensors: dict[str, torch.Tensor | int] = dict(Extremes=extremes, **given)
-    tensors["cache_seqlen"] = 0 if "CacheSeqlens" in given else cache_seqlens
-    block_b = max(16, min(64, next_power_of_2(batch)))
-    block_p = max(16, min(next_power_of_2(pages), 4096 // block_b))
-    launch((index_extremes, seqlen_new, rows_per_seq, repeats), tensors, lambda: [(_index_extremes, (1,), dict(
-        Extremes=extremes, **{name: given.get(name) for name in _DECODE_OPTIONAL[:4]},
-        stride_tb=0 if block_table is None else block_table.stride(0), batch=batch, pages=pages,
-        rows_per_seq=rows_per_seq, cache_seqlen=tensors["cache_seqlen"], seqlen_new=seqlen_new,
-        SEQLENS="CacheSeqlens" in given, LEFTPAD="Leftpad" in given, BATCH_IDX="CacheRows" in given,
-        REPEATS=repeats, PAGED=block_table is not None, BLOCK_B=block_b, BLOCK_P=block_p, num_warps=4))])
+    tensors["cache_seqlen"] = seqlen = 0 if "CacheSeqlens" in given else cache_seqlens
+    key = open_key(plans, "index_extremes", tuple(given.values()), -2**31 <= seqlen < 2**31)
+    plan = kept(plans, key)
+    if plan is not None:
+        plan(tensors)
+    else:
+        batch, pages = first.shape[0], 0 if block_table is None else block_table.shape[1]
+        block_b = max(16, min(64, next_power_of_2(batch)))
+        block_p = max(16, min(next_power_of_2(pages), 4096 // block_b))
+        keep(plans, key, launch((index_extremes, seqlen_new, rows_per_seq, repeats), tensors, lambda: [(
+            _index_extremes, (1,), dict(
+                Extremes=extremes, **{name: given.get(name) for name in _INDEXES},
+                stride_tb=0 if block_table is None else block_table.stride(0), batch=batch, pages=pages,
+                rows_per_seq=rows_per_seq, cache_seqlen=seqlen, seqlen_new=seqlen_new,
+                SEQLENS="CacheSeqlens" in given, LEFTPAD="Leftpad" in given, BATCH_IDX="CacheRows" in given,
+                REPEATS=repeats, PAGED=block_table is not None, BLOCK_B=block_b, BLOCK_P=block_p, num_warps=4))]))
     facts = IndexExtremes(*extremes.tolist())
     return facts._replace(repeated=bool(facts.repeated))
 
@@ -289,8 +292,8 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     sequence b of the cache (cache_seqlens an int: the same for every sequence; leftpad None: 0):
     k_cache, v_cache (rows, rows_per_seq, Hk, D), any strides but the last dim's, sequence b in row
     cache_rows[b] (default b), or pages of rows_per_seq keys listed by block_table (B, pages).
-    k_new, v_new (B, seqlen_new, Hk, D): written into the cache at positions cache_seqlens[b] ..
-    first, by a kernel of the same launch plan (else the cache holds them already). tiles: the decode
+    k_new, v_new (B, seqlen_new, Hk, D): written into the cache at positions cache_seqlens[b] .. by
+    the decode kernel before it reads them (else the cache holds them already). tiles: the decode
     kernel's instead of the table's (tuning). plans: as kernels.attention_forward's, from
     flash_attn_with_kvcache's call signature (whose options hold no tensor).
     Returns out (B, Sq, H, D) and softmax_lse (B, H, Sq) fp32."""
@@ -326,8 +329,8 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tiles: int, splits: int,
               seqlen_new: int, prefetch_pages: bool) -> list[tuple]:
-    """The append (with new tokens), the decode kernel, then (with splits) the combine, whose
-    partial results are workspaces (uninitialized: each split writes every row of its part)."""
+    """The decode kernel (appending the new tokens first, where given), then (with splits) the combine,
+    whose partial results are workspaces (uninitialized: each split writes every row of its part)."""
     q, k_cache, v_cache = t["Q"], t["K"], t["V"]
     batch, seqlen_q, nheads, head_dim = q.shape
     out_part, lse_part = t["Out"], t["Lse"]
@@ -335,42 +338,33 @@ def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tile
         out_part = t["OutPart"] = workspace((splits, *q.shape), torch.float32, q.device, zeroed=False)
         lse_part = t["LsePart"] = workspace((splits, batch, seqlen_q, nheads), torch.float32, q.device, zeroed=False)
     nheads_k = k_cache.shape[2]
-    block_d = padded_head_dim(head_dim)
     # (split, batch, token, head) strides of the partial results; one split writes the final ones.
     if splits > 1:
         out_strides, lse_strides = out_part.stride()[:4], lse_part.stride()
     else:
         out_strides = (0, *out_part.stride()[:3])
         lse_strides = (0, lse_part.stride(0), lse_part.stride(2), lse_part.stride(1))
-    block_table, slopes = t.get("BlockTable"), params.alibi_slopes
+    block_table, slopes, k_new, v_new = t.get("BlockTable"), params.alibi_slopes, t.get("KNew"), t.get("VNew")
     qk_scale, softcap = logit_scales(params)
+    block_d = padded_head_dim(head_dim)
     decode = _decode_fwd, (splits, m_tiles, batch * nheads_k), dict(
-        Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part,
-        **{name: t.get(name) for name in _DECODE_OPTIONAL},
+        Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part, **{name: t.get(name) for name in _OPTIONAL},
         stride_q=q.stride()[:3], stride_k=k_cache.stride()[:3], stride_v=v_cache.stride()[:3],
         stride_o=out_strides, stride_l=lse_strides,
         stride_tb=0 if block_table is None else block_table.stride(0),
         stride_slope_b=0 if slopes is None or slopes.dim() == 1 else slopes.stride(0),
+        stride_kn=(0, 0, 0) if k_new is None else k_new.stride()[:3],
+        stride_vn=(0, 0, 0) if v_new is None else v_new.stride()[:3],
         nheads_k=nheads_k, seqlen_q=seqlen_q, group_size=nheads // nheads_k, rows_per_seq=k_cache.shape[1],
         head_dim=head_dim, num_splits=splits, cache_seqlen=t["cache_seqlen"], seqlen_new=seqlen_new,
         window_left=params.window_left, window_right=params.window_right, qk_scale=qk_scale, softcap=softcap,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SEQLENS="CacheSeqlens" in t,
         PAGED=block_table is not None, LEFTPAD="Leftpad" in t, BATCH_IDX="CacheRows" in t,
         HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0, SOFTCAP=params.softcap > 0,
-        ALIBI=slopes is not None, SPLIT=splits > 1, PREFETCH_PAGES=prefetch_pages,
+        ALIBI=slopes is not None, SPLIT=splits > 1, PREFETCH_PAGES=prefetch_pages, APPEND=k_new is not None,
         INPUT_PRECISION=cfg.input_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     launches: list[tuple] = [decode]
-    if "KNew" in t:
-        k_new, v_new = t["KNew"], t["VNew"]
-        launches.insert(0, (_append_kv, (seqlen_new, batch), dict(
-            KNew=k_new, VNew=v_new, K=k_cache, V=v_cache, CacheSeqlens=t.get("CacheSeqlens"),
-            CacheRows=t.get("CacheRows"), BlockTable=block_table, stride_kn=k_new.stride()[:3],
-            stride_vn=v_new.stride()[:3], stride_k=k_cache.stride()[:3], stride_v=v_cache.stride()[:3],
-            stride_tb=0 if block_table is None else block_table.stride(0), nheads_k=nheads_k,
-            rows_per_seq=k_cache.shape[1], head_dim=head_dim, cache_seqlen=t["cache_seqlen"],
-            BLOCK_H=next_power_of_2(nheads_k), BLOCK_D=block_d, SEQLENS="CacheSeqlens" in t,
-            PAGED=block_table is not None, BATCH_IDX="CacheRows" in t, num_warps=4)))
     if splits == 1:
         return launches
     combine = _decode_combine, (batch * seqlen_q * nheads,), dict(
