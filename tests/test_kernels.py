@@ -284,6 +284,27 @@ def test_public_calls_launch_their_signature_plans_directly(monkeypatch):
     assert step(q[:, 1:], k, v, dout[:, 1:], sdpa=True) == []
 
 
+@interpret
+def test_signature_plans_keep_the_backend_of_their_settings(monkeypatch):
+    """A call signature's plans keep the backend that runs it (ops._call_backend), which the
+    signature fixes through CUFLASH_BACKEND: switching the variable back and forth on the same
+    inputs runs the backend it names every time, each computing the oracle's values."""
+    from cuflash import cpu, memo
+
+    monkeypatch.setattr(memo, "CHECKED", {})
+    ran = []
+    real = cpu.attention_forward
+    monkeypatch.setattr(cpu, "attention_forward", lambda *a, **kw: ran.append("cpu") or real(*a, **kw))
+    torch.manual_seed(29)
+    q, k, v = make_qkv(1, 9, 9, 2, 2, 16, torch.float32, "cpu")
+    want, _ = attention_reference(q, k, v, causal=True)
+    for choice in ("cpu", "triton", "cpu", "triton"):
+        monkeypatch.setenv("CUFLASH_BACKEND", choice)
+        for _ in range(2):
+            assert rel_err(cuflash.flash_attn_func(q, k, v, causal=True), want) < 1e-5
+    assert ran == ["cpu"] * 4
+
+
 def test_compiled_launcher_calls_the_launcher_as_the_runner_does(monkeypatch):
     """compat.compiled_launcher passes the compiled kernel's launcher what Triton's runner passes it
     (grid, the current device's stream, the kernel's function and metadata, then the arguments), with

@@ -90,6 +90,21 @@ def _backend(device: torch.device, dtype: torch.dtype):
     return cpu
 
 
+def _call_backend(q: torch.Tensor, plans: dict | None):
+    """_backend for q's device and dtype, kept in `plans` (the dict of a public function's call
+    signature, memo.remembered, which fixes both and the backend settings) after the first call:
+    each lookup reads two environment variables (~1 us each on a GPU host)."""
+    if plans is None:
+        return _backend(q.device, q.dtype)
+    backend = plans.get(_BACKEND)
+    if backend is None:
+        backend = plans[_BACKEND] = _backend(q.device, q.dtype)
+    return backend
+
+
+_BACKEND = "backend"  # its key in a signature's plans (the launch plans' keys are tuples)
+
+
 def _backward_backend(q: torch.Tensor, params: AttentionParams, forward_backend=None):
     """The backend of a backward (the forward's, where given), which no paged (block_table) call has
     (flash-attn has none either)."""
@@ -204,7 +219,7 @@ class _Attention(torch.autograd.Function):
     # through inspect.signature on every call.
     @staticmethod
     def forward(ctx, q, k, v, params: AttentionParams, plans: dict | None):
-        backend = _backend(q.device, q.dtype)
+        backend = _call_backend(q, plans)
         out, lse = backend.attention_forward(q, k, v, params, plans=plans)
         _save(ctx, q, k, v, out, lse, params, plans)
         ctx.backend = backend
@@ -252,7 +267,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
     if _direct(q):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return _Attention.apply(q, k, v, params, plans)
-        return _backend(q.device, q.dtype).attention_forward(q, k, v, params, plans=plans)  # no graph: ~10 us less
+        return _call_backend(q, plans).attention_forward(q, k, v, params, plans=plans)  # no graph: ~10 us less
     return attention_forward(q, k, v, *params.as_args())
 
 
@@ -274,9 +289,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
     the backend's decode when called directly, else (a traced graph) by torch ops before the op,
     which itself then mutates nothing. plans: as forward()'s."""
     if _direct(q):
-        return _backend(q.device, q.dtype).decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new,
-                                                          cache_leftpad, cache_rows, block_table, params, num_splits,
-                                                          k_new, v_new, plans=plans)
+        return _call_backend(q, plans).decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new, cache_leftpad,
+                                                      cache_rows, block_table, params, num_splits, k_new, v_new,
+                                                      plans=plans)
     if k_new is not None:
         append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_rows, block_table)
     given = isinstance(cache_seqlens, torch.Tensor)
@@ -291,8 +306,8 @@ def index_extremes(q: torch.Tensor, cache_seqlens: torch.Tensor | int, seqlen_ne
                    plans: dict | None = None) -> IndexExtremes:
     """What a decode step's checks need of its index tensors' values (params.IndexExtremes; at least
     one index tensor given), from the backend of q's call. plans: as decode()'s."""
-    return _backend(q.device, q.dtype).index_extremes(cache_seqlens, seqlen_new, cache_leftpad, cache_rows,
-                                                      block_table, rows_per_seq, repeats, plans=plans)
+    return _call_backend(q, plans).index_extremes(cache_seqlens, seqlen_new, cache_leftpad, cache_rows, block_table,
+                                                  rows_per_seq, repeats, plans=plans)
 
 
 def _setup_context(ctx, inputs, output):
