@@ -10,6 +10,7 @@ sequence's keys and runs the blocked varlen attention on them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from . import ops

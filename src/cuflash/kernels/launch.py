@@ -127,11 +127,11 @@ def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[
     num_stages or maxnreg)], on `tensors`: every tensor argument of those kernels (found there by
     identity, under any name; the first value is a tensor on the launches' device), and by argument
     name any int argument that every kernel taking it leaves unspecialized (do_not_specialize),
-    whose value may change between calls of a plan. build() runs for
-    a new signature only; key must hold the launcher (its first element) and everything else the
-    arguments depend on. build() may add workspaces (workspace()) to `tensors`; later calls of the
-    signature get fresh ones. Returns the plan, which a caller that knows the next call's signature to
-    be the same may call directly (kernels/attention.py)."""
+    whose value may change between calls of a plan. build() runs for a new signature only; key must
+    hold the launcher (its first element) and everything else the arguments depend on. build() may
+    add workspaces (workspace()) to `tensors`; later calls of the signature get fresh ones. Returns
+    the plan, which a caller that finds it again by what a call signature leaves open (open_key) may
+    call directly."""
     full_key = (key, tuple(tensors), signature(tensors.values()))
     plan = _plans.get(full_key)
     if plan is None:
