@@ -47,6 +47,23 @@ def force_candidates(monkeypatch, **passes):
     monkeypatch.setattr(memo, "CHECKED", {})
 
 
+def count_plan_lookups(monkeypatch, module) -> list[str]:
+    """The launcher (key[0]) name of each launch() lookup that `module` makes from now on, on the
+    Triton backend with the checked call signatures forgotten: a call that finds its signature's plan
+    adds nothing. The test reads and clears the list."""
+    from cuflash import memo
+    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
+    monkeypatch.setattr(memo, "CHECKED", {})
+    looked_up: list[str] = []
+    real = module.launch
+
+    def counting(key, tensors, build):
+        looked_up.append(key[0].__name__)
+        return real(key, tensors, build)
+    monkeypatch.setattr(module, "launch", counting)
+    return looked_up
+
+
 def seed_of(*parts) -> int:
     """A seed from a test's parameters, the same in every process (hash() of a str is salted per process)."""
     return zlib.crc32(repr(parts).encode())

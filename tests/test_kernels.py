@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import BOUNDS, check_against_oracle, check_tile_loads, flash_fn, force_candidates, interpret, \
-    make_qkv, rel_err, run_and_grad, seed_of, table_cell, varlen_batch
+from attn_testing import BOUNDS, check_against_oracle, check_tile_loads, count_plan_lookups, flash_fn, \
+    force_candidates, interpret, make_qkv, rel_err, run_and_grad, seed_of, table_cell, varlen_batch
 from cuflash.kernels import gluon
 from cuflash.kernels.plan import Plan
 from cuflash.kernels.triton import Tiles
@@ -234,17 +234,9 @@ def test_public_calls_launch_their_signature_plans_directly(monkeypatch):
     lookup, forward and backward, and computes the oracle's values on its own new data; what the
     signature leaves open makes a plan of its own: a base off 16-byte alignment (Triton specializes
     pointers on it) and dO's strides."""
-    from cuflash import memo
     from cuflash.kernels import attention
 
-    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
-    monkeypatch.setattr(memo, "CHECKED", {})
-    looked_up = []
-
-    def counting(key, tensors, build, _launch=attention.launch):
-        looked_up.append(key[0].__name__)
-        return _launch(key, tensors, build)
-    monkeypatch.setattr(attention, "launch", counting)
+    looked_up = count_plan_lookups(monkeypatch, attention)
 
     def step(q, k, v, dout, sdpa=False):
         if sdpa:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import BOUNDS, GPU_DTYPES, interpret, rel_err, rotary_reference, strided_view
+from attn_testing import BOUNDS, GPU_DTYPES, count_plan_lookups, interpret, rel_err, rotary_reference, strided_view
 from cuflash.reference import attention_reference
 
 
@@ -296,17 +296,9 @@ def test_decode_steps_launch_their_signature_plans_directly(monkeypatch):
     call signature: a later step launches them without launch()'s lookup and still appends and
     attends right, on new data and new lengths, with the splits' partial results made anew; a query
     off 16-byte alignment or an int cache_seqlens (an argument of its own plans) looks them up."""
-    from cuflash import memo
     from cuflash.kernels.triton import decode
 
-    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
-    monkeypatch.setattr(memo, "CHECKED", {})
-    looked_up = []
-
-    def counting(key, tensors, build, _launch=decode.launch):
-        looked_up.append(key[0].__name__)
-        return _launch(key, tensors, build)
-    monkeypatch.setattr(decode, "launch", counting)
+    looked_up = count_plan_lookups(monkeypatch, decode)
     torch.manual_seed(27)
     k_cache, v_cache = (torch.randn(9, 8, 2, 16) for _ in range(2))
     table = torch.tensor([[4, 0, 7, 1], [2, 8, 5, 3]], dtype=torch.int32)

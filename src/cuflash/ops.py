@@ -90,6 +90,9 @@ def _backend(device: torch.device, dtype: torch.dtype):
     return cpu
 
 
+_BACKEND = "backend"  # _call_backend's key in a signature's plans (the launch plans' keys are tuples)
+
+
 def _call_backend(q: torch.Tensor, plans: dict | None):
     """_backend for q's device and dtype, kept in `plans` (the dict of a public function's call
     signature, memo.remembered, which fixes both and the backend settings) after the first call:
@@ -100,9 +103,6 @@ def _call_backend(q: torch.Tensor, plans: dict | None):
     if backend is None:
         backend = plans[_BACKEND] = _backend(q.device, q.dtype)
     return backend
-
-
-_BACKEND = "backend"  # its key in a signature's plans (the launch plans' keys are tuples)
 
 
 def _backward_backend(q: torch.Tensor, params: AttentionParams, forward_backend=None):
