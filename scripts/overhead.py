@@ -89,7 +89,7 @@ def _sdpa_flash_decode_step():
 layers = {
     "Triton JIT launch (_attn_fwd[grid](**kwargs))": lambda: kernel[grid](**kwargs),
     "launcher (kernels.attention_forward: a launch plan)": lambda: ka.attention_forward(q, k, v, p),
-    "backward launcher (kernels.attention_backward, 3 kernels)":
+    "backward launcher (kernels.attention_backward)":
         lambda: ka.attention_backward(dout, q, k, v, out, lse, p),
     "custom op (torch.library dispatch)": lambda: ops.attention_forward(q, k, v, *p.as_args()),
     "ops.forward (eager: autograd.Function)": lambda: ops.forward(q, k, v, p),

@@ -9,7 +9,7 @@ from attn_testing import BOUNDS, check_against_oracle, check_tile_loads, count_p
     force_candidates, interpret, make_qkv, rel_err, run_and_grad, seed_of, table_cell, varlen_batch
 from cuflash.kernels import gluon
 from cuflash.kernels.plan import Plan
-from cuflash.kernels.triton import Tiles
+from cuflash.kernels.triton import OneLaunch, Tiles
 from cuflash.kernels.variant import problem
 from cuflash.params import AttentionParams
 from cuflash.reference import attention_reference
@@ -65,7 +65,13 @@ def test_every_table_launch_is_accepted_by_its_kernel(arch):
                             assert 16 <= tile <= 256 and tile & (tile - 1) == 0, cell
                         assert last.num_warps in (1, 2, 4, 8) and last.num_stages >= 1, cell
                         assert not last.warp_specialize or last.tma, cell
-                    if len(cell.forward) + len(cell.dkdv) + len(cell.dq) == 3:
+                    # The one-launch backward comes first, on valid tiles that hold the class's keys.
+                    assert not any(isinstance(c, OneLaunch) for c in cell.forward + cell.dkdv[1:] + cell.dq), cell
+                    if isinstance(cell.dkdv[0], OneLaunch):
+                        one = cell.dkdv[0].tiles
+                        assert one.block_n >= keys and one.block_m in (16, 32, 64, 128) and not one.tma, cell
+                    if not any(isinstance(c, (gluon.Forward, gluon.Dkdv, gluon.Dq))
+                               for c in cell.forward + cell.dkdv + cell.dq):
                         continue
                     # (a Gluon kernel is a candidate where it measured faster; it runs only where it
                     # accepts the call, and the Triton tiles after it elsewhere)
@@ -143,6 +149,84 @@ def test_select_falls_back_and_keeps_determinism():
     assert select(problem(q, q, q, softcap, q), softcap, cell) == Plan(tiles, tiles, tiles)
     asked = AttentionParams(0.1, block_m=32, block_n=16)
     assert select(problem(q, q, q, asked, q), asked) == Plan(*(Tiles(32, 16, 4, 2),) * 3)
+
+
+def test_one_launch_backward_only_where_one_key_tile_holds_every_key():
+    """A OneLaunch candidate makes the Triton dK/dV kernel the whole backward (dq None), deterministic
+    calls too (no atomics), where its key tile holds every key and its programs (batch x KV heads, each
+    through its group of query heads) come to at most 4 heads per SM (the interpreter has 4 "SMs");
+    elsewhere the next candidates run."""
+    from cuflash.kernels.plan import Entry, select
+    wide, dq = Tiles(16, 64, 4, 2), Tiles(32, 16, 4, 2)
+    cell = Entry((wide,), (OneLaunch(wide), gluon.Dkdv(fuse_dq=False), dq), (dq,))
+    for params in (AttentionParams(0.1), AttentionParams(0.1, deterministic=True)):
+        for seqlen_q, seqlen_k, batch, nheads, nheads_k, one in (
+                (300, 64, 1, 2, 2, True), (1, 1, 1, 2, 2, True), (64, 65, 1, 2, 2, False),  # keys
+                (64, 64, 8, 2, 2, True), (64, 64, 9, 2, 2, False),  # 16 programs of one head: 4 per SM
+                (64, 64, 1, 16, 4, True), (64, 64, 1, 16, 2, False),  # 4 programs of 4 heads, 2 of 8
+                (64, 64, 2, 8, 2, True), (64, 64, 3, 8, 2, False)):  # 1 wave of 4 heads, 2 waves
+            q = torch.randn(batch, seqlen_q, nheads, 64, dtype=torch.bfloat16)
+            k = torch.randn(batch, seqlen_k, nheads_k, 64, dtype=torch.bfloat16)
+            plan = select(problem(q, k, k, params, q), params, cell)
+            assert plan == (Plan(wide, wide, None) if one else Plan(wide, gluon.Dkdv(False), dq)), plan
+    plain = AttentionParams(0.1)
+    for batch, plan in ((1, Plan(wide, wide, None)), (9, Plan(wide, dq, dq))):
+        q = torch.randn(batch, 64, 2, 64)  # fp32: no Gluon kernel
+        assert select(problem(q, q, q, plain, q), plain, cell) == plan
+
+
+@interpret
+@pytest.mark.parametrize("case", ["causal, more queries", "window", "varlen, a sequence without keys",
+                                  "softcap, ALiBi"])
+def test_one_launch_backward_writes_every_row(case, monkeypatch):
+    """The one-launch backward (the interpreter's table takes it up to 32 keys and a few heads) computes delta and dQ in
+    the dK/dV kernel: dQ matches float64, and rows that see no key (above a causal diagonal, outside a
+    window, a varlen sequence with no keys), which no query tile of the kernel's band visits, get 0, with
+    dQ's memory poisoned (NaN) before the call. One launch, no workspace."""
+    from cuflash import memo
+    from cuflash.kernels import attention, launch
+    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
+    monkeypatch.setattr(launch, "_plans", {})
+    monkeypatch.setattr(memo, "CHECKED", {})
+
+    class Poisoned:  # attention.py's torch, whose empty_like fills with NaN
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty_like(t, **kwargs):
+            return torch.full_like(t, float("nan"), **kwargs)
+
+    monkeypatch.setattr(attention, "torch", Poisoned())
+    torch.manual_seed(seed_of(case))
+    if case.startswith("varlen"):
+        lens_q, lens_k = [5, 20, 3], [0, 32, 7]
+        q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, 4, 2, 40, torch.float32, "cpu")
+        dout = torch.randn_like(q)
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out = cuflash.flash_attn_varlen_func(qg, kg, vg, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+        out.backward(dout)
+        for b in range(3):
+            rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            ref = run_and_grad(lambda a, c, d: attention_reference(a, c, d, causal=True)[0], q[None, rows].double(),
+                               k[None, keys].double(), v[None, keys].double(), dout[None, rows].double())
+            for ours, theirs in zip((out, qg.grad, kg.grad, vg.grad), ref):
+                part = ours[rows] if ours.shape[0] == q.shape[0] else ours[keys]
+                assert rel_err(part[None], theirs) < BOUNDS[torch.float32] if theirs.any() else not part.any()
+    elif case == "causal, more queries":
+        q, k, v = make_qkv(2, 45, 9, 4, 2, 40, torch.float32, "cpu")
+        check_against_oracle(flash_fn(True), q, k, v, True, with_sdpa=False)
+    elif case == "window":
+        q, k, v = make_qkv(1, 70, 30, 2, 1, 32, torch.float32, "cpu")
+        check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, window_size=(3, 2)), q, k, v, False,
+                             with_sdpa=False, window_size=(3, 2))
+    else:
+        q, k, v = make_qkv(1, 33, 17, 2, 2, 24, torch.float32, "cpu")
+        slopes = torch.rand(2)
+        check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, softcap=5.0, alibi_slopes=slopes),
+                             q, k, v, False, with_sdpa=False, softcap=5.0, alibi_slopes=slopes)
+    backward = [p for key, p in launch._plans.items() if key[0][0] is attention.attention_backward]
+    assert backward and all(len(p.launches) == 1 and not p.workspaces for p in backward)
 
 
 def test_user_tiles_that_overflow_shared_memory_are_refused_before_compiling(monkeypatch):
@@ -636,12 +720,12 @@ def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, stages, seq
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (64, False), (64, True)])
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (129, 500), (500, 17), (17, 200), (1, 100)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 300), (129, 500), (500, 17), (17, 200), (1, 100), (128, 77)])
 def test_hopper_short(seqlen_q, seqlen_k, head_dim, causal):
-    """Up to 512 keys the Gluon dK/dV kernel takes the backward, and at D=128 non-causal from 257 keys
-    (the table's length class 2) the Gluon dQ kernel too. The Gluon forward runs but causal up to 64 keys
-    (here 100) and at D=64 causal for 257-512 keys; with 64-key tiles up to 256 keys (D=64: 512) and causal
-    up to 1k."""
+    """Up to 128 keys and queries one Triton launch takes the whole backward; beyond, up to 512 keys,
+    the Gluon dK/dV kernel, and at D=128 non-causal from 257 keys (the table's length class 2) the Gluon
+    dQ kernel too. The Gluon forward runs but causal up to 64 keys (here 100) and at D=64 causal for
+    257-512 keys; with 64-key tiles up to 256 keys (D=64: 512) and causal up to 1k."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are for Hopper (sm_90)")
     torch.manual_seed(seqlen_q + seqlen_k)
@@ -649,7 +733,8 @@ def test_hopper_short(seqlen_q, seqlen_k, head_dim, causal):
     n = max(seqlen_q, seqlen_k)
     cell = table_cell(q, head_dim, n, causal)
     plain = head_dim == 128 and not causal
-    assert cell.dkdv[0] == gluon.Dkdv(fuse_dq=False)
+    assert isinstance(cell.dkdv[0], OneLaunch) == (n <= 128)
+    assert cell.dkdv[n <= 128] == gluon.Dkdv(fuse_dq=False)
     assert isinstance(cell.dq[0], gluon.Dq) == (plain and n > 256)
     fwd = cell.forward[0]
     assert isinstance(fwd, gluon.Forward) == (not (causal and (n <= 128 or head_dim == 64 and 256 < n <= 512)))

@@ -67,8 +67,7 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: 
     """Gradients of attention_forward: dq, dk, dv shaped like q, k, v. dout and out are shaped
     like q, lse like the forward's softmax_lse. plans: attention_forward's, whose out and lse these
     are."""
-    lse = lse.contiguous()
-    tensors = dict(Q=q, K=k, V=v, Out=out, DO=dout, Lse=lse, Delta=torch.empty_like(lse),
+    tensors = dict(Q=q, K=k, V=v, Out=out, DO=dout, Lse=lse.contiguous(),
                    DQ=torch.empty_like(q, memory_format=torch.contiguous_format),
                    DK=torch.empty_like(k, memory_format=torch.contiguous_format),
                    DV=torch.empty_like(v, memory_format=torch.contiguous_format))
@@ -86,12 +85,16 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: 
 
 
 def _backward(t: dict, params: AttentionParams, entry: Entry | None) -> list[tuple]:
-    """delta (rowsum(dO * O)), then dK/dV, then dQ (or, fused into dK/dV, its fp32 sum's cast).
-    Workspaces added to t are made anew on every call (kernels/launch.py's workspace())."""
+    """delta (rowsum(dO * O)), then dK/dV, then dQ (or, fused into dK/dV, its fp32 sum's cast); or
+    all three in the Triton dK/dV kernel where one key tile holds every key. Workspaces added to t
+    are made anew on every call (kernels/launch.py's workspace())."""
     prob = problem(t["Q"], t["K"], t["V"], params, t["DO"])
     plan = select(prob, params, entry)
     dkdv = plan.dkdv
     assert dkdv is not None  # (select plans the backward's passes when the problem has dO)
+    if isinstance(dkdv, Tiles) and plan.dq is None:
+        return [triton_backward.dkdv_launch(t, prob, params, dkdv, dq_here=True)]
+    t["Delta"] = workspace(t["Lse"].shape, torch.float32, t["Lse"].device, zeroed=False)
     launches = [triton_backward.delta_launch(t, prob, params, acc_init=not isinstance(dkdv, Tiles))]
     if isinstance(dkdv, Tiles):
         launches.append(triton_backward.dkdv_launch(t, prob, params, dkdv))

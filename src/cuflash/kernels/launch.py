@@ -82,7 +82,7 @@ class _Launch:
                     raise TypeError(f"{kernel.fn.__name__}: {name} is not one of the launch's tensors and "
                                     "would be frozen into its plan")
                 slots.append((i, places[id(arg)]))
-            elif name in tensors:
+            elif isinstance(arg, int) and name in tensors:  # (not a None standing for an absent tensor)
                 if name not in _unspecialized(kernel):
                     raise TypeError(f"{kernel.fn.__name__}: {name} may change between calls of a plan, but the "
                                     "kernel specializes on its value (do_not_specialize)")

@@ -21,11 +21,11 @@ from triton.runtime.errors import OutOfResources
 from ..errors import ErrorCode, fail
 from ..params import AttentionParams
 from . import gluon
-from .device import arch, max_shared_memory, padded_head_dim, tf32
-from .triton import Tiles
+from .device import arch, max_shared_memory, num_sms, padded_head_dim, tf32
+from .triton import OneLaunch, Tiles
 from .variant import Problem
 
-Candidate = Union[Tiles, gluon.Forward, gluon.Dkdv, gluon.Dq]
+Candidate = Union[Tiles, OneLaunch, gluon.Forward, gluon.Dkdv, gluon.Dq]
 
 
 class Length(enum.IntEnum):
@@ -57,7 +57,7 @@ class Entry:
 @dataclass(frozen=True)
 class Plan:
     """What runs: the forward's launch, and in a backward (the problem has dO) dK/dV's and dQ's;
-    dq None: the fused dK/dV kernel computes dQ."""
+    dq None: the dK/dV kernel computes dQ (the Gluon one with fuse_dq, the Triton one for OneLaunch)."""
     forward: Tiles | gluon.Forward
     dkdv: Tiles | gluon.Dkdv | None = None
     dq: Tiles | gluon.Dq | None = None
@@ -70,23 +70,28 @@ def select(prob: Problem, params: AttentionParams, entry: Entry | None = None) -
     seqlens = (prob.seqlen_q, prob.seqlen_k)
     plain = gluon.accepts(prob, params)
     streamed = () if params.block_table is not None else (prob.k, prob.v)
-    forward = _first(entry.forward, plain, seqlens, streamed)
+    forward = _first(entry.forward, plain, seqlens, streamed, prob)
     if prob.dout is None:
         return Plan(forward)
-    dkdv = _first(entry.dkdv, plain, seqlens, (prob.q, prob.dout))
+    dkdv = _first(entry.dkdv, plain, seqlens, (prob.q, prob.dout), prob)
+    if isinstance(dkdv, OneLaunch):
+        return Plan(forward, dkdv.tiles.on(seqlens, prob.q, prob.dout), None)
     if isinstance(dkdv, gluon.Dkdv) and dkdv.fuse_dq:
         if not params.deterministic:
             return Plan(forward, dkdv, None)
         dkdv = dataclasses.replace(dkdv, fuse_dq=False)
-    return Plan(forward, dkdv, _first(entry.dq, plain, seqlens, (prob.k, prob.v)))
+    return Plan(forward, dkdv, _first(entry.dq, plain, seqlens, (prob.k, prob.v), prob))
 
 
 def _first(candidates: tuple[Candidate, ...], gluon_accepts: bool, seqlens: tuple[int, int],
-           streamed: tuple[torch.Tensor, ...]):
+           streamed: tuple[torch.Tensor, ...], prob: Problem):
     for candidate in candidates:
         if isinstance(candidate, Tiles):
             return candidate.on(seqlens, *streamed)
-        if gluon_accepts:
+        if isinstance(candidate, OneLaunch):
+            if candidate.takes(prob.seqlen_k, prob.batch, prob.nheads, prob.nheads_k, num_sms(prob.q.device)):
+                return candidate
+        elif gluon_accepts:
             return candidate
     raise ValueError(f"no candidate takes the call: {candidates} (an entry must end with Triton Tiles)")
 
@@ -131,8 +136,10 @@ def entry(arch: int, block_d: int, fp32: bool, tf32: bool, length: Length, bande
 def _table(arch: int, block_d: int, fp32: bool, length: Length, banded: bool):
     if arch == 0:
         # Small, unequal tiles: the CPU tests run through the interpreter and must cover the
-        # masked/unmasked split with tiles of different heights and widths.
-        return (Tiles(32, 16, 1, 1),), (Tiles(16, 32, 1, 1),), (Tiles(32, 16, 1, 1),)
+        # masked/unmasked split with tiles of different heights and widths, and (up to 32 keys and a
+        # few heads) the one-launch backward.
+        dkdv = Tiles(16, 32, 1, 1)
+        return (Tiles(32, 16, 1, 1),), (OneLaunch(dkdv), dkdv), (Tiles(32, 16, 1, 1),)
     if fp32:
         return _fp32(arch, block_d)
     if arch < 90:
@@ -186,7 +193,8 @@ def _hopper_d64(hopper: bool, block_d: int, length: Length, banded: bool):
         three = length == L.LONGER or (length in (L.UP_TO_512, L.UP_TO_2K) and not banded)
         short = length <= L.UP_TO_512 or (banded and length == L.UP_TO_1K)
         forward = (gluon.Forward(3 if three else 2, *((64, 6) if short else (128, 3))), fwd)
-    # dK/dV: Gluon at every length, with dQ fused from 2k keys (and without a band from 1k).
+    # dK/dV: the one-launch backward up to 128 keys (for a few heads per SM), Gluon at every length, with
+    # dQ fused from 2k keys (and without a band from 1k).
     if length < L.UP_TO_1K:
         dkdv: tuple[Candidate, ...] = (Tiles(32, 64, 4, 3),)
         fuse = False
@@ -195,6 +203,8 @@ def _hopper_d64(hopper: bool, block_d: int, length: Length, banded: bool):
         fuse = length >= L.UP_TO_2K or not banded
     if hopper:
         dkdv = (gluon.Dkdv(fuse_dq=fuse), *dkdv)
+    if length == L.UP_TO_128:
+        dkdv = (OneLaunch(Tiles(64, 128, 8, 2)), *dkdv)
     return forward, dkdv, (Tiles(64, 64, 4, 3),)
 
 
@@ -211,8 +221,8 @@ def _hopper_d128(hopper: bool, length: Length, banded: bool):
         # Gluon but causal up to 128 keys; 64-key tiles in 5 buffers up to 256 keys, and causal up to 1k.
         short = length <= L.UP_TO_256 or (banded and length <= L.UP_TO_1K)
         forward = (gluon.Forward(2, *((64, 5) if short else (128, 3))), fwd)
-    # dK/dV: Gluon at every length, dQ fused beyond 2k keys; dQ: Gluon beyond 512 keys, and without a
-    # band from 257.
+    # dK/dV: the one-launch backward up to 128 keys (for a few heads per SM), Gluon at every length, dQ
+    # fused beyond 2k keys; dQ: Gluon beyond 512 keys, and without a band from 257.
     long = length > L.UP_TO_512
     dkdv: tuple[Candidate, ...] = (Tiles(64, 128, 8, 2, tma=long, warp_specialize=long),)
     dq: tuple[Candidate, ...] = (Tiles(128, 64, 8, 3),)
@@ -220,6 +230,8 @@ def _hopper_d128(hopper: bool, length: Length, banded: bool):
         dkdv = (gluon.Dkdv(fuse_dq=length == L.LONGER), *dkdv)
         if long or (length == L.UP_TO_512 and not banded):
             dq = (gluon.Dq(), *dq)
+    if length == L.UP_TO_128:
+        dkdv = (OneLaunch(Tiles(64, 128, 8, 2)), *dkdv)
     return forward, dkdv, dq
 
 
@@ -263,5 +275,5 @@ def user_tiles_checked(params: AttentionParams, head_dim: int, dtype: torch.dtyp
              f"head dim {head_dim} in {str(dtype).replace('torch.', '')} ({exc}); take smaller blocks")
 
 
-__all__ = ["Entry", "Length", "Plan", "Tiles", "decode_tiles", "entry", "padded_head_dim", "select",
+__all__ = ["Entry", "Length", "OneLaunch", "Plan", "Tiles", "decode_tiles", "entry", "padded_head_dim", "select",
            "table_entry", "user_tiles_checked"]

@@ -36,3 +36,19 @@ class Tiles:
                 triton.set_allocator(scratch)
             return self
         return dataclasses.replace(self, tma=False, warp_specialize=False)
+
+
+@dataclass(frozen=True)
+class OneLaunch:
+    """A dK/dV candidate: the Triton dK/dV kernel on `tiles` computing delta and dQ as well, the whole
+    backward in one launch (no atomics: deterministic). Taken where the key tile holds every key and
+    the kernel's programs (one per batch and KV head, each through its query heads one after another)
+    come to at most MAX_HEADS_PER_SM heads per SM: there a short backward costs its launches more than
+    its arithmetic. Beyond that the three-launch backward's parallel dQ pass wins (H200, up to 128
+    keys, docs/tuning.md)."""
+    tiles: Tiles
+    MAX_HEADS_PER_SM = 4
+
+    def takes(self, seqlen_k: int, batch: int, nheads: int, nheads_k: int, sms: int) -> bool:
+        waves = -(-batch * nheads_k // sms)
+        return seqlen_k <= self.tiles.block_n and nheads // nheads_k * waves <= self.MAX_HEADS_PER_SM

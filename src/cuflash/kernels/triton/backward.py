@@ -6,6 +6,8 @@ Three launches, none of them atomic, so the result is bitwise reproducible:
   _attn_bwd_dkdv   one program per K/V tile of one KV head: streams the query tiles of every
                    query head that shares the KV head (MQA/GQA sums there), accumulating dK, dV;
   _attn_bwd_dq     one program per query tile: streams the K/V tiles, accumulating dQ.
+Where one K/V tile holds every key (short sequences, plan.OneLaunch), _attn_bwd_dkdv with DQ_HERE is
+the whole backward: each query tile's delta from O and dO, and its whole dQ, in the same loop.
 On Hopper the Gluon dK/dV kernel (kernels/gluon/backward.py) can also add each tile's dQ to an
 fp32 workspace, so that S and dP are computed once (5 matrix products instead of 7), and
 _attn_bwd_dq_cast converts the sum; the order of those additions varies from run to run, so
@@ -24,8 +26,8 @@ from ..device import cdiv
 from ..launch import workspace
 from ..variant import Problem, lse_strides, variant_args, variant_tensors
 from . import Tiles
-from .common import LOG2E, advance, band, dropout_keep, head_options, load_pair, logits, mma, query_program, \
-    read_tile, row_source, score_tile, sequence, softcap_grad, store_tile, tile_aranges, tile_ptrs
+from .common import LOG2E, advance, band, dropout_keep, head_options, load_pair, load_tile, logits, mma, \
+    query_program, read_tile, row_source, score_tile, sequence, softcap_grad, store_tile, tile_aranges, tile_ptrs
 
 ROWS_PER_PROGRAM = 64  # query rows per program of the delta and cast kernels (the Gluon kernels' tile)
 
@@ -73,14 +75,17 @@ def _attn_bwd_dq_cast(DQAcc, DQ, stride_a, stride_dq, nheads, seqlen_q, head_dim
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, mask, offs, lo, hi, bounds, scores, drop,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, offs, lo, hi, bounds, scores, drop,
                          BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                          HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                          MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-                         INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+                         INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+                         DQ_HERE: tl.constexpr):
     """Query tiles [lo, hi) of one head into (dk, dv); MASKED applies the query bound and the band's
-    edges. Works on transposed scores (keys along rows) so that dK, dV need no transposes. The argument
-    groups are _attn_bwd_dkdv's."""
+    edges. Works on transposed scores (keys along rows) so that dK, dV need no transposes. DQ_HERE
+    (the tile holds every key): each row's delta from O and its whole dQ, stored, where dq_io is
+    (O's and dQ's pointers to this head's query tile at row 0, their row strides, softmax_scale).
+    The other argument groups are _attn_bwd_dkdv's."""
     q_do, row_strides, lse_ptr, delta_ptr = rows_in
     offs_n, offs_m, offs_d = offs
     seqlen_q, head_dim = bounds[0], bounds[2]
@@ -91,9 +96,15 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, mask, offs, lo, hi, bounds, scor
         if MASKED:
             # Rows past seqlen_q read lse = +inf, so that their P is exactly 0.
             lse = tl.load(lse_ptr + rows, mask=rows < seqlen_q, other=float("inf"))
-            delta = tl.load(delta_ptr + rows, mask=rows < seqlen_q, other=0.0)
         else:
             lse = tl.load(lse_ptr + rows)
+        if DQ_HERE:  # (as _attn_bwd_delta computes it)
+            o = load_tile(dq_io[0] + tl.cast(start_m, tl.int64) * dq_io[2], rows, seqlen_q, offs_d, head_dim, True,
+                          not EVEN_D)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        elif MASKED:
+            delta = tl.load(delta_ptr + rows, mask=rows < seqlen_q, other=0.0)
+        else:
             delta = tl.load(delta_ptr + rows)
         x_t = logits(mma(k, tl.trans(q), None, INPUT_PRECISION), scores, SOFTCAP)
         s_t = score_tile(x_t, rows[None, :], offs_n[:, None], bounds, scores, mask, MASKED, HAS_LEFT, HAS_RIGHT,
@@ -111,31 +122,50 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, mask, offs, lo, hi, bounds, scor
         if SOFTCAP:
             ds_t *= softcap_grad(x_t, scores[1])
         dk = mma(ds_t.to(q.dtype), q, dk, INPUT_PRECISION)
+        if DQ_HERE:
+            dq = mma(tl.trans(ds_t).to(k.dtype), k, None, INPUT_PRECISION) * dq_io[4]
+            store_tile(dq_io[1] + tl.cast(start_m, tl.int64) * dq_io[3], dq.to(dq_io[1].dtype.element_ty), rows,
+                       seqlen_q, offs_d, head_dim, not EVEN_D)
         q_do = advance(q_do, row_strides, BLOCK_M, TMA)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
-                   stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_l, stride_slope_b, stride_mask,
+def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
+                   stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_o, stride_dq, stride_l,
+                   stride_slope_b, stride_mask,
                    nheads_k, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
                    softmax_scale, qk_scale, softcap, drop_threshold, drop_scale,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                    EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_GROUP_ACC: tl.constexpr,
-                   TMA: tl.constexpr, WS: tl.constexpr):
+                   TMA: tl.constexpr, WS: tl.constexpr, DQ_HERE: tl.constexpr):
+    """dK, dV of BLOCK_N keys of one KV head. DQ_HERE (the grid's one program per (batch, KV head)
+    holds every key of its sequence): also delta and dQ of the group's query heads, the whole
+    backward in one launch (Delta None; otherwise Out, DQ and their strides None)."""
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
     off_b = (off_bhk // nheads_k).to(tl.int64)
     off_hk = (off_bhk % nheads_k).to(tl.int64)
     q_first, seqlen_q = sequence(CuSeqlensQ, off_b, seqlen_q, VARLEN)
     k_first, seqlen_k = sequence(CuSeqlensK, off_b, seqlen_k, VARLEN)
+    cols, offs_n, offs_m, offs_d = tile_aranges(start_n, BLOCK_N, BLOCK_M, BLOCK_D)
+    if DQ_HERE:
+        if HAS_LEFT or HAS_RIGHT or VARLEN:
+            # Rows that see no key (outside the band, or a varlen sequence without keys) get dQ = 0; the
+            # band's rows overwrite theirs after the barrier.
+            for g in range(0, group_size):
+                zero_ptrs = tile_ptrs(DQ, stride_dq, off_b, off_hk * group_size + g, q_first, offs_m, offs_d)
+                for start_m in range(0, seqlen_q, BLOCK_M):
+                    store_tile(zero_ptrs + tl.cast(start_m, tl.int64) * stride_dq[1],
+                               tl.zeros([BLOCK_M, BLOCK_D], DQ.dtype.element_ty), start_m + offs_m, seqlen_q, offs_d,
+                               head_dim, not EVEN_D)
+            tl.debug_barrier()
     if VARLEN:
         if start_n >= seqlen_k:  # the grid covers the longest sequence
             return
     offset = bottom_right * (seqlen_k - seqlen_q)
-    cols, offs_n, offs_m, offs_d = tile_aranges(start_n, BLOCK_N, BLOCK_M, BLOCK_D)
 
     k = read_tile(K, stride_k, off_b, off_hk, k_first, start_n, cols, seqlen_k, offs_d, head_dim, not EVEN_D)
     v = read_tile(V, stride_v, off_b, off_hk, k_first, start_n, cols, seqlen_k, offs_d, head_dim, not EVEN_D)
@@ -168,15 +198,22 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Slop
         # The query tiles in three parts: those a causal diagonal or window's right edge cuts (masked;
         # none without a right edge), those that see every key of the tile (unmasked, the loop that may be
         # warp-specialized), those a window's left edge or the queries' end cuts (masked).
-        rows_in = ((q_src, do_src), (stride_q[1], stride_do[1]), Lse + row_first, Delta + row_first)
+        if DQ_HERE:  # (delta from O: Delta is None)
+            rows_in = ((q_src, do_src), (stride_q[1], stride_do[1]), Lse + row_first, 0)
+            dq_io = (tile_ptrs(Out, stride_o, off_b, off_h, q_first, offs_m, offs_d),
+                     tile_ptrs(DQ, stride_dq, off_b, off_h, q_first, offs_m, offs_d), stride_o[1], stride_dq[1],
+                     softmax_scale)
+        else:
+            rows_in = ((q_src, do_src), (stride_q[1], stride_do[1]), Lse + row_first, Delta + row_first)
+            dq_io = (0, 0, 0, 0, 0)
         mask = (mask_ptrs, stride_mask[2], stride_mask[3])
         scores = (qk_scale, softcap, slope)
         drop = (drop_key, drop_threshold, drop_scale)
         for part in tl.static_range(1 - HAS_RIGHT, 3):
             dk_head, dv_head = _attn_bwd_dkdv_inner(
-                dk_head, dv_head, k, v, rows_in, mask, offs, edges[part], edges[part + 1], bounds, scores, drop,
-                BLOCK_M, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, WS & (part == 1))
+                dk_head, dv_head, k, v, rows_in, dq_io, mask, offs, edges[part], edges[part + 1], bounds, scores,
+                drop, BLOCK_M, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, WS & (part == 1), DQ_HERE)
         if SPLIT_GROUP_ACC:
             dk += dk_head
             dv += dv_head
@@ -289,7 +326,7 @@ def delta_launch(t: dict, prob: Problem, params: AttentionParams, acc_init: bool
 def _shared_args(t: dict, prob: Problem, params: AttentionParams) -> dict:
     """The arguments the dK/dV and dQ kernels share."""
     q, k, v, dout = t["Q"], t["K"], t["V"], t["DO"]
-    return dict(Q=q, K=k, V=v, DO=dout, Lse=t["Lse"], Delta=t["Delta"],
+    return dict(Q=q, K=k, V=v, DO=dout, Lse=t["Lse"], Delta=t.get("Delta"),
                 stride_q=prob.strides(q), stride_k=prob.strides(k), stride_v=prob.strides(v),
                 stride_do=prob.strides(dout), stride_l=lse_strides(prob, params), **variant_tensors(params),
                 **variant_args(params), seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
@@ -297,14 +334,20 @@ def _shared_args(t: dict, prob: Problem, params: AttentionParams) -> dict:
                 BLOCK_D=prob.block_d, EVEN_D=prob.head_dim == prob.block_d)
 
 
-def dkdv_launch(t: dict, prob: Problem, params: AttentionParams, tiles: Tiles):
-    """The dK/dV kernel: a program per tiles.block_n keys of one (batch, KV head)."""
+def dkdv_launch(t: dict, prob: Problem, params: AttentionParams, tiles: Tiles, dq_here: bool = False):
+    """The dK/dV kernel: a program per tiles.block_n keys of one (batch, KV head). dq_here (every
+    key within one tile, no t["Delta"]): the kernel computes delta and dQ too, the whole backward."""
     grid = (cdiv(prob.seqlen_k, tiles.block_n), prob.batch * prob.nheads_k)
+    assert not dq_here or grid[0] == 1, "dQ in the dK/dV kernel needs one key tile"
+    if dq_here:
+        dq_io = dict(Out=t["Out"], DQ=t["DQ"], stride_o=prob.strides(t["Out"]), stride_dq=prob.strides(t["DQ"]))
+    else:
+        dq_io = dict.fromkeys(("Out", "DQ", "stride_o", "stride_dq"))
     return _attn_bwd_dkdv, grid, dict(
-        DK=t["DK"], DV=t["DV"], stride_dk=prob.strides(t["DK"]), stride_dv=prob.strides(t["DV"]),
+        DK=t["DK"], DV=t["DV"], stride_dk=prob.strides(t["DK"]), stride_dv=prob.strides(t["DV"]), **dq_io,
         **_shared_args(t, prob, params), nheads_k=prob.nheads_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         INPUT_PRECISION=tiles.input_precision, SPLIT_GROUP_ACC=prob.q.dtype == torch.float32, TMA=tiles.tma,
-        WS=tiles.warp_specialize, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        WS=tiles.warp_specialize, DQ_HERE=dq_here, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
 
