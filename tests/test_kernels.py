@@ -175,14 +175,32 @@ def test_one_launch_backward_only_where_one_key_tile_holds_every_key():
         assert select(problem(q, q, q, plain, q), plain, cell) == plan
 
 
+ONE_LAUNCH_CASES = ["causal, more queries", "window", "varlen, a sequence without keys", "softcap, ALiBi"]
+
+
 @interpret
-@pytest.mark.parametrize("case", ["causal, more queries", "window", "varlen, a sequence without keys",
-                                  "softcap, ALiBi"])
-def test_one_launch_backward_writes_every_row(case, monkeypatch):
-    """The one-launch backward (the interpreter's table takes it up to 32 keys and a few heads) computes delta and dQ in
-    the dK/dV kernel: dQ matches float64, and rows that see no key (above a causal diagonal, outside a
-    window, a varlen sequence with no keys), which no query tile of the kernel's band visits, get 0, with
-    dQ's memory poisoned (NaN) before the call. One launch, no workspace."""
+@pytest.mark.parametrize("head_dim", [32, 40])
+@pytest.mark.parametrize("case", ONE_LAUNCH_CASES)
+def test_one_launch_backward_writes_every_row(case, head_dim, monkeypatch):
+    """The one-launch backward (the interpreter's table takes it up to 32 keys and a few heads): see
+    check_one_launch_backward."""
+    check_one_launch_backward(case, "cpu", torch.float32, head_dim, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [40, 64, 96, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ONE_LAUNCH_CASES)
+def test_one_launch_backward_on_gpu(case, dtype, head_dim, monkeypatch):
+    """The table's one-launch backward up to 128 keys (D=64/128 tiles, 16-bit): as on the CPU."""
+    check_one_launch_backward(case, "cuda", dtype, head_dim, monkeypatch)
+
+
+def check_one_launch_backward(case, device, dtype, head_dim, monkeypatch):
+    """The one-launch backward computes delta and dQ in the dK/dV kernel: dQ matches float64, and rows
+    that see no key (above a causal diagonal, outside a window, a varlen sequence with no keys), which no
+    query tile of the kernel's band visits, get 0, with dQ's memory poisoned (NaN) before the call. One
+    launch, no workspace."""
     from cuflash import memo
     from cuflash.kernels import attention, launch
     monkeypatch.setenv("CUFLASH_BACKEND", "triton")
@@ -198,10 +216,10 @@ def test_one_launch_backward_writes_every_row(case, monkeypatch):
             return torch.full_like(t, float("nan"), **kwargs)
 
     monkeypatch.setattr(attention, "torch", Poisoned())
-    torch.manual_seed(seed_of(case))
+    torch.manual_seed(seed_of(case, head_dim))
     if case.startswith("varlen"):
         lens_q, lens_k = [5, 20, 3], [0, 32, 7]
-        q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, 4, 2, 40, torch.float32, "cpu")
+        q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, 4, 2, head_dim, dtype, device)
         dout = torch.randn_like(q)
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
         out = cuflash.flash_attn_varlen_func(qg, kg, vg, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
@@ -212,17 +230,17 @@ def test_one_launch_backward_writes_every_row(case, monkeypatch):
                                k[None, keys].double(), v[None, keys].double(), dout[None, rows].double())
             for ours, theirs in zip((out, qg.grad, kg.grad, vg.grad), ref):
                 part = ours[rows] if ours.shape[0] == q.shape[0] else ours[keys]
-                assert rel_err(part[None], theirs) < BOUNDS[torch.float32] if theirs.any() else not part.any()
+                assert rel_err(part[None], theirs) < BOUNDS[dtype] if theirs.any() else not part.any()
     elif case == "causal, more queries":
-        q, k, v = make_qkv(2, 45, 9, 4, 2, 40, torch.float32, "cpu")
+        q, k, v = make_qkv(2, 45, 9, 4, 2, head_dim, dtype, device)
         check_against_oracle(flash_fn(True), q, k, v, True, with_sdpa=False)
     elif case == "window":
-        q, k, v = make_qkv(1, 70, 30, 2, 1, 32, torch.float32, "cpu")
+        q, k, v = make_qkv(1, 70, 30, 2, 1, head_dim, dtype, device)
         check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, window_size=(3, 2)), q, k, v, False,
                              with_sdpa=False, window_size=(3, 2))
     else:
-        q, k, v = make_qkv(1, 33, 17, 2, 2, 24, torch.float32, "cpu")
-        slopes = torch.rand(2)
+        q, k, v = make_qkv(1, 33, 17, 2, 2, head_dim, dtype, device)
+        slopes = torch.rand(2, device=device)
         check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, softcap=5.0, alibi_slopes=slopes),
                              q, k, v, False, with_sdpa=False, softcap=5.0, alibi_slopes=slopes)
     backward = [p for key, p in launch._plans.items() if key[0][0] is attention.attention_backward]
