@@ -193,6 +193,8 @@ def test_one_launch_backward_writes_every_row(case, head_dim, monkeypatch):
 @pytest.mark.parametrize("case", ONE_LAUNCH_CASES)
 def test_one_launch_backward_on_gpu(case, dtype, head_dim, monkeypatch):
     """The table's one-launch backward up to 128 keys (D=64/128 tiles, 16-bit): as on the CPU."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the table takes the one-launch backward from sm_90 on")
     check_one_launch_backward(case, "cuda", dtype, head_dim, monkeypatch)
 
 
