@@ -175,7 +175,8 @@ def test_one_launch_backward_only_where_one_key_tile_holds_every_key():
         assert select(problem(q, q, q, plain, q), plain, cell) == plan
 
 
-ONE_LAUNCH_CASES = ["causal, more queries", "window", "varlen, a sequence without keys", "softcap, ALiBi"]
+ONE_LAUNCH_CASES = ["causal, more queries", "window", "varlen, a sequence without keys", "softcap, ALiBi",
+                    "dropout, causal"]
 
 
 @interpret
@@ -199,10 +200,10 @@ def test_one_launch_backward_on_gpu(case, dtype, head_dim, monkeypatch):
 
 
 def check_one_launch_backward(case, device, dtype, head_dim, monkeypatch):
-    """The one-launch backward computes delta and dQ in the dK/dV kernel: dQ matches float64, and rows
-    that see no key (above a causal diagonal, outside a window, a varlen sequence with no keys), which no
-    query tile of the kernel's band visits, get 0, with dQ's memory poisoned (NaN) before the call. One
-    launch, no workspace."""
+    """The one-launch backward computes delta and dQ in the dK/dV kernel: dQ matches float64 (with
+    softcap and ALiBi, and with dropout given its keep mask), and rows that see no key (above a causal
+    diagonal, outside a window, a varlen sequence with no keys), which no query tile of the kernel's band
+    visits, get 0, with dQ's memory poisoned (NaN) before the call. One launch, no workspace."""
     from cuflash import memo
     from cuflash.kernels import attention, launch
     monkeypatch.setenv("CUFLASH_BACKEND", "triton")
@@ -236,6 +237,15 @@ def check_one_launch_backward(case, device, dtype, head_dim, monkeypatch):
     elif case == "causal, more queries":
         q, k, v = make_qkv(2, 45, 9, 4, 2, head_dim, dtype, device)
         check_against_oracle(flash_fn(True), q, k, v, True, with_sdpa=False)
+    elif case == "dropout, causal":  # the oracle given the keep mask, which return_attn_probs reveals
+        q, k, v = make_qkv(2, 29, 20, 4, 2, head_dim, dtype, device)
+        torch.manual_seed(100)
+        probs = cuflash.flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_attn_probs=True)[2]
+
+        def dropped(a, b, c):
+            torch.manual_seed(100)  # the same seed draws the same mask
+            return cuflash.flash_attn_func(a, b, c, dropout_p=0.3, causal=True)
+        check_against_oracle(dropped, q, k, v, True, with_sdpa=False, dropout_p=0.3, dropout_keep=probs >= 0)
     elif case == "window":
         q, k, v = make_qkv(1, 70, 30, 2, 1, head_dim, dtype, device)
         check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, window_size=(3, 2)), q, k, v, False,
