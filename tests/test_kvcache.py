@@ -1,6 +1,11 @@
 """flash_attn_with_kvcache on the CPU (blocked path and the Triton kernels through the
 interpreter): in-place append, rotary, paged caches, cache_batch_idx, cache_leftpad, against the
 float64 oracle computed on the updated cache; bad input leaves the cache untouched."""
+import contextlib
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -317,13 +322,12 @@ def test_decode_steps_launch_their_signature_plans_directly(monkeypatch):
         looked_up.clear()
         return found
 
-    both = ["index_extremes", "decode_forward"]  # the value checks' launch, then the step's
-    assert step(torch.tensor([3, 20], dtype=torch.int32)) == both
+    assert step(torch.tensor([3, 20], dtype=torch.int32)) == ["decode_forward"]  # (the kernel checks the values)
     assert step(torch.tensor([9, 30], dtype=torch.int32)) == []
     shifted = torch.empty(2 * 4 * 16 + 1)[1:].view(2, 1, 4, 16).normal_()  # 4 bytes past 16-byte alignment
     assert step(torch.tensor([10, 1], dtype=torch.int32), shifted) == ["decode_forward"]
     assert step(torch.tensor([11, 2], dtype=torch.int32), shifted) == []
-    assert step(12) == both
+    assert step(12) == ["decode_forward"]
     assert step(13) == []
 
 
@@ -370,63 +374,175 @@ def test_bad_input_leaves_the_cache_untouched(backend, overrides, code, word):
     assert err.code.name == code and word in str(err), str(err)
 
 
-def _extremes_by_hand(seqlens, seqlen_new, leftpad, rows, table, rows_per_seq, repeats):
-    """params.IndexExtremes in plain Python, sequence by sequence."""
-    given = next(t for t in (seqlens, leftpad, rows, table) if isinstance(t, torch.Tensor))
-    lengths = seqlens.tolist() if isinstance(seqlens, torch.Tensor) else [seqlens] * given.shape[0]
-    pads, row_list = (leftpad.tolist() if leftpad is not None else None), (rows.tolist() if rows is not None else None)
-    used = [0] if table is None else [page for b, pages in enumerate(table.tolist()) for p, page in enumerate(pages)
-                                      if p * rows_per_seq < lengths[b] + seqlen_new] or [0]
-    if table is not None and len(used) < table.numel():
-        used.append(0)  # (an unused entry counts as page 0)
-    return cuflash.params.IndexExtremes(
-        min(lengths), max(lengths), min(pads) if pads else 0,
-        max(p - n for p, n in zip(pads, lengths)) if pads else 0, min(row_list) if row_list else 0,
-        max(row_list) if row_list else 0, bool(repeats and row_list and len(set(row_list)) < len(row_list)),
-        min(used), max(used))
-
-
-def _index_case(name, gen):
-    """(cache_seqlens, seqlen_new, cache_leftpad, cache_batch_idx, block_table, rows_per_seq, repeats)."""
+def _index_case(name: str) -> dict:
+    """A decode step's index arguments, bad in the way `name` says (or valid): cache_seqlens,
+    cache_leftpad, cache_batch_idx `rows` of `cache_rows`, block_table, seqlen_new new tokens,
+    rotary_end (the largest cache_seqlens rotary tables would cover), a window."""
     i32 = dict(dtype=torch.int32)
-    if name == "seqlens":
-        return torch.randint(-5, 900, (3,), generator=gen, **i32), 1, None, None, None, 16, True
-    if name == "int_seqlens_paged":  # 300 pages: more than one tile of them; unused entries hold anything
-        table = torch.randint(-10**9, 10**9, (2, 300), generator=gen, **i32)
-        table[:, :20] = torch.randint(0, 50, (2, 20), generator=gen, **i32)
-        return 300, 4, None, None, table, 16, True
-    if name == "paged_past_the_end":
-        table = torch.randint(0, 8, (70, 5), generator=gen, **i32)
-        table[7, 4], table[9, 1] = 99, -3  # sequence 7 reaches its fifth page, sequence 9 not its second
-        seqlens = torch.randint(0, 64, (70,), generator=gen, **i32)
-        seqlens[7], seqlens[9] = 70, 15
-        return seqlens, 1, None, None, table, 16, False
-    if name == "leftpad_rows":  # 70 sequences: two tiles; a repeat across them; int64 rows beyond int32
-        seqlens = torch.randint(5, 50, (70,), generator=gen, **i32)
-        leftpad = torch.randint(0, 5, (70,), generator=gen, **i32)
-        leftpad[66] = 60
-        rows = torch.randperm(100, generator=gen)[:70]
-        rows[67] = rows[3]
-        rows[10] = 2**40
-        return seqlens, 2, leftpad, rows, None, 64, True
-    if name == "distinct_rows":
-        return torch.randint(0, 9, (70,), generator=gen, **i32), 1, None, torch.randperm(90, generator=gen)[:70], \
-            None, 64, True
-    assert name == "rows_no_repeat_asked"
-    rows = torch.tensor([4, 4, -1], dtype=torch.int32)
-    return 7, 0, None, rows, None, 64, False
+    case = dict(seqlens=torch.tensor([3, 31, 0], **i32), seqlen_new=1, leftpad=None, rows=None, cache_rows=3,
+                table=None, rows_per_seq=32, rotary_end=None, window=(-1, -1))
+    if name == "seqlens":  # the new token past the end, a negative length
+        case.update(seqlens=torch.tensor([3, 32, -1], **i32))
+    elif name == "leftpad":
+        case.update(seqlens=torch.tensor([5, 9, 7], **i32), leftpad=torch.tensor([0, 10, 7], **i32))
+    elif name == "rows":
+        case.update(rows=torch.tensor([2, -1, 5], **i32), cache_rows=4, seqlens=torch.tensor([4, 5, 6], **i32))
+    elif name == "repeated_rows":  # new tokens written into one row by two sequences
+        case.update(rows=torch.tensor([1, 3, 1], **i32), cache_rows=4)
+    elif name == "shared_rows_read_only":  # valid: no new token written
+        case.update(rows=torch.tensor([1, 1, 0], **i32), cache_rows=4, seqlen_new=0,
+                    seqlens=torch.tensor([3, 31, 5], **i32))
+    elif name == "rotary":
+        case.update(seqlens=torch.tensor([3, 20, 10], **i32), rotary_end=10)
+    elif name == "pages":  # sequence 0 uses page 1 alone (the rest may hold anything); 1 and 2 use bad pages
+        case.update(rows_per_seq=8, cache_rows=10, seqlens=torch.tensor([5, 20, 30], **i32),
+                    table=torch.tensor([[1, 99, -7, 42], [-3, 3, 7, 55], [4, 5, 6, 12]], **i32))
+    elif name == "pages_left_of_the_window":  # a bad page no key tile of the window reads
+        case.update(rows_per_seq=16, cache_rows=14, seqlens=torch.tensor([90, 40], **i32), window=(4, 0),
+                    table=torch.tensor([[99, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]], **i32))
+    elif name == "pages_past_a_chunk":  # one-position pages: the kernel checks the table 1024 entries at a time
+        table = torch.arange(1500, **i32).view(1, 1500).flip(1).contiguous()
+        table[0, 1300] = 1500
+        case.update(rows_per_seq=1, cache_rows=1500, seqlens=torch.tensor([1400], **i32), table=table)
+    else:
+        assert name == "valid"
+    return case
 
 
-@pytest.mark.parametrize("case", ["seqlens", "int_seqlens_paged", "paged_past_the_end", "leftpad_rows",
-                                  "distinct_rows", "rows_no_repeat_asked"])
-def test_index_extremes_of_each_backend(backend, case):
-    """The extremes the value checks read (cpu.py's torch ops, the Triton kernel through the
-    interpreter), against plain Python: repeats across the kernel's tiles of sequences, pages past
-    a tile of them, unused page entries holding anything, int64 rows, an int cache_seqlens."""
-    args = _index_case(case, torch.Generator().manual_seed(26))
-    got = cuflash.ops.index_extremes(torch.zeros(1), *args)
-    assert got == _extremes_by_hand(*args)
-    assert type(got.repeated) is bool
+def _violations_by_hand(c: dict) -> dict:
+    """{IndexKind: {(sequence, value)}} of a case's bad index values, sequence by sequence in plain
+    Python, and the bound each kind's message names."""
+    from cuflash.errors import IndexKind
+    lengths, rows = c["seqlens"].tolist(), c["rows"].tolist() if c["rows"] is not None else None
+    capacity = c["rows_per_seq"] * (c["table"].shape[1] if c["table"] is not None else 1)
+    found: dict = {}
+    for b, n in enumerate(lengths):
+        bad = []
+        if not 0 <= n <= capacity - c["seqlen_new"]:
+            bad.append((IndexKind.SEQLENS, n))
+        if c["leftpad"] is not None and not 0 <= c["leftpad"][b] <= n:
+            bad.append((IndexKind.LEFTPAD, int(c["leftpad"][b])))
+        if rows is not None and not 0 <= rows[b] < c["cache_rows"]:
+            bad.append((IndexKind.ROWS, rows[b]))
+        if rows is not None and c["seqlen_new"] and rows.count(rows[b]) > 1:
+            bad.append((IndexKind.REPEATED, rows[b]))
+        if c["rotary_end"] is not None and n > c["rotary_end"]:
+            bad.append((IndexKind.ROTARY, n))
+        if c["table"] is not None:
+            bad += [(IndexKind.PAGES, page) for p, page in enumerate(c["table"][b].tolist())
+                    if p * c["rows_per_seq"] < n + c["seqlen_new"] and not 0 <= page < c["cache_rows"]]
+        for kind, value in bad:
+            found.setdefault(kind, set()).add((b, value))
+    bounds = {IndexKind.SEQLENS: capacity - c["seqlen_new"], IndexKind.ROWS: c["cache_rows"],
+              IndexKind.ROTARY: c["rotary_end"], IndexKind.PAGES: c["cache_rows"]}
+    return {kind: (pairs, bounds.get(kind, 0)) for kind, pairs in found.items()}
+
+
+INDEX_CASES = ["valid", "seqlens", "leftpad", "rows", "repeated_rows", "shared_rows_read_only", "rotary", "pages",
+               "pages_left_of_the_window", "pages_past_a_chunk"]
+
+
+@pytest.mark.parametrize("case", INDEX_CASES)
+def test_host_index_checks_name_the_first_bad_value(case):
+    """cpu.index_violation (the host's check where the values are on the CPU): the first kind of
+    errors.IndexKind with a bad value, its first sequence, the value and the bound, by hand."""
+    c = _index_case(case)
+    expected = _violations_by_hand(c)
+    got = cuflash.cpu.index_violation(c["seqlens"], c["seqlen_new"], c["leftpad"], c["rows"], c["cache_rows"],
+                                      c["table"], c["rows_per_seq"], c["seqlen_new"] > 0, c["rotary_end"])
+    if not expected:
+        assert got is None
+        return
+    kind = min(expected)
+    pairs, bound = expected[kind]
+    assert got == (kind, *min(pairs), bound)
+
+
+def check_kernel_index_checks(case: str, device: str, dtype: torch.dtype, num_splits: int):
+    """The decode kernel checks the index values it reads (kernels.decode_forward, no host check
+    before it): every sequence with a bad value comes out NaN and writes nothing through the value,
+    the others are right, and raise_decode_errors raises the first kind's error for one of its
+    sequences, then nothing more."""
+    from cuflash.errors import index_error
+    from cuflash.params import AttentionParams
+    c = _index_case(case)
+    expected = _violations_by_hand(c)
+    with contextlib.suppress(cuflash.FlashAttentionError):  # what a failed test left
+        cuflash.raise_decode_errors()
+    torch.manual_seed(31)
+    batch, seqlen_new, rps = c["seqlens"].shape[0], c["seqlen_new"], c["rows_per_seq"]
+    blocks = c["cache_rows"] if c["table"] is not None or c["rows"] is not None else batch
+    k_cache, v_cache = (torch.randn(blocks, rps, 2, 16, dtype=dtype, device=device) for _ in range(2))
+    q = torch.randn(batch, 1, 4, 16, dtype=dtype, device=device)
+    k_new, v_new = ((torch.randn(batch, seqlen_new, 2, 16, dtype=dtype, device=device) for _ in range(2))
+                    if seqlen_new else (None, None))
+    index = {name: None if c[name] is None else c[name].to(device) for name in ("seqlens", "leftpad", "rows", "table")}
+    saved = (k_cache.clone(), v_cache.clone())
+    params = AttentionParams(16 ** -0.5, c["window"][0], c["window"][1])
+    out, lse = cuflash.kernels.decode_forward(q, k_cache, v_cache, index["seqlens"], seqlen_new, index["leftpad"],
+                                              index["rows"], index["table"], params, num_splits, k_new, v_new,
+                                              rotary_end=c["rotary_end"])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    bad_by = {kind.name: {b for b, _ in pairs} for kind, (pairs, _) in expected.items()}
+    bad = set().union(*bad_by.values())
+    # A sequence bad by its pages alone may write a new token through a good page (a split whose
+    # share of the keys holds no bad page writes its part).
+    may_write = bad_by.get("PAGES", set()) - set().union(*(seqs for name, seqs in bad_by.items() if name != "PAGES"))
+
+    def place(b, pos):  # (block, slot) of position pos of sequence b, or None through a bad page
+        if c["table"] is None:
+            return (b if c["rows"] is None else int(c["rows"][b])), pos
+        page = int(c["table"][b, pos // rps])
+        return (page, pos % rps) if 0 <= page < c["cache_rows"] else None
+
+    for cache, old, new in ((k_cache, saved[0], k_new), (v_cache, saved[1], v_new)):
+        want = old.clone()
+        for b in range(batch) if seqlen_new else ():
+            for j in range(seqlen_new):
+                at = place(b, int(c["seqlens"][b]) + j)
+                if b not in bad or (b in may_write and at is not None and torch.equal(cache[at], new[b, j])):
+                    want[at] = new[b, j]
+        assert torch.equal(cache, want), "the cache holds the new tokens of the valid sequences, nothing else"
+    for b in range(batch):
+        if b in bad:
+            assert out[b].isnan().all() and lse[b].isnan().all(), b
+            continue
+        first = 0 if c["leftpad"] is None else int(c["leftpad"][b])
+        at = [place(b, pos) for pos in range(first, int(c["seqlens"][b]) + seqlen_new)]
+        keys, values = (torch.stack([cache[a] for a in at])[None].double() for cache in (k_cache, v_cache))
+        ref, _ = attention_reference(q[b:b + 1].double(), keys, values, window_size=c["window"])
+        assert rel_err(out[b:b + 1], ref) < BOUNDS[dtype], b
+    if expected:
+        kind = min(expected)
+        pairs, bound = expected[kind]
+        with pytest.raises(cuflash.FlashAttentionError) as info:
+            cuflash.raise_decode_errors()
+        assert any(index_error(kind, b, value, bound) in str(info.value) for b, value in pairs), str(info.value)
+    cuflash.raise_decode_errors()  # nothing left
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("case", INDEX_CASES)
+def test_kernel_index_checks(case, num_splits):
+    check_kernel_index_checks(case, "cpu", torch.float32, num_splits)
+
+
+@interpret
+@pytest.mark.interpret
+def test_index_errors_at_once_under_cuda_launch_blocking(monkeypatch):
+    """With CUDA_LAUNCH_BLOCKING=1 (the kernel done when its launch returns) the step raises its own
+    bad value."""
+    from cuflash.kernels.triton import decode
+    from cuflash.params import AttentionParams
+    monkeypatch.setattr(decode, "LAUNCH_BLOCKING", True)
+    k_cache, v_cache = (torch.randn(2, 8, 1, 16) for _ in range(2))
+    with pytest.raises(cuflash.FlashAttentionError, match=r"cache_seqlens\[1\] = 9"):
+        decode.decode_forward(torch.randn(2, 1, 1, 16), k_cache, v_cache, torch.tensor([2, 9], dtype=torch.int32),
+                              0, None, None, None, AttentionParams(0.25))
+    cuflash.raise_decode_errors()  # raised once
 
 
 def test_layout_checks_run_once_per_signature(monkeypatch):
@@ -565,8 +681,9 @@ def test_kvcache_launches_on_gpu(batch, nheads, nheads_k, d, dtype, layout):
 
 @pytest.mark.gpu
 def test_kvcache_decode_step_in_a_cuda_graph():
-    """A decode step captured once and replayed with new cache_seqlens values (the validation's
-    host read is skipped while capturing) gives what eager calls give."""
+    """A decode step captured once and replayed with new cache_seqlens values gives what eager calls
+    give; replayed with a bad one, that sequence comes out NaN, the other right, and
+    raise_decode_errors names the value."""
     torch.manual_seed(25)
     batch, nheads, nheads_k, d = 2, 16, 4, 64
     k_cache, v_cache, table = _kv_caches("paged16", batch, 1024, nheads_k, d, torch.bfloat16)
@@ -585,3 +702,63 @@ def test_kvcache_decode_step_in_a_cuda_graph():
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         graph.replay()
         assert torch.equal(captured, step())
+    seqlens.copy_(torch.tensor([2000, 4], dtype=torch.int32))  # past the 1024 positions of sequence 0's pages
+    saved = k_cache.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert captured[0].isnan().all() and not captured[1].isnan().any()
+    written = _cached(k_cache, table, 1, 5)[4]
+    assert torch.equal(written, k[1, 0])
+    assert (k_cache != saved).sum() == written.numel(), "only sequence 1's new key is written"
+    with pytest.raises(cuflash.FlashAttentionError, match=r"cache_seqlens\[0\] = 2000"):
+        cuflash.raise_decode_errors()
+    seqlens.copy_(torch.tensor([5, 6], dtype=torch.int32))
+    graph.replay()
+    assert torch.equal(captured, step())
+
+
+@pytest.mark.gpu
+def test_bad_index_values_raise_at_the_next_step_on_gpu():
+    """On the GPU a decode step does not wait to read its index values: a step with a bad one
+    returns (that sequence NaN, the others right), the next step on the device raises naming the
+    value, and the one after runs."""
+    torch.manual_seed(26)
+    k_cache, v_cache = (torch.randn(3, 64, 2, 64, dtype=torch.float16, device="cuda") for _ in range(2))
+    q = torch.randn(3, 1, 4, 64, dtype=torch.float16, device="cuda")
+
+    def step(lengths):
+        return cuflash.flash_attn_with_kvcache(q, k_cache, v_cache,
+                                               cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device="cuda"))
+    with contextlib.suppress(cuflash.FlashAttentionError):  # what a failed test left
+        cuflash.raise_decode_errors()
+    out = step([10, 65, 30])
+    torch.cuda.synchronize()
+    assert out[1].isnan().all()
+    for b, n in ((0, 10), (2, 30)):
+        ref, _ = attention_reference(q[b:b + 1].double(), k_cache[b:b + 1, :n].double(), v_cache[b:b + 1, :n].double())
+        assert rel_err(out[b:b + 1], ref) < BOUNDS[torch.float16]
+    with pytest.raises(cuflash.FlashAttentionError, match=r"cache_seqlens\[1\] = 65"):
+        step([10, 20, 30])
+    assert not step([10, 20, 30]).isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", INDEX_CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_kernel_index_checks_on_gpu(case, dtype):
+    check_kernel_index_checks(case, "cuda", dtype, 0)
+
+
+@pytest.mark.gpu
+def test_index_errors_at_once_under_cuda_launch_blocking_on_gpu():
+    """CUDA_LAUNCH_BLOCKING=1 (a process of its own): the bad step itself raises."""
+    script = ("import torch, cuflash\n"
+              "k = torch.randn(2, 8, 1, 16, device='cuda', dtype=torch.float16)\n"
+              "try:\n"
+              "    cuflash.flash_attn_with_kvcache(torch.randn(2, 1, 1, 16, device='cuda', dtype=torch.float16), k, k,"
+              " cache_seqlens=torch.tensor([2, 9], dtype=torch.int32, device='cuda'))\n"
+              "except cuflash.FlashAttentionError as e:\n"
+              "    print(e)\n")
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert "cache_seqlens[1] = 9" in run.stdout, run.stdout + run.stderr

@@ -14,8 +14,8 @@ import dataclasses
 import torch
 
 from .dropout import head_ids, keep_mask
-from .errors import lse_dtype
-from .params import AttentionParams, IndexExtremes, cache_slot, per_sequence
+from .errors import IndexKind, lse_dtype
+from .params import AttentionParams, cache_slot, per_sequence
 
 BLOCK_M = 256  # query rows and keys per tile where the call asks for none (AttentionParams.block_m/_n)
 BLOCK_N = 512
@@ -243,11 +243,13 @@ def append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_rows, b
 
 
 def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad, cache_rows, block_table,
-                   params: AttentionParams, num_splits: int = 0, k_new=None, v_new=None, plans: dict | None = None):
-    """Same contract as kernels.decode_forward (plans: none here): k_new, v_new appended
-    (append_to_cache), then each sequence's keys (cache positions leftpad[b] .. cache_seqlens[b] +
-    seqlen_new - 1) gathered into one packed tensor, attended as a varlen batch. num_splits changes
-    only the kernels' rounding: not used here."""
+                   params: AttentionParams, num_splits: int = 0, k_new=None, v_new=None, plans: dict | None = None,
+                   rotary_end: int | None = None):
+    """Same contract as kernels.decode_forward but for the index values, which the caller checked
+    (index_violation; plans, rotary_end: not used here): k_new, v_new appended (append_to_cache),
+    then each sequence's keys (cache positions leftpad[b] .. cache_seqlens[b] + seqlen_new - 1)
+    gathered into one packed tensor, attended as a varlen batch. num_splits changes only the
+    kernels' rounding: not used here."""
     if k_new is not None:
         append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_rows, block_table)
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -266,20 +268,34 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad,
     return out.view(q.shape), lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
-def index_extremes(cache_seqlens, seqlen_new: int, leftpad, rows, table, rows_per_seq: int, repeats: bool,
-                   plans: dict | None = None) -> IndexExtremes:
-    """params.IndexExtremes of a decode step's index tensors (at least one given; cache_seqlens
-    may be an int), as torch ops; repeats: whether to look for a repeated cache_batch_idx row
-    (plans: the kernels' launch plans; none here)."""
-    def lo_hi(x: torch.Tensor | None) -> tuple[int, int]:
-        return (0, 0) if x is None else (int(x.min()), int(x.max()))
-
+def index_violation(cache_seqlens, seqlen_new: int, leftpad, rows, cache_rows: int, table, rows_per_seq: int,
+                    repeats: bool, rotary_end: int | None) -> tuple[IndexKind, int, int, int] | None:
+    """The first bad index value of a decode step (errors.IndexKind order, then the first sequence)
+    as (kind, sequence, value, bound) for errors.index_error, or None: cache_seqlens (a tensor or an
+    int; with seqlen_new new tokens in the cache's capacity), cache_leftpad, cache_batch_idx `rows`
+    of cache_rows (repeats: distinct too), the block_table entries before each sequence's end, and
+    rotary_end (None: no rotary) the largest cache_seqlens the rotary tables cover. Torch ops on the
+    tensors' device (at least one index is a tensor), whose values it reads."""
     given = next(t for t in (cache_seqlens, leftpad, rows, table) if isinstance(t, torch.Tensor))
-    seqlens = per_sequence(cache_seqlens, given.shape[0], given.device)
-    used = None
-    if table is not None:  # the pages before each sequence's end, 0 in the others' place
-        positions = torch.arange(0, table.shape[1] * rows_per_seq, rows_per_seq, device=table.device)
-        used = torch.where(positions < (seqlens + seqlen_new)[:, None], table, 0)
-    repeated = repeats and rows is not None and bool((rows.sort().values.diff() == 0).any())
-    return IndexExtremes(*lo_hi(seqlens), lo_hi(leftpad)[0], lo_hi(None if leftpad is None else leftpad - seqlens)[1],
-                         *lo_hi(rows), repeated, *lo_hi(used))
+    batch, device = given.shape[0], given.device
+    seqlens = per_sequence(cache_seqlens, batch, device)
+    capacity = rows_per_seq * (1 if table is None else table.shape[1])
+    checks = [(IndexKind.SEQLENS, (seqlens < 0) | (seqlens > capacity - seqlen_new), seqlens, capacity - seqlen_new)]
+    if leftpad is not None:
+        checks.append((IndexKind.LEFTPAD, (leftpad < 0) | (leftpad > seqlens), leftpad, 0))
+    if rows is not None:
+        checks.append((IndexKind.ROWS, (rows < 0) | (rows >= cache_rows), rows, cache_rows))
+        if repeats:
+            checks.append((IndexKind.REPEATED, (rows[:, None] == rows[None, :]).sum(1) > 1, rows, 0))
+    if rotary_end is not None:
+        checks.append((IndexKind.ROTARY, seqlens > rotary_end, seqlens, rotary_end))
+    if table is not None:  # the pages before each sequence's end (the others may hold anything)
+        positions = torch.arange(0, table.shape[1] * rows_per_seq, rows_per_seq, device=device)
+        outside = (positions < (seqlens + seqlen_new)[:, None]) & ((table < 0) | (table >= cache_rows))
+        first_outside = table.gather(1, outside.int().argmax(1, keepdim=True))[:, 0]
+        checks.append((IndexKind.PAGES, outside.any(1), first_outside, cache_rows))
+    for kind, bad, values, bound in checks:
+        if bool(bad.any()):
+            seq = int(bad.int().argmax())
+            return kind, seq, int(values[seq]), bound
+    return None

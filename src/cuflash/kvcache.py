@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
-from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_softcap, check_tensor, check_window,
-                     fail, resolve_scale)
+from . import cpu, ops
+from .errors import (ErrorCode, IndexKind, check_alibi, check_attention_inputs, check_softcap, check_tensor,
+                     check_window, fail, index_error, resolve_scale)
 from .memo import plain_flash_options, remembered, signature
-from .params import AttentionParams, IndexExtremes, per_sequence
+from .params import AttentionParams, per_sequence
 from .rotary import check_cos_sin, rotate
 
 
@@ -60,19 +60,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             the bottom-right corner of each sequence (query i sits at key position
             cache_seqlens + seqlen_new - seqlen_q + i).
         num_splits: how many parts the decode kernel splits each sequence's keys into (0: enough
-            to fill the GPU; at most 64); only the rounding of the result depends on it.
+            to fill the GPU; at most 64; with a paged cache more where a part would span over 2048
+            pages); only the rounding of the result depends on it.
         return_softmax_lse: also return softmax_lse (batch, nheads, seqlen_q) fp32.
     Returns:
         out (batch, seqlen_q, nheads, headdim), and softmax_lse with return_softmax_lse.
-    Bad input raises FlashAttentionError before the cache is touched. The values of cache_seqlens,
-    cache_leftpad, cache_batch_idx and block_table are checked with one read to the host, skipped
-    while a CUDA graph is being captured (its replays see other values).
+    Bad input raises FlashAttentionError before the cache is touched, with one exception: on the GPU
+    the values of the index tensors (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) are
+    checked by the decode kernel where it reads them, so that a step never waits for the GPU. A
+    sequence with a bad value reads and writes nothing outside the cache, its output and
+    softmax_lse are NaN, and the error is raised by the next flash_attn_with_kvcache call on that
+    device once the GPU has run the step (at once under CUDA_LAUNCH_BLOCKING=1), or by
+    cuflash.raise_decode_errors(), which serving loops that replay a CUDA graph call.
     """
     call = _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                      block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
     q, k = _rotate(call, q, k, rotary_cos, rotary_sin, rotary_interleaved)
     out, lse = ops.decode(q, k_cache, v_cache, call.seqlens, call.seqlen_new, call.leftpad, call.rows, call.table,
-                          call.params, num_splits, k, v, call.plans)
+                          call.params, num_splits, k, v, call.plans, call.rotary_end)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -88,13 +93,14 @@ class _Call:
     params: AttentionParams
     shifted: bool  # query token i at position cache_seqlens + i (causal or windowed), else all at cache_seqlens
     plans: dict | None  # the launch plans of the call signature (memo.remembered)
+    rotary_end: int | None  # the largest cache_seqlens the rotary tables cover (None: no rotary)
 
 
 def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
               block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits) -> _Call:
-    """Checks every argument (the values of the index tensors too, except while a CUDA graph is
-    captured or torch.compile traces) before anything is written. The checks that read no tensor
-    value run once per call signature (memo.py)."""
+    """Checks every argument before anything is written: the values of the index tensors too, except
+    where the decode kernel checks them (the Triton backend on the GPU) or torch.compile traces. The
+    checks that read no tensor value run once per call signature (memo.py)."""
     plain = (plain_flash_options(softmax_scale, causal, window_size, softcap, alibi_slopes) and type(num_splits) is int
              and (cache_seqlens is None or type(cache_seqlens) in (int, torch.Tensor)))
     given = isinstance(cache_seqlens, torch.Tensor)
@@ -109,12 +115,10 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
             t.contiguous() if isinstance(t, torch.Tensor) else t
             for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
     seqlens = layout.capacity if cache_seqlens is None else cache_seqlens
-    # (is_compiling first: torch.compile cannot trace the capture query)
-    if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _check_values(q, seqlens, layout.seqlen_new, layout.capacity, cache_leftpad, cache_batch_idx, k_cache.shape[0],
-                      block_table, k_cache.shape[1], rotary_cos, layout.query_span, plans)
+    if not torch.compiler.is_compiling():
+        _check_values(layout, seqlens, cache_leftpad, cache_batch_idx, k_cache.shape[0], block_table, k_cache.shape[1])
     return _Call(seqlens, layout.seqlen_new, cache_leftpad, cache_batch_idx, block_table, layout.params,
-                 layout.shifted, plans)
+                 layout.shifted, plans, layout.rotary_end)
 
 
 @dataclass(frozen=True)
@@ -125,8 +129,9 @@ class _Layout:
     capacity: int  # cache positions per sequence
     seqlen_new: int
     shifted: bool  # see _Call
-    query_span: int  # positions from cache_seqlens that the new tokens and the queries take
+    rotary_end: int | None  # the largest cache_seqlens the rotary tables cover (None: no rotary)
     strided_indexes: bool  # an index tensor is a strided view, to be copied contiguous on every call
+    kernel_checks: bool  # the decode kernel checks the index tensors' values (the Triton backend on the GPU)
 
 
 def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -180,7 +185,10 @@ def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     shifted = causal or (left, right) != (-1, -1)
     strided = any(isinstance(t, torch.Tensor) and not t.is_contiguous()
                   for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
-    return _Layout(params, capacity, seqlen_new, shifted, max(seqlen_new, seqlen_q if shifted else 1), strided)
+    query_span = max(seqlen_new, seqlen_q if shifted else 1)  # positions from cache_seqlens the tokens take
+    rotary_end = None if rotary_cos is None else rotary_cos.shape[0] - query_span
+    return _Layout(params, capacity, seqlen_new, shifted, rotary_end, strided,
+                   q.is_cuda and ops.backend_name(q.device, q.dtype) == "triton")
 
 
 def _rotate(call: _Call, q, k, rotary_cos, rotary_sin, interleaved):
@@ -198,31 +206,26 @@ def _rotate(call: _Call, q, k, rotary_cos, rotary_sin, interleaved):
     return q, k
 
 
-def _check_values(q, seqlens, seqlen_new, capacity, leftpad, rows, cache_rows, table, rows_per_seq, rotary_cos,
-                  query_span, plans):
-    """Checks the values of the index arguments before anything is written, from their extremes
-    (params.IndexExtremes), which the backend reduces on the device and reads to the host at once
-    (skipped while a CUDA graph is captured: its replays see other values): every small kernel adds
-    to a decode step's host time, and the read waits for the GPU."""
-    if any(isinstance(t, torch.Tensor) for t in (seqlens, leftpad, rows, table)):
-        facts = ops.index_extremes(q, seqlens, seqlen_new, leftpad, rows, table, rows_per_seq, seqlen_new > 0, plans)
-    else:  # an int cache_seqlens alone
-        facts = IndexExtremes(seqlens, seqlens, 0, 0, 0, 0, False, 0, 0)
+def _check_values(layout: _Layout, seqlens, leftpad, rows, cache_rows: int, table, rows_per_seq: int) -> None:
+    """Checks the values of the index arguments (cpu.index_violation) where they can be read without
+    waiting for the GPU: an int cache_seqlens always, the index tensors unless the decode kernel
+    checks them (kernels/triton/decode.py)."""
+    tensors = any(isinstance(t, torch.Tensor) for t in (seqlens, leftpad, rows, table))
+    if tensors and not layout.kernel_checks:
+        found = cpu.index_violation(seqlens, layout.seqlen_new, leftpad, rows, cache_rows, table, rows_per_seq,
+                                    layout.seqlen_new > 0, layout.rotary_end)
+    elif isinstance(seqlens, int):  # the same for every sequence
+        found = _int_violation(seqlens, layout.capacity - layout.seqlen_new, layout.rotary_end)
+    else:
+        return
+    if found is not None:
+        fail(ErrorCode.INVALID_ARGUMENT, index_error(*found))
 
-    def values(x):
-        return x.tolist() if isinstance(x, torch.Tensor) else x
 
-    if facts.seqlens_lo < 0 or facts.seqlens_hi + seqlen_new > capacity:
-        room = (f"block_table's {table.shape[1]} pages of {rows_per_seq} positions" if table is not None
-                else f"the cache's {capacity} positions per sequence")
-        fail(ErrorCode.INVALID_ARGUMENT, f"cache_seqlens {values(seqlens)} + {seqlen_new} new tokens must fit {room}")
-    if leftpad is not None and (facts.leftpad_lo < 0 or facts.past_hi > 0):
-        fail(ErrorCode.INVALID_ARGUMENT, f"cache_leftpad {leftpad.tolist()} must lie in [0, cache_seqlens]")
-    if rows is not None and (facts.rows_lo < 0 or facts.rows_hi >= cache_rows or facts.repeated):
-        fail(ErrorCode.INVALID_ARGUMENT, f"cache_batch_idx {rows.tolist()} must be distinct rows of the "
-             f"{cache_rows} cache rows")
-    if table is not None and (facts.pages_lo < 0 or facts.pages_hi >= cache_rows):
-        fail(ErrorCode.INVALID_ARGUMENT, f"block_table points outside the {cache_rows} cache blocks")
-    needed = facts.seqlens_hi + query_span  # the largest rotary position used, plus one
-    if rotary_cos is not None and needed > rotary_cos.shape[0]:
-        fail(ErrorCode.INVALID_ARGUMENT, f"rotary_cos has {rotary_cos.shape[0]} positions; {needed} are needed")
+def _int_violation(seqlens: int, seqlens_max: int, rotary_end: int | None):
+    """cpu.index_violation of an int cache_seqlens (no sequence named)."""
+    if not 0 <= seqlens <= seqlens_max:
+        return IndexKind.SEQLENS, None, seqlens, seqlens_max
+    if rotary_end is not None and seqlens > rotary_end:
+        return IndexKind.ROTARY, None, seqlens, rotary_end
+    return None

@@ -21,7 +21,7 @@ import torch
 
 from .cpu import append_to_cache
 from .errors import ErrorCode, fail, lse_dtype
-from .params import FIELD_NAMES, AttentionParams, IndexExtremes
+from .params import FIELD_NAMES, AttentionParams
 
 BACKENDS = ("auto", "triton", "cpu")
 
@@ -283,31 +283,22 @@ def backward(dout, q, k, v, out, softmax_lse, params: AttentionParams):
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | int,
            seqlen_new: int, cache_leftpad: torch.Tensor | None, cache_rows: torch.Tensor | None,
            block_table: torch.Tensor | None, params: AttentionParams, num_splits: int,
-           k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, plans: dict | None = None):
+           k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, plans: dict | None = None,
+           rotary_end: int | None = None):
     """(out, softmax_lse) of a decode step (attention_decode; cache_seqlens an int or (B,) int32),
     no autograd, after k_new, v_new (B, seqlen_new, Hk, D) are written into the cache in place: by
     the backend's decode when called directly, else (a traced graph) by torch ops before the op,
-    which itself then mutates nothing. plans: as forward()'s."""
+    which itself then mutates nothing. plans: as forward()'s; rotary_end: as kernels.decode_forward's."""
     if _direct(q):
         return _call_backend(q, plans).decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new, cache_leftpad,
                                                       cache_rows, block_table, params, num_splits, k_new, v_new,
-                                                      plans=plans)
+                                                      plans=plans, rotary_end=rotary_end)
     if k_new is not None:
         append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_rows, block_table)
     given = isinstance(cache_seqlens, torch.Tensor)
     return attention_decode(q, k_cache, v_cache, cache_seqlens if given else None, 0 if given else cache_seqlens,
                             seqlen_new, cache_leftpad, cache_rows, block_table, num_splits, params.softmax_scale,
                             params.window_left, params.window_right, params.softcap, params.alibi_slopes)
-
-
-def index_extremes(q: torch.Tensor, cache_seqlens: torch.Tensor | int, seqlen_new: int,
-                   cache_leftpad: torch.Tensor | None, cache_rows: torch.Tensor | None,
-                   block_table: torch.Tensor | None, rows_per_seq: int, repeats: bool,
-                   plans: dict | None = None) -> IndexExtremes:
-    """What a decode step's checks need of its index tensors' values (params.IndexExtremes; at least
-    one index tensor given), from the backend of q's call. plans: as decode()'s."""
-    return _call_backend(q, plans).index_extremes(cache_seqlens, seqlen_new, cache_leftpad, cache_rows, block_table,
-                                                  rows_per_seq, repeats, plans=plans)
 
 
 def _setup_context(ctx, inputs, output):

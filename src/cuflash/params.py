@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -111,25 +110,6 @@ class AttentionParams:
     def with_tensors(self, tensors: tuple) -> AttentionParams:
         """These params with the tensor fields `tensors`, in tensors()' order."""
         return dataclasses.replace(self, **dict(zip(_TENSOR_NAMES, tensors)))
-
-
-class IndexExtremes(NamedTuple):
-    """What flash_attn_with_kvcache's checks need of its index tensors' values (kvcache.py), which
-    each backend's index_extremes() reduces on the tensors' device and reads to the host at once:
-    the least and greatest cache_seqlens, cache_leftpad, cache_leftpad - cache_seqlens (> 0: a
-    sequence starting past its end), cache_batch_idx, and block_table entry that a sequence uses
-    (pages before position cache_seqlens + seqlen_new; the others may hold anything); whether
-    cache_batch_idx repeats a row (asked for only where new tokens are written). 0 for what was not
-    given, False where not asked."""
-    seqlens_lo: int
-    seqlens_hi: int
-    leftpad_lo: int
-    past_hi: int
-    rows_lo: int
-    rows_hi: int
-    repeated: bool
-    pages_lo: int
-    pages_hi: int
 
 
 def per_sequence(x: torch.Tensor | int, batch: int, device: torch.device) -> torch.Tensor:

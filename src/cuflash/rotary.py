@@ -19,7 +19,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     """x (..., nheads, headdim) rotated on its first 2 * cos.shape[1] dims at `positions` (long,
     shaped like x.shape[:-2]): pairs (2i, 2i + 1) when interleaved (GPT-J), halves
     (i, i + rotary_dim / 2) otherwise (GPT-NeoX). cos, sin: (seqlen_ro, rotary_dim / 2). A position
-    past seqlen_ro is left unrotated (cos 1, sin 0), as flash-attn's kernel does. inplace: into x.
+    past seqlen_ro is left unrotated (cos 1, sin 0), as flash-attn's kernel does, and so is a
+    negative one. inplace: into x.
     With the Triton backend (x on the GPU) one kernel rotates; otherwise torch ops do."""
     if _kernel(x):
         return _Rotate.apply(x, cos, sin, positions, interleaved, inplace)
@@ -63,8 +64,8 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
              interleaved: bool) -> torch.Tensor:
     """rotate() in torch ops (differentiable by autograd)."""
     seqlen_ro, half = cos.shape
-    inside = (positions < seqlen_ro)[..., None, None]
-    at = positions.clamp(max=seqlen_ro - 1)
+    inside = ((positions >= 0) & (positions < seqlen_ro))[..., None, None]
+    at = positions.clamp(0, seqlen_ro - 1)
     c = torch.where(inside, cos.float()[at][..., None, :], 1.0)  # (..., 1, half)
     s = torch.where(inside, sin.float()[at][..., None, :], 0.0)
     rot = x[..., :2 * half].float()

@@ -1,6 +1,6 @@
 """The Triton backend: kernels/triton/ (every input, every GPU, the interpreter), kernels/gluon/
 (Hopper), chosen per call by kernels/plan.py. Import only where Triton is installed."""
 from .attention import attention_backward, attention_forward
-from .triton.decode import decode_forward, index_extremes
+from .triton.decode import decode_forward
 
-__all__ = ["attention_forward", "attention_backward", "decode_forward", "index_extremes"]
+__all__ = ["attention_forward", "attention_backward", "decode_forward"]

@@ -10,16 +10,21 @@ are written into the cache by the programs that read them, before their loop (on
 
 Keys are addressed by position, through the page table of a paged cache or the cache row of the
 sequence, so nothing is gathered or copied before the kernel, and no value (sequence lengths,
-pages) is read to the host: the launch can be captured in a CUDA graph. The eager call's checks of
-those values (kvcache.py) take their extremes from one more program here (index_extremes), read to
-the host with one copy.
+pages) is read to the host: the launch can be captured in a CUDA graph, and a decode loop never
+waits for the GPU. The kernel checks those values itself before it reads or writes through them:
+a program whose sequence holds a bad one (or, paged, whose share of the sequence's pages does)
+reads and writes nothing, the sequence's rows come out NaN, and the value is left in the device's
+record (errors.index_record, pinned host memory) for the next step to raise.
 """
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ...params import AttentionParams, IndexExtremes
+from ...errors import IndexKind, index_record, raise_pending
+from ...params import AttentionParams
 from ..device import cdiv, next_power_of_2, num_sms, padded_head_dim
 from ..launch import keep, kept, launch, open_key, workspace
 from ..plan import decode_tiles
@@ -29,21 +34,57 @@ from .common import LN2, LOG2E, NO_MASK, logits, mma, score_tile, softmax_step
 
 MAX_SPLITS = 64  # the combine kernel holds one row of every split in registers
 PROGRAMS_PER_SM = 2  # the split heuristic's target
+# The most page-table entries a split's keys span where MAX_SPLITS allows: the kernel's check of a
+# share's pages before its loop cost nothing measurable up to 2048 entries, 15% at 8192 (batch 64,
+# 128k keys in 16-key pages; docs/tuning.md).
+MAX_SHARE_PAGES = 2048
 # The decode kernel's optional tensor arguments (the index tensors first, then ALiBi's slopes and the
 # new keys and values to append), in the launch's tensors only when given.
 _OPTIONAL = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes", "KNew", "VNew")
-_INDEXES = _OPTIONAL[:4]
+LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"  # the step's own errors are raised at once
+# errors.IndexKind, as the kernel names them
+_SEQLENS, _LEFTPAD, _ROWS, _REPEATED, _ROTARY, _PAGES = (tl.constexpr(int(kind)) for kind in IndexKind)
+
+
+@triton.jit
+def _report(Errors, kind: tl.constexpr, seq, value, bound, bad):
+    """Leaves a bad index value (a scalar, or each of a block's where `bad`) in the record
+    (errors.index_record): sequence + 1 and the value (as int32) packed in one int64, so that
+    programs or lanes reporting at once leave one pair whole."""
+    value = tl.minimum(tl.maximum(value.to(tl.int64), -2**31), 2**31 - 1)
+    at = Errors + 2 * kind + value * 0
+    tl.store(at, ((seq.to(tl.int64) + 1) << 32) | (value & 0xFFFFFFFF), mask=bad)
+    tl.store(at + 1, bound + value * 0, mask=bad)
+
+
+@triton.jit
+def _pages_ok(Errors, table, lo, hi, rows_per_seq, cache_blocks, seq, BLOCK_P: tl.constexpr, CHUNKS: tl.constexpr):
+    """Whether the page-table entries of key positions lo .. hi - 1 (at most CHUNKS * BLOCK_P of
+    them) all lie in the cache; reports those that do not. Unrolled, with one reduction: a loop
+    here slowed the decode loop after it by 5-20% (docs/tuning.md)."""
+    first = lo // rows_per_seq
+    end = tl.where(hi > lo, tl.cdiv(hi, rows_per_seq), first)
+    outside = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for c in tl.static_range(CHUNKS):
+        p = first + c * BLOCK_P + tl.arange(0, BLOCK_P)
+        used = p < end
+        page = tl.load(table + p, mask=used, other=0)
+        bad = used & ((page < 0) | (page >= cache_blocks))
+        _report(Errors, _PAGES, seq, page, cache_blocks, bad)
+        outside = tl.maximum(outside, bad.to(tl.int32))
+    return tl.max(outside, 0) == 0
 
 
 @triton.jit(do_not_specialize=["cache_seqlen"])
-def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, Slopes, KNew, VNew,
+def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, Slopes, KNew, VNew, Errors,
                 stride_q, stride_k, stride_v, stride_o, stride_l, stride_tb, stride_slope_b, stride_kn, stride_vn,
-                nheads_k, seqlen_q, group_size, rows_per_seq, head_dim, num_splits, cache_seqlen, seqlen_new,
-                window_left, window_right, qk_scale, softcap,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                SEQLENS: tl.constexpr, PAGED: tl.constexpr, LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr,
+                batch, nheads_k, seqlen_q, group_size, rows_per_seq, cache_blocks, head_dim, num_splits, cache_seqlen,
+                seqlen_new, seqlens_max, rotary_end, window_left, window_right, qk_scale, softcap,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                PAGE_CHUNKS: tl.constexpr, BLOCK_B: tl.constexpr, BATCH_CHUNKS: tl.constexpr, SEQLENS: tl.constexpr,
+                PAGED: tl.constexpr, LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr, APPEND: tl.constexpr,
+                SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr, APPEND: tl.constexpr, ROTARY: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr):
     split = tl.program_id(0)
     start_r = tl.program_id(1) * BLOCK_M
@@ -81,11 +122,41 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
         block = off_b
         if BATCH_IDX:
             block = tl.load(CacheRows + off_b).to(tl.int64)
-    # This split's share of the keys, whole tiles so that no tile straddles two splits, cut to
-    # the band the tile's queries can see.
+    # The sequence's index values (an int cache_seqlens was checked by the host), and below the
+    # pages of the program's share of the keys: with a bad one it reads and writes nothing.
+    ok = (end >= 0) & (end <= seqlens_max)
+    if SEQLENS:
+        _report(Errors, _SEQLENS, off_b, end, seqlens_max, ~ok)
+    if LEFTPAD:
+        pad_ok = (first >= 0) & (first <= end)
+        _report(Errors, _LEFTPAD, off_b, first, 0, ~pad_ok)
+        ok = ok & pad_ok
+    if BATCH_IDX:
+        cache_row_ok = (block >= 0) & (block < cache_blocks)
+        _report(Errors, _ROWS, off_b, block, cache_blocks, ~cache_row_ok)
+        ok = ok & cache_row_ok
+        if APPEND:  # two sequences writing one row (unrolled, as _pages_ok)
+            shared = tl.zeros([BLOCK_B], dtype=tl.int32)
+            for c in tl.static_range(BATCH_CHUNKS):
+                others = c * BLOCK_B + tl.arange(0, BLOCK_B)
+                rows = tl.load(CacheRows + others, mask=others < batch, other=-1).to(tl.int64)
+                shared = tl.maximum(shared, ((rows == block) & (others != off_b)).to(tl.int32))
+            repeated = tl.max(shared, 0) > 0
+            _report(Errors, _REPEATED, off_b, block, 0, repeated)
+            ok = ok & ~repeated
+    if ROTARY:
+        rotary_ok = end <= rotary_end
+        _report(Errors, _ROTARY, off_b, end, rotary_end, ~rotary_ok)
+        ok = ok & rotary_ok
+    # This split's share of the keys, whole tiles so that no tile straddles two splits (none with a
+    # bad index), cut below to the band the tile's queries can see.
     chunk = tl.cdiv(tl.cdiv(seqlen_k, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
-    hi = tl.minimum(lo + chunk, seqlen_k)
+    hi = tl.where(ok, tl.minimum(lo + chunk, seqlen_k), lo)
+    if PAGED:  # the share's pages, those left of a window too (the host's checks see them)
+        pages_ok = _pages_ok(Errors, table, lo, hi, rows_per_seq, cache_blocks, off_b, BLOCK_P, PAGE_CHUNKS)
+        ok = ok & pages_ok
+        hi = tl.where(pages_ok, hi, lo)
     if APPEND:
         # The new tokens (keys seqlen_k - seqlen_new ..) of this split's share are written into the
         # cache first, this KV head's, by every program that may read them (the query tiles of a
@@ -154,6 +225,9 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
     empty = float("-inf") if SPLIT else float("inf")
     lse = tl.where(l_i == 0.0, empty, (m_i + tl.math.log2(l_safe)) * LN2)
     out = acc / l_safe[:, None]
+    # (NaN also through the combine: it weighs every split)
+    lse = tl.where(ok, lse, float("nan"))
+    out = tl.where(ok, out, float("nan"))
     o_ptrs = OutPart + split * stride_o[0] + off_b * stride_o[1] + tok[:, None] * stride_o[2] \
         + head[:, None] * stride_o[3]
     tl.store(o_ptrs + offs_d[None, :], out.to(OutPart.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -187,107 +261,29 @@ def _decode_combine(OutPart, LsePart, Out, Lse, nheads, seqlen_q, head_dim, num_
     tl.store(Lse + (b * nheads + h) * seqlen_q + i, tl.where(total == 0.0, float("inf"), m + tl.log(total_safe)))
 
 
-@triton.jit(do_not_specialize=["cache_seqlen"])
-def _index_extremes(Extremes, CacheSeqlens, Leftpad, CacheRows, BlockTable, stride_tb, batch, pages, rows_per_seq,
-                    cache_seqlen, seqlen_new, SEQLENS: tl.constexpr, LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr,
-                    REPEATS: tl.constexpr, PAGED: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
-    """params.IndexExtremes of a decode step's index tensors, in its field order as int64, by one
-    program: they hold a few entries per sequence. Lanes past the batch repeat sequence 0's values,
-    which move no extreme."""
-    zero = tl.zeros([BLOCK_B], dtype=tl.int64)
-    s0 = zero + cache_seqlen
-    if SEQLENS:
-        s0 = zero + tl.load(CacheSeqlens).to(tl.int64)
-    lp0 = zero
-    if LEFTPAD:
-        lp0 = zero + tl.load(Leftpad).to(tl.int64)
-    r0 = zero
-    if BATCH_IDX:
-        r0 = zero + tl.load(CacheRows).to(tl.int64)
-    s_lo, s_hi, lp_lo, past_hi, r_lo, r_hi = s0, s0, lp0, zero, r0, r0
-    if LEFTPAD:
-        past_hi = lp0 - s0
-    repeated, p_lo, p_hi = zero, zero, zero
-    for b0 in range(0, batch, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        ok = b < batch
-        s = s0
-        if SEQLENS:
-            s = tl.where(ok, tl.load(CacheSeqlens + b, mask=ok, other=0).to(tl.int64), s0)
-        s_lo, s_hi = tl.minimum(s_lo, s), tl.maximum(s_hi, s)
-        if LEFTPAD:
-            lp = tl.where(ok, tl.load(Leftpad + b, mask=ok, other=0).to(tl.int64), lp0)
-            lp_lo, past_hi = tl.minimum(lp_lo, lp), tl.maximum(past_hi, lp - s)
-        if BATCH_IDX:
-            r = tl.where(ok, tl.load(CacheRows + b, mask=ok, other=0).to(tl.int64), r0)
-            r_lo, r_hi = tl.minimum(r_lo, r), tl.maximum(r_hi, r)
-            if REPEATS:  # each row against the rows of the sequences before it
-                for c0 in range(0, b0 + BLOCK_B, BLOCK_B):
-                    c = c0 + tl.arange(0, BLOCK_B)
-                    rc = tl.load(CacheRows + c, mask=c < batch, other=0).to(tl.int64)
-                    same = (r[:, None] == rc[None, :]) & (c[None, :] < b[:, None]) & ok[:, None]
-                    repeated = tl.maximum(repeated, tl.max(same.to(tl.int64), 1))
-        if PAGED:  # the pages before each sequence's end (0 in the others' place, as the CPU backend)
-            ends = s + seqlen_new
-            for p0 in range(0, pages, BLOCK_P):
-                p = p0 + tl.arange(0, BLOCK_P)
-                used = ok[:, None] & (p[None, :] < pages) & (p[None, :] * rows_per_seq < ends[:, None])
-                page = tl.load(BlockTable + b[:, None] * stride_tb + p[None, :], mask=used, other=0).to(tl.int64)
-                p_lo, p_hi = tl.minimum(p_lo, tl.min(page, 1)), tl.maximum(p_hi, tl.max(page, 1))
-    tl.store(Extremes + 0, tl.min(s_lo, 0))
-    tl.store(Extremes + 1, tl.max(s_hi, 0))
-    tl.store(Extremes + 2, tl.min(lp_lo, 0))
-    tl.store(Extremes + 3, tl.max(past_hi, 0))
-    tl.store(Extremes + 4, tl.min(r_lo, 0))
-    tl.store(Extremes + 5, tl.max(r_hi, 0))
-    tl.store(Extremes + 6, tl.max(repeated, 0))
-    tl.store(Extremes + 7, tl.min(p_lo, 0))
-    tl.store(Extremes + 8, tl.max(p_hi, 0))
-
-
-def index_extremes(cache_seqlens: torch.Tensor | int, seqlen_new: int, leftpad: torch.Tensor | None,
-                   cache_rows: torch.Tensor | None, block_table: torch.Tensor | None, rows_per_seq: int,
-                   repeats: bool, plans: dict | None = None) -> IndexExtremes:
-    """cpu.index_extremes's contract, reduced by one program on the tensors' device and read to the
-    host with one copy (a decode step's other index checks would each be a kernel). plans: as
-    decode_forward's."""
-    optional = (cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None, leftpad, cache_rows, block_table)
-    given = {name: t for name, t in zip(_INDEXES, optional) if t is not None}
-    first = next(iter(given.values()))
-    extremes = torch.empty(len(IndexExtremes._fields), dtype=torch.int64, device=first.device)
-    tensors: dict[str, torch.Tensor | int] = dict(Extremes=extremes, **given)
-    tensors["cache_seqlen"] = seqlen = 0 if "CacheSeqlens" in given else cache_seqlens
-    key = open_key(plans, "index_extremes", tuple(given.values()), -2**31 <= seqlen < 2**31)
-    plan = kept(plans, key)
-    if plan is not None:
-        plan(tensors)
-    else:
-        batch, pages = first.shape[0], 0 if block_table is None else block_table.shape[1]
-        block_b = max(16, min(64, next_power_of_2(batch)))
-        block_p = max(16, min(next_power_of_2(pages), 4096 // block_b))
-        keep(plans, key, launch((index_extremes, seqlen_new, rows_per_seq, repeats), tensors, lambda: [(
-            _index_extremes, (1,), dict(
-                Extremes=extremes, **{name: given.get(name) for name in _INDEXES},
-                stride_tb=0 if block_table is None else block_table.stride(0), batch=batch, pages=pages,
-                rows_per_seq=rows_per_seq, cache_seqlen=seqlen, seqlen_new=seqlen_new,
-                SEQLENS="CacheSeqlens" in given, LEFTPAD="Leftpad" in given, BATCH_IDX="CacheRows" in given,
-                REPEATS=repeats, PAGED=block_table is not None, BLOCK_B=block_b, BLOCK_P=block_p, num_warps=4))]))
-    facts = IndexExtremes(*extremes.tolist())
-    return facts._replace(repeated=bool(facts.repeated))
-
-
-def num_splits_for(programs: int, capacity: int, block_n: int, device: torch.device, requested: int = 0) -> int:
+def num_splits_for(programs: int, capacity: int, block_n: int, device: torch.device, requested: int = 0,
+                   pages: int = 0) -> int:
     """How many splits of each sequence's keys: `requested`, or (0) enough to give every SM
-    PROGRAMS_PER_SM programs, never more than MAX_SPLITS or than the cache has key tiles."""
-    splits = requested or cdiv(PROGRAMS_PER_SM * num_sms(device), programs)
-    return max(1, min(splits, MAX_SPLITS, cdiv(capacity, block_n)))
+    PROGRAMS_PER_SM programs, never more than MAX_SPLITS or than the cache has key tiles; with a
+    page table of `pages` entries per sequence, more where a split's keys would span more than
+    MAX_SHARE_PAGES of them (as far as MAX_SPLITS allows)."""
+    splits = max(1, min(requested or cdiv(PROGRAMS_PER_SM * num_sms(device), programs), MAX_SPLITS,
+                        cdiv(capacity, block_n)))
+    while pages and splits < MAX_SPLITS and _share_pages(pages, capacity, splits, block_n) > MAX_SHARE_PAGES:
+        splits += 1
+    return splits
+
+
+def _share_pages(pages: int, capacity: int, splits: int, block_n: int) -> int:
+    """The most page-table entries a split's keys span (one more where they straddle a page)."""
+    return min(pages, cdiv(cdiv(cdiv(capacity, splits), block_n) * block_n, capacity // pages) + 1)
 
 
 def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | int,
                    seqlen_new: int, leftpad: torch.Tensor | None, cache_rows: torch.Tensor | None,
                    block_table: torch.Tensor | None, params: AttentionParams, num_splits: int = 0,
                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, tiles: Tiles | None = None,
-                   plans: dict | None = None):
+                   plans: dict | None = None, rotary_end: int | None = None):
     """q (B, Sq, H, D) attending to the keys leftpad[b] .. cache_seqlens[b] + seqlen_new - 1 of
     sequence b of the cache (cache_seqlens an int: the same for every sequence; leftpad None: 0):
     k_cache, v_cache (rows, rows_per_seq, Hk, D), any strides but the last dim's, sequence b in row
@@ -295,15 +291,20 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     k_new, v_new (B, seqlen_new, Hk, D): written into the cache at positions cache_seqlens[b] .. by
     the decode kernel before it reads them (else the cache holds them already). tiles: the decode
     kernel's instead of the table's (tuning). plans: as kernels.attention_forward's, from
-    flash_attn_with_kvcache's call signature (whose options hold no tensor).
+    flash_attn_with_kvcache's call signature (whose options hold no tensor). rotary_end: the
+    largest cache_seqlens the caller's rotary tables cover (None: no rotary).
+    The index tensors' values are checked by the kernel (see the module's doc): errors.raise_pending
+    raises what an earlier step found, before this one starts.
     Returns out (B, Sq, H, D) and softmax_lse (B, H, Sq) fp32."""
+    raise_pending(q.device)
     batch, seqlen_q, nheads, head_dim = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     given = isinstance(cache_seqlens, torch.Tensor)
     optional = (cache_seqlens if given else None, leftpad, cache_rows, block_table, params.alibi_slopes, k_new, v_new)
     inputs = (q, k_cache, v_cache, *(t for t in optional if isinstance(t, torch.Tensor)))
-    tensors: dict[str, torch.Tensor | int] = dict(Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse)
+    tensors: dict[str, torch.Tensor | int] = dict(Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse,
+                                                  Errors=index_record(q.device))
     tensors.update({name: t for name, t in zip(_OPTIONAL, optional) if t is not None})
     # An int cache_seqlens is an argument of the plan like the tensors (the kernels do not specialize
     # on it, only on its width), so that a decode loop stepping through positions keeps one plan.
@@ -312,7 +313,18 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     plan = kept(plans, key)
     if plan is not None:
         plan(tensors)
-        return out, lse
+    else:
+        _plan(tensors, params, num_splits, seqlen_new, tiles, plans, key, rotary_end)
+    if LAUNCH_BLOCKING:
+        raise_pending(q.device)
+    return out, lse
+
+
+def _plan(tensors: dict, params: AttentionParams, num_splits: int, seqlen_new: int, tiles: Tiles | None,
+          plans: dict | None, key, rotary_end: int | None) -> None:
+    """decode_forward's launches for a call that has no kept plan, kept for the next."""
+    q, k_cache, block_table = tensors["Q"], tensors["K"], tensors.get("BlockTable")
+    batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, rows_per_seq = k_cache.shape[2], k_cache.shape[1]
     block_d = padded_head_dim(head_dim)
     fills_gpu = batch * nheads_k >= PROGRAMS_PER_SM * num_sms(q.device)
@@ -320,15 +332,25 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     block_m = min(cfg.block_m, max(16, next_power_of_2(seqlen_q * nheads // nheads_k)))
     m_tiles = cdiv(seqlen_q * nheads // nheads_k, block_m)
     capacity = rows_per_seq * (block_table.shape[1] if block_table is not None else 1)
-    splits = num_splits_for(batch * nheads_k * m_tiles, capacity, cfg.block_n, q.device, num_splits)
-    keep(plans, key, launch((decode_forward, params.key(), cfg, block_m, splits, seqlen_new), tensors,
+    splits = num_splits_for(batch * nheads_k * m_tiles, capacity, cfg.block_n, q.device, num_splits,
+                            0 if block_table is None else block_table.shape[1])
+    keep(plans, key, launch((decode_forward, params.key(), cfg, block_m, splits, seqlen_new, rotary_end), tensors,
                             lambda: _launches(tensors, params, cfg, block_m, m_tiles, splits, seqlen_new,
-                                              not fills_gpu)))
-    return out, lse
+                                              not fills_gpu, rotary_end)))
+
+
+def _page_chunks(block_table: torch.Tensor | None, capacity: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(BLOCK_P, PAGE_CHUNKS) of the decode kernel's page check: chunks of 128 to 1024 table entries
+    (more where 64 such chunks would not cover a share) that cover a split's share of the keys."""
+    if block_table is None:
+        return 1, 0
+    share = _share_pages(block_table.shape[1], capacity, splits, block_n)
+    block_p = max(128, min(1024, next_power_of_2(share)), next_power_of_2(cdiv(share, 64)))
+    return block_p, cdiv(share, block_p)
 
 
 def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tiles: int, splits: int,
-              seqlen_new: int, prefetch_pages: bool) -> list[tuple]:
+              seqlen_new: int, prefetch_pages: bool, rotary_end: int | None) -> list[tuple]:
     """The decode kernel (appending the new tokens first, where given), then (with splits) the combine,
     whose partial results are workspaces (uninitialized: each split writes every row of its part)."""
     q, k_cache, v_cache = t["Q"], t["K"], t["V"]
@@ -337,7 +359,8 @@ def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tile
     if splits > 1:
         out_part = t["OutPart"] = workspace((splits, *q.shape), torch.float32, q.device, zeroed=False)
         lse_part = t["LsePart"] = workspace((splits, batch, seqlen_q, nheads), torch.float32, q.device, zeroed=False)
-    nheads_k = k_cache.shape[2]
+    nheads_k, rows_per_seq = k_cache.shape[2], k_cache.shape[1]
+    capacity = rows_per_seq * (t["BlockTable"].shape[1] if "BlockTable" in t else 1)
     # (split, batch, token, head) strides of the partial results; one split writes the final ones.
     if splits > 1:
         out_strides, lse_strides = out_part.stride()[:4], lse_part.stride()
@@ -347,21 +370,28 @@ def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tile
     block_table, slopes, k_new, v_new = t.get("BlockTable"), params.alibi_slopes, t.get("KNew"), t.get("VNew")
     qk_scale, softcap = logit_scales(params)
     block_d = padded_head_dim(head_dim)
+    block_p, page_chunks = _page_chunks(block_table, capacity, splits, cfg.block_n)
     decode = _decode_fwd, (splits, m_tiles, batch * nheads_k), dict(
         Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part, **{name: t.get(name) for name in _OPTIONAL},
+        Errors=t["Errors"],
         stride_q=q.stride()[:3], stride_k=k_cache.stride()[:3], stride_v=v_cache.stride()[:3],
         stride_o=out_strides, stride_l=lse_strides,
         stride_tb=0 if block_table is None else block_table.stride(0),
         stride_slope_b=0 if slopes is None or slopes.dim() == 1 else slopes.stride(0),
         stride_kn=(0, 0, 0) if k_new is None else k_new.stride()[:3],
         stride_vn=(0, 0, 0) if v_new is None else v_new.stride()[:3],
-        nheads_k=nheads_k, seqlen_q=seqlen_q, group_size=nheads // nheads_k, rows_per_seq=k_cache.shape[1],
-        head_dim=head_dim, num_splits=splits, cache_seqlen=t["cache_seqlen"], seqlen_new=seqlen_new,
+        batch=batch, nheads_k=nheads_k, seqlen_q=seqlen_q, group_size=nheads // nheads_k,
+        rows_per_seq=k_cache.shape[1], cache_blocks=k_cache.shape[0], head_dim=head_dim, num_splits=splits,
+        cache_seqlen=t["cache_seqlen"], seqlen_new=seqlen_new, seqlens_max=capacity - seqlen_new,
+        rotary_end=0 if rotary_end is None else rotary_end,
         window_left=params.window_left, window_right=params.window_right, qk_scale=qk_scale, softcap=softcap,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SEQLENS="CacheSeqlens" in t,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_P=block_p, PAGE_CHUNKS=page_chunks,
+        BLOCK_B=min(1024, max(16, next_power_of_2(batch))), BATCH_CHUNKS=cdiv(batch, 1024),
+        SEQLENS="CacheSeqlens" in t,
         PAGED=block_table is not None, LEFTPAD="Leftpad" in t, BATCH_IDX="CacheRows" in t,
         HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0, SOFTCAP=params.softcap > 0,
         ALIBI=slopes is not None, SPLIT=splits > 1, PREFETCH_PAGES=prefetch_pages, APPEND=k_new is not None,
+        ROTARY=rotary_end is not None and "CacheSeqlens" in t,
         INPUT_PRECISION=cfg.input_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     launches: list[tuple] = [decode]

@@ -19,7 +19,7 @@ def _rotary_inplace(X, Cos, Sin, Positions, stride_xb, stride_xn, stride_xh, str
     i = tl.arange(0, BLOCK_HALF)
     row_ok = r < rows
     pos = tl.load(Positions + r, mask=row_ok, other=0)
-    inside = row_ok & (pos < seqlen_ro)  # past the table: cos 1, sin 0 (left as it is)
+    inside = row_ok & (pos >= 0) & (pos < seqlen_ro)  # outside the table: cos 1, sin 0 (left as it is)
     ok = inside[:, None] & (i[None, :] < half)
     c = tl.load(Cos + pos[:, None] * stride_cos + i[None, :], mask=ok, other=1.0).to(tl.float32)
     s = tl.load(Sin + pos[:, None] * stride_sin + i[None, :], mask=ok, other=0.0).to(tl.float32) * sign
