@@ -102,12 +102,15 @@ def raise_pending(device: torch.device) -> None:
 
 def raise_decode_errors(device: torch.device | str | None = None) -> None:
     """Raises FlashAttentionError for a bad index value (cache_seqlens, cache_leftpad,
-    cache_batch_idx, block_table) that a decode step on `device` (None: any) found on the GPU since
-    the last error, and clears the record. flash_attn_with_kvcache calls it on every step; a serving
-    loop that replays a CUDA graph of its steps calls it itself, e.g. after a step's outputs are read."""
+    cache_batch_idx, block_table) that a decode step on `device` (None: any; "cuda": any GPU) found
+    on the GPU since the last error, and clears the record. flash_attn_with_kvcache calls it on every
+    step; a serving loop that replays a CUDA graph of its steps calls it itself, e.g. after a step's
+    outputs are read."""
     wanted = None if device is None else torch.device(device)
     for where, (_, words) in _RECORDS.items():
-        if (wanted is not None and where != wanted) or not any(words):
+        if wanted is not None and (where.type != wanted.type or wanted.index not in (None, where.index)):
+            continue
+        if not any(words):
             continue
         kind = next(k for k in IndexKind if words[2 * k])
         packed, bound = words[2 * kind], words[2 * kind + 1]

@@ -67,8 +67,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out (batch, seqlen_q, nheads, headdim), and softmax_lse with return_softmax_lse.
     Bad input raises FlashAttentionError before the cache is touched, with one exception: on the GPU
     the values of the index tensors (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) are
-    checked by the decode kernel where it reads them, so that a step never waits for the GPU. A
-    sequence with a bad value reads and writes nothing outside the cache, its output and
+    checked by the decode kernel before it reads or writes through them, so that a step never waits
+    for the GPU. A sequence with a bad value reads and writes nothing through it, its output and
     softmax_lse are NaN, and the error is raised by the next flash_attn_with_kvcache call on that
     device once the GPU has run the step (at once under CUDA_LAUNCH_BLOCKING=1), or by
     cuflash.raise_decode_errors(), which serving loops that replay a CUDA graph call.
