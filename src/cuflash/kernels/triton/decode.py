@@ -371,6 +371,7 @@ def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tile
     qk_scale, softcap = logit_scales(params)
     block_d = padded_head_dim(head_dim)
     block_p, page_chunks = _page_chunks(block_table, capacity, splits, cfg.block_n)
+    repeats = "CacheRows" in t and k_new is not None  # the kernel looks for two sequences writing one row
     decode = _decode_fwd, (splits, m_tiles, batch * nheads_k), dict(
         Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part, **{name: t.get(name) for name in _OPTIONAL},
         Errors=t["Errors"],
@@ -386,7 +387,8 @@ def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tile
         rotary_end=0 if rotary_end is None else rotary_end,
         window_left=params.window_left, window_right=params.window_right, qk_scale=qk_scale, softcap=softcap,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_P=block_p, PAGE_CHUNKS=page_chunks,
-        BLOCK_B=min(1024, max(16, next_power_of_2(batch))), BATCH_CHUNKS=cdiv(batch, 1024),
+        # (constant unless used: each value is a kernel of its own)
+        BLOCK_B=min(1024, max(16, next_power_of_2(batch))) if repeats else 16, BATCH_CHUNKS=cdiv(batch, 1024) * repeats,
         SEQLENS="CacheSeqlens" in t,
         PAGED=block_table is not None, LEFTPAD="Leftpad" in t, BATCH_IDX="CacheRows" in t,
         HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0, SOFTCAP=params.softcap > 0,
