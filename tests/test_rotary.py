@@ -78,6 +78,18 @@ def test_inplace_and_positions_past_the_table(backend):
     assert rel_err(y, expected) < 1e-6
 
 
+def test_negative_positions_are_left_as_they_are(backend):
+    """A position before the table (a negative offset) is left unrotated, as one past it, and is
+    not read from before the table."""
+    torch.manual_seed(6)
+    x = torch.randn(1, 6, 1, 8)
+    cos, sin = _table(8, 8, "cpu")
+    expected = rotary_reference(x, cos, sin, torch.arange(-2, 4)[None].clamp(min=0), False)
+    expected[:, :2] = x[:, :2].double()  # positions -2 and -1
+    out = cuflash.apply_rotary_emb(x, cos, sin, seqlen_offsets=torch.tensor([-2]))
+    assert rel_err(out, expected) < 1e-6
+
+
 @pytest.mark.parametrize("kwargs,word", [
     (dict(x=torch.randn(2, 4, 1, 8), cos=torch.ones(3, 4), sin=torch.zeros(3, 4)), "seqlen_ro"),
     (dict(x=torch.randn(2, 4, 1, 8), cos=torch.ones(8, 5), sin=torch.zeros(8, 5)), "rotary_dim"),

@@ -142,7 +142,7 @@ def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         check_tensor(name, t, 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or paged "
                      "(num_blocks, page_block_size, nheads_k, headdim)")
     check_attention_inputs(q[:1, :1], k_cache[:1, :1], v_cache[:1, :1], ("q", "k_cache", "v_cache"))
-    ops.backend_name(q.device, q.dtype)  # raises where no backend runs
+    backend = ops.backend_name(q.device, q.dtype)  # raises where no backend runs
     batch, seqlen_q, nheads, head_dim = q.shape
     if k_cache.shape != v_cache.shape:
         fail(ErrorCode.SHAPE_MISMATCH, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
@@ -188,7 +188,7 @@ def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     query_span = max(seqlen_new, seqlen_q if shifted else 1)  # positions from cache_seqlens the tokens take
     rotary_end = None if rotary_cos is None else rotary_cos.shape[0] - query_span
     return _Layout(params, capacity, seqlen_new, shifted, rotary_end, strided,
-                   q.is_cuda and ops.backend_name(q.device, q.dtype) == "triton")
+                   q.is_cuda and backend == "triton")
 
 
 def _rotate(call: _Call, q, k, rotary_cos, rotary_sin, interleaved):
