@@ -1,8 +1,9 @@
 """Context parallelism on several GPUs: correctness against one process, then per-GPU throughput of the
 ring, the all-to-all, (with --inner) the hybrid and (packed) the ring over packed documents of
---doc-tokens each, against one GPU attending over the same per-GPU length (of such documents; repeated
-to a rank's share of the work, so that both run about as long), with the time of each exchange and of
-the compute it has to hide under. Writes cp_bench.csv (a row per run) and cp_bench.png (efficiency against tokens).
+--doc-tokens each, against one GPU attending over the same per-GPU length (each rank's GPU alone, their
+mean; of such documents; repeated to a rank's share of the work, so that both run about as long), with
+the time of each exchange and of the compute it has to hide under, and the most GPU memory a rank held.
+Writes cp_bench.csv (a row per run) and cp_bench.png (efficiency against tokens).
 Causal, bf16, D=128, 32 query heads and 8 KV heads by default.
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=src torchrun --nproc_per_node=8 scripts/cp_bench.py \\
@@ -24,7 +25,7 @@ from cuflash.distributed.ring import _packed_steps
 
 FIELDS = ["world_size", "tokens", "tokens_per_gpu", "mode", "layout", "fwd_ms", "fwdbwd_ms", "tflops_per_gpu_fwd",
           "tflops_per_gpu_fwdbwd", "one_gpu_tflops_fwd", "one_gpu_tflops_fwdbwd", "efficiency_fwd",
-          "efficiency_fwdbwd", "ring_steps", "step_ms", "exchange_ms", "step_bwd_ms", "exchange_bwd_ms"]
+          "efficiency_fwdbwd", "ring_steps", "step_ms", "exchange_ms", "step_bwd_ms", "exchange_bwd_ms", "peak_gib"]
 TIMING = {"reps": 5, "warmup": 2}  # --reps, --warmup
 
 
@@ -90,6 +91,21 @@ def check(mesh, mode, args, device, dtype):
     return errors
 
 
+def mean_over_ranks(values: list[float], device) -> list[float]:
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
+
+
+def peak_gib(device) -> float:
+    """The most GPU memory any rank's allocator held since its last reset, in GiB (nan on the CPU)."""
+    if device.type != "cuda":
+        return float("nan")
+    peak = torch.tensor([float(torch.cuda.max_memory_allocated(device))], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item() / 2**30
+
+
 def exchange_ms(mesh, mode, tensors, device) -> float:
     """One exchange of `tensors`: a hop around the ring (ring, packed: each to the next rank, from the
     previous), or an all-to-all of each (ulysses; the hybrid's within a node)."""
@@ -136,8 +152,11 @@ def run(mesh, mode, tokens, args, device, dtype) -> dict:
     local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
     local_dout = shard(dout)
     del q, k, v, dout
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     fwd = timed(lambda: attend(*local), device)
     both = timed(lambda: torch.autograd.grad(attend(*local), local, local_dout), device)
+    peak = peak_gib(device)
     (q, k, v, _), _, _, whole, one_flops, _ = setup(mesh, mode, per_gpu, args, device, dtype)
     one = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     # The one-GPU call runs as many times back to back as a rank's share of the work holds its work
@@ -147,13 +166,18 @@ def run(mesh, mode, tokens, args, device, dtype) -> dict:
     one_fwd = timed(lambda: [whole(*one) for _ in range(repeat)], device) / repeat
     one_both = timed(lambda: [torch.autograd.grad(whole(*one), one, torch.ones_like(one[0]))
                               for _ in range(repeat)], device) / repeat
+    # Every rank times its own GPU alone; the baseline is their mean throughput: GPUs of one host
+    # differ (on a 4-H100 host one ran 10-14% slower than the others under their power cap), and a
+    # context-parallel call goes at its slowest rank's pace.
+    one_tflops_fwd, one_tflops_both = mean_over_ranks([one_flops / one_fwd / 1e9, 3.5 * one_flops / one_both / 1e9],
+                                                      device)
     del q, k, v
     row = dict(world_size=world, tokens=tokens, tokens_per_gpu=per_gpu, mode=mode,
                layout="contiguous" if mode == "packed" else args.layout, fwd_ms=fwd,
                fwdbwd_ms=both, tflops_per_gpu_fwd=flops / world / fwd / 1e9,
                tflops_per_gpu_fwdbwd=3.5 * flops / world / both / 1e9,
-               one_gpu_tflops_fwd=one_flops / one_fwd / 1e9, one_gpu_tflops_fwdbwd=3.5 * one_flops / one_both / 1e9,
-               **exchanges(mesh, mode, *(t.detach() for t in local), fwd, both, steps, device))
+               one_gpu_tflops_fwd=one_tflops_fwd, one_gpu_tflops_fwdbwd=one_tflops_both,
+               peak_gib=peak, **exchanges(mesh, mode, *(t.detach() for t in local), fwd, both, steps, device))
     row["efficiency_fwd"] = row["tflops_per_gpu_fwd"] / row["one_gpu_tflops_fwd"]
     row["efficiency_fwdbwd"] = row["tflops_per_gpu_fwdbwd"] / row["one_gpu_tflops_fwdbwd"]
     return row

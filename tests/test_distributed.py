@@ -6,6 +6,7 @@ import itertools
 import os
 import tempfile
 import traceback
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import cuflash
 from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_func, \
     ring_flash_attn_varlen_func, ulysses_flash_attn_func, ulysses_flash_attn_varlen_func, zigzag_shard, zigzag_unshard
 from cuflash.distributed.mesh import ULYSSES_MAX_TOKENS, auto_mode
+from cuflash.distributed import ring
 from cuflash.distributed.ring import _packed_steps
 from cuflash.distributed.shards import join_sequence
 
@@ -51,22 +53,48 @@ def _gather_tokens(x):
 
 
 def _check_against_full(rank, world):
-    for layout in ("contiguous", "zigzag"):
-        for causal in (False, True):
-            for nheads, nheads_k, dtype in ((4, 4, torch.float64), (4, 2, torch.float64), (2, 1, torch.float32)):
-                torch.manual_seed(0)  # the same full problem on every rank
-                seqlen = 12 * world
-                q, k, v, dout = (torch.randn(2, seqlen, h, 8, dtype=dtype)
-                                 for h in (nheads, nheads_k, nheads_k, nheads))
-                full = [t.clone().requires_grad_() for t in (q, k, v)]
-                ref = cuflash.flash_attn_func(*full, causal=causal)
-                ref.backward(dout)
-                local = [_shard(t, rank, world, layout).detach().clone().requires_grad_() for t in (q, k, v)]
-                out = ring_flash_attn_func(*local, causal=causal, layout=layout)
-                out.backward(_shard(dout, rank, world, layout))
-                tol = 1e-12 if dtype == torch.float64 else 1e-5
-                what = f"layout={layout} causal={causal} heads={nheads}/{nheads_k} {dtype}"
-                _assert_matches(out, local, ref, full, lambda x: _unshard(x, world, layout), tol, what)
+    """Both layouts, causal or not, GQA, fp64 and fp32; every other rank's K/V shard received before
+    the first step (the default budget) or each one only a step ahead (a budget of one byte)."""
+    cases = itertools.product(("contiguous", "zigzag"), (False, True), (ring.KV_PREFETCH_BYTES, 1),
+                              ((4, 4, torch.float64), (4, 2, torch.float64), (2, 1, torch.float32)))
+    for layout, causal, budget, (nheads, nheads_k, dtype) in cases:
+        torch.manual_seed(0)  # the same full problem on every rank
+        seqlen = 12 * world
+        q, k, v, dout = (torch.randn(2, seqlen, h, 8, dtype=dtype) for h in (nheads, nheads_k, nheads_k, nheads))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = cuflash.flash_attn_func(*full, causal=causal)
+        ref.backward(dout)
+        local = [_shard(t, rank, world, layout).detach().clone().requires_grad_() for t in (q, k, v)]
+        default, ring.KV_PREFETCH_BYTES = ring.KV_PREFETCH_BYTES, budget
+        try:
+            out = ring_flash_attn_func(*local, causal=causal, layout=layout)
+            out.backward(_shard(dout, rank, world, layout))
+        finally:
+            ring.KV_PREFETCH_BYTES = default
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        what = f"layout={layout} causal={causal} prefetch={budget} heads={nheads}/{nheads_k} {dtype}"
+        _assert_matches(out, local, ref, full, lambda x: _unshard(x, world, layout), tol, what)
+
+
+def _check_strided_inputs(rank, world):
+    """The ring with q a transposed view and k, v every other head of wider tensors (as a fused
+    projection gives them): K/V travel between ranks, so they must go as contiguous copies."""
+    torch.manual_seed(5)
+    q, k, v, dout = (torch.randn(2, 8 * world, 4, 8, dtype=torch.float64) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = cuflash.flash_attn_func(*full, causal=True)
+    ref.backward(dout)
+    shard = [_shard(t, rank, world, "zigzag").detach().clone() for t in (q, k, v)]
+    local = [shard[0].transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()]
+    local += [torch.stack([t, torch.zeros_like(t)], dim=3).flatten(2, 3).requires_grad_() for t in shard[1:]]
+    views = [local[0], local[1][:, :, ::2], local[2][:, :, ::2]]
+    assert not any(t.is_contiguous() for t in views)
+    out = ring_flash_attn_func(*views, causal=True, layout="zigzag")
+    out.backward(_shard(dout, rank, world, "zigzag"))
+    for t in local[1:]:  # the views' gradients land in the wide tensors' every other head
+        assert t.grad[:, :, 1::2].abs().max() == 0
+    grads = [SimpleNamespace(grad=local[0].grad)] + [SimpleNamespace(grad=t.grad[:, :, ::2]) for t in local[1:]]
+    _assert_matches(out, grads, ref, full, lambda x: _unshard(x, world, "zigzag"), 1e-12, "strided q, k, v")
 
 
 def _check_mismatched_shards(rank, world):
@@ -208,7 +236,7 @@ def _check_mesh(rank, world):
             context_parallel_attn_func(q, q, q, mesh, mode=mode)
 
 
-CHECKS = {"full": _check_against_full, "mesh": _check_mesh, "ulysses": _check_ulysses,
+CHECKS = {"full": _check_against_full, "strided": _check_strided_inputs, "mesh": _check_mesh, "ulysses": _check_ulysses,
           "ulysses_varlen": _check_ulysses_varlen, "ring_varlen": _check_ring_varlen,
           "ulysses_heads": _check_ulysses_heads, "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag}
 
@@ -253,7 +281,7 @@ def _run(world, check):
             assert result == "ok", f"rank {rank}:\n{result}"
 
 
-@pytest.mark.parametrize("check", ["full", "ring_varlen", "ulysses", "ulysses_varlen"])
+@pytest.mark.parametrize("check", ["full", "strided", "ring_varlen", "ulysses", "ulysses_varlen"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_matches_single_process(world, check):
     """The ring and the all-to-all, dense and packed, with 2 and 3 processes (the CHECKS above)."""

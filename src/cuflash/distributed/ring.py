@@ -1,8 +1,10 @@
-"""Ring attention: each rank holds a shard of the sequence (a layout of shards.py); K/V shards
-travel around the ring (torch.distributed batch_isend_irecv, the next transfer in flight while the
-current block computes), partial outputs merge exactly through their log-sum-exps, and the
-backward sends the dK/dV accumulators around the ring with their K/V."""
+"""Ring attention: each rank holds a shard of the sequence (a layout of shards.py); every rank's K/V
+shard reaches every other rank (torch.distributed batch_isend_irecv, the transfers started before the
+steps that use them), partial outputs merge exactly through their log-sum-exps, and the backward
+sends the dK/dV accumulators around the ring, one hop per step."""
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -11,6 +13,11 @@ from .. import ops
 from ..errors import check_attention_inputs, check_cu_seqlens, check_tensor, lse_dtype, resolve_scale
 from ..params import AttentionParams
 from .shards import check_shards, require_process_group
+
+# The most bytes of other ranks' K/V shards a rank gathers before its first step (_Ring.shards); past
+# it, each shard travels a step ahead of its use.
+KV_PREFETCH_BYTES = 8 << 30
+
 
 class _Ring:
     """Sends lists of tensors `hops` ranks ahead and receives those of the rank as far behind,
@@ -42,6 +49,28 @@ class _Ring:
         for req in requests:
             req.wait()
         return received
+
+    def shards(self, kv: list[torch.Tensor], steps: int) -> Iterator[list[torch.Tensor]]:
+        """The K/V shard of each of `steps` steps: this rank's own, then at step s rank (rank - s)'s,
+        sent straight from its owner. Where the other shards fit in KV_PREFETCH_BYTES, all of them
+        arrive before the first step computes: NCCL's copy kernels running beside the attention kernels
+        slow them far more than the transfers take alone (4 H100s, 128k tokens per GPU: the forward
+        took 1.04-1.08 s with each transfer beside a step, 0.90-0.92 s after all of them, whose 3 hops
+        take ~2 ms each; docs/tuning.md). Otherwise each shard is sent a step ahead of its use, its
+        transfer beside the step before."""
+        if (steps - 1) * sum(t.numel() * t.element_size() for t in kv) <= KV_PREFETCH_BYTES:
+            exchanges = [self.start(kv, hops) for hops in range(1, steps)]
+            received = [self.wait(exchange) for exchange in exchanges]
+            yield kv
+            yield from received
+            return
+        incoming = self.start(kv, 1)
+        yield kv
+        for step in range(1, steps):
+            arrived = self.wait(incoming)
+            if step + 1 < steps:
+                incoming = self.start(kv, step + 1)
+            yield arrived
 
 
 # A block of one ring step: this rank's query rows, the rows of the K/V shard it holds, and the
@@ -137,9 +166,8 @@ def _ring_forward(q, k, v, steps: list[list[Block]], packed: bool, group):
     acc_dtype = lse_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     lse = torch.full((batch, nheads, seqlen), float("inf"), dtype=lse_dtype(q.dtype), device=q.device)
-    kv, merged = [k, v], False
-    for step, blocks in enumerate(steps):
-        incoming = ring.start(kv) if step + 1 < len(steps) else None
+    merged = False
+    for blocks, kv in zip(steps, ring.shards([k, v], len(steps))):
         for qs, ks, params in blocks:
             q_b, k_b, v_b = _unbatched(packed, q[:, qs], kv[0][:, ks], kv[1][:, ks])
             o, o_lse = _batched(packed, *ops.forward(q_b, k_b, v_b, params))
@@ -148,23 +176,21 @@ def _ring_forward(q, k, v, steps: list[list[Block]], packed: bool, group):
             else:  # the first block: its rows hold nothing yet, so they take its result as it is
                 out[:, qs], lse[..., qs] = o, o_lse
                 merged = True
-        if incoming is not None:
-            kv = ring.wait(incoming)
     return out.to(q.dtype), lse
 
 
 def _ring_backward(dout, q, k, v, out, lse, steps: list[list[Block]], packed: bool, group):
-    """At step s a rank holds the K/V shard of rank (rank - s) and computes its gradients' share into
-    fresh buffers while two exchanges run: the next K/V shard, and the dK/dV accumulated for this shard
-    by the ranks before it (sent by the previous rank at the end of its step s - 1). The sum leaves for
+    """At step s a rank holds the K/V shard of rank (rank - s) (_Ring.shards) and computes its
+    gradients' share into fresh buffers while the dK/dV accumulated for this shard by the ranks before
+    it arrive (sent by the previous rank at the end of its step s - 1). The sum leaves for
     the next rank at the end of the step; after the last step it goes home (the next rank after a
     whole turn, else len(steps) - 1 ranks back)."""
     ring = _Ring(group)
     acc_dtype = lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    kv, grads_in = [k, v], None
-    for step, blocks in enumerate(steps):
-        kv_in = ring.start(kv) if step + 1 < len(steps) else None
+    grads_in = None
+    for step, (blocks, kv) in enumerate(zip(steps, ring.shards([k, v], len(steps)))):
+        last = step + 1 == len(steps)
         dk, dv = (torch.zeros(t.shape, dtype=acc_dtype, device=t.device) for t in kv)
         for qs, ks, params in blocks:
             d_o, q_b, k_b, v_b, o_b, lse_b = _unbatched(packed, dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks],
@@ -177,9 +203,7 @@ def _ring_backward(dout, q, k, v, out, lse, steps: list[list[Block]], packed: bo
             before_k, before_v = ring.wait(grads_in)
             dk += before_k
             dv += before_v
-        grads_in = ring.start([dk, dv], 1 if kv_in is not None else 1 - len(steps))
-        if kv_in is not None:
-            kv = ring.wait(kv_in)
+        grads_in = ring.start([dk, dv], 1 - len(steps) if last else 1)
     dk, dv = ring.wait(grads_in)  # this rank's own shard, from the rank that held it last
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -189,6 +213,9 @@ class _RingFlashAttn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, steps, packed, group):
+        # K and V travel between ranks, which takes contiguous tensors: gloo refuses others, and NCCL
+        # would send the memory a strided view spans.
+        k, v = k.contiguous(), v.contiguous()
         out, lse = _ring_forward(q, k, v, steps, packed, group)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (steps, packed, group)
