@@ -2,7 +2,7 @@
 ring, the all-to-all, (with --inner) the hybrid and (packed) the ring over packed documents of
 --doc-tokens each, against one GPU attending over the same per-GPU length (each rank's GPU alone, their
 mean; of such documents; repeated to a rank's share of the work, so that both run about as long), with
-the time of each exchange and of the compute it has to hide under, and the most GPU memory a rank held.
+the time of each exchange and of the compute beside it, and the most GPU memory a rank held.
 Writes cp_bench.csv (a row per run) and cp_bench.png (efficiency against tokens).
 Causal, bf16, D=128, 32 query heads and 8 KV heads by default.
 
@@ -132,10 +132,13 @@ def exchange_ms(mesh, mode, tensors, device) -> float:
 
 
 def exchanges(mesh, mode, q, k, v, fwd_ms, fwdbwd_ms, steps, device) -> dict:
-    """What each exchange has to hide under. The ring's step (fwd_ms / steps: a step's share of the
-    compute) overlaps one hop of K/V; its backward's step (the backward's share) a hop of K/V and of
-    the fp32 dK/dV accumulators; a ring of one step exchanges nothing (0). The all-to-all's exchanges
-    (q, k, v; the backward: dout, dq, dk, dv) run between its computations, once per call."""
+    """Each exchange beside the compute around it. The ring (exchange_ms: one hop of K/V) gathers the
+    other ranks' K/V before its first step (steps - 1 hops, under KV_PREFETCH_BYTES; past it each hop
+    runs beside a step, step_ms = fwd_ms / steps); its backward gathers them again, and each of its steps
+    (step_bwd_ms, the backward's share) runs beside a hop of the fp32 dK/dV accumulators
+    (exchange_bwd_ms: a hop of K/V and of dK/dV together); a ring of one step exchanges nothing (0).
+    The all-to-all's exchanges (q, k, v; the backward: dout, dq, dk, dv) run between its computations,
+    once per call."""
     ring = mode in ("ring", "packed")
     grads = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)] if ring else [q, q, k, v]
     moves = not ring or steps > 1
@@ -201,12 +204,13 @@ def plot(rows, path):
         print("plot skipped: matplotlib is not installed")
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode in sorted({r["mode"] for r in rows}):
+    for i, mode in enumerate(sorted({r["mode"] for r in rows})):
         mine = [r for r in rows if r["mode"] == mode]
-        ax.plot([r["tokens"] for r in mine], [r["efficiency_fwdbwd"] for r in mine], marker="o",
+        ax.plot([r["tokens"] for r in mine], [r["efficiency_fwdbwd"] for r in mine], marker="o", color=f"C{i}",
                 label=f"{mode} fwd+bwd")
         ax.plot([r["tokens"] for r in mine], [r["efficiency_fwd"] for r in mine], marker="x", linestyle="--",
-                label=f"{mode} fwd")
+                color=f"C{i}", label=f"{mode} fwd")
+    ax.axhline(0.9, color="grey", linestyle=":", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens (whole sequence)")
     ax.set_ylabel("per-GPU efficiency vs one GPU")
