@@ -28,6 +28,8 @@ def parse(argv=None):
     p.add_argument("--cp-inner", type=int, default=0,
                    help="all-to-all size inside the cp group for the hybrid (ring across cp / cp-inner)")
     p.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"])
+    p.add_argument("--cp-mode", default="auto", choices=["auto", "ring", "ulysses"],
+                   help="a 1-D cp group's exchange (auto: the all-to-all up to 128k tokens where the heads divide)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=2, help="sequences per data-parallel rank")
     p.add_argument("--hidden", type=int, default=64)
@@ -39,7 +41,10 @@ def parse(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's parameters")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
     p.add_argument("--out", default=None, help="a JSON file for the losses (rank 0)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.cp_inner and args.cp_mode != "auto":
+        p.error("--cp-mode is a 1-D cp group's choice: with --cp-inner the cp group runs the hybrid")
+    return args
 
 
 def model_for(args, device):
@@ -82,7 +87,7 @@ def main(argv=None) -> list[float]:
         mesh = init_device_mesh(args.device, shape, mesh_dim_names=names)
         cp_mesh = mesh[names[1:]] if args.cp_inner else mesh["cp"]
         dp_rank = mesh.get_coordinate()[0]
-        cuflash_hf.register_context_parallel(cp_mesh, layout=args.layout)
+        cuflash_hf.register_context_parallel(cp_mesh, layout=args.layout, mode=args.cp_mode)
         model.config._attn_implementation = "cuflash_cp"
         everyone = mesh._flatten("all") if len(names) == 3 else mesh[("dp", "cp")]._flatten("all")
         for layer in model.model.layers:

@@ -338,7 +338,8 @@ def test_zigzag_shard_layout():
 
 def test_fsdp2_context_parallel_example_matches_one_process(tmp_path):
     """examples/train_llama_cp.py at toy size: a transformers Llama under FSDP2 with cuflash context
-    parallelism over 2 processes (torchrun, gloo) gives the loss of the one-process run at every step
+    parallelism over 2 processes (torchrun, gloo), through the all-to-all and through the ring (which
+    sends the model's transposed K/V views), gives the loss of the one-process run at every step
     (three optimizer steps at a learning rate that moves the toy's loss: the gradients agree too)."""
     import json
     import subprocess
@@ -350,6 +351,7 @@ def test_fsdp2_context_parallel_example_matches_one_process(tmp_path):
     runs = {"one": [sys.executable, str(example)],
             "cp2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     str(example), "--cp", "2"]}
+    runs["cp2_ring"] = runs["cp2"] + ["--cp-mode", "ring"]
     losses = {}
     for name, command in runs.items():
         out = tmp_path / f"{name}.json"
@@ -358,8 +360,8 @@ def test_fsdp2_context_parallel_example_matches_one_process(tmp_path):
         assert done.returncode == 0, f"{name} exited with {done.returncode}:\n{done.stderr[-3000:]}"
         losses[name] = json.loads(out.read_text())
     assert len(losses["one"]) == 3
-    for one, cp in zip(losses["one"], losses["cp2"]):
-        assert abs(one - cp) < 1e-5 * abs(one), losses
+    for one, cp, cp_ring in zip(losses["one"], losses["cp2"], losses["cp2_ring"]):
+        assert abs(one - cp) < 1e-5 * abs(one) and abs(one - cp_ring) < 1e-5 * abs(one), losses
 
 
 def test_cp_bench_runs_and_writes_its_table(tmp_path):
