@@ -55,7 +55,7 @@ class _Ring:
         sent straight from its owner. Where the other shards fit in KV_PREFETCH_BYTES, all of them
         arrive before the first step computes: NCCL's copy kernels running beside the attention kernels
         slow them far more than the transfers take alone (4 H100s, 128k tokens per GPU: the forward
-        took 1.04-1.08 s with each transfer beside a step, 0.90-0.92 s after all of them, whose 3 hops
+        took 1.04-1.08 s with each transfer beside a step, 0.89-0.92 s after all of them, whose 3 hops
         take ~2 ms each; docs/tuning.md). Otherwise each shard is sent a step ahead of its use, its
         transfer beside the step before."""
         if (steps - 1) * sum(t.numel() * t.element_size() for t in kv) <= KV_PREFETCH_BYTES:
