@@ -47,19 +47,21 @@ def timed(fn, device) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def problem(tokens, heads, kv_heads, dim, dtype, device, seed=0):
+def problem(tokens, args, dtype, device, packed: bool, seed=0):
+    """q, k, v, dout of `tokens` tokens: (1, tokens, heads, dim), or packed (tokens, heads, dim)."""
     torch.manual_seed(seed)
-    return [torch.randn(1, tokens, h, dim, dtype=dtype, device=device) for h in (heads, kv_heads, kv_heads, heads)]
+    shape = (tokens,) if packed else (1, tokens)
+    return [torch.randn(*shape, h, args.dim, dtype=dtype, device=device)
+            for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)]
 
 
-def setup(mesh, mode, tokens, args, device, dtype):
-    """One whole problem of `tokens` tokens: (q, k, v, dout; this rank's shard of a tensor; the
+def setup(mesh, mode, tokens, args, device):
+    """The calls on a problem of `tokens` tokens: (this rank's shard of a whole tensor; the
     context-parallel call on shards; the one-process call on whole tensors; its causal FLOPs; the
     ring steps it takes, 1 for the all-to-all)."""
-    q, k, v, dout = problem(tokens, args.heads, args.kv_heads, args.dim, dtype, device)
     world, rank = dist.get_world_size(), dist.get_rank()
     if mode != "packed":
-        return ((q, k, v, dout), lambda t: context_parallel_shard(t, mesh, args.layout),
+        return (lambda t: context_parallel_shard(t, mesh, args.layout),
                 lambda a, b, c: context_parallel_attn_func(a, b, c, mesh, causal=True, layout=args.layout, mode=mode),
                 lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=True),
                 4 * args.heads * tokens * tokens * args.dim / 2, mesh.size(0) if mode == "ring" else 1)
@@ -68,7 +70,7 @@ def setup(mesh, mode, tokens, args, device, dtype):
     cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
     longest = max(lengths)
     steps = len(_packed_steps(cu.tolist(), rank, world, tokens // world, True, 1.0, torch.device("cpu")))
-    return ((q[0], k[0], v[0], dout[0]), lambda t: t.chunk(world)[rank],
+    return (lambda t: t.chunk(world)[rank],
             lambda a, b, c: ring_flash_attn_varlen_func(a, b, c, cu, longest, group=mesh.get_group(0), causal=True),
             lambda a, b, c: cuflash.flash_attn_varlen_func(a, b, c, cu, cu, longest, longest, causal=True),
             sum(4 * args.heads * n * n * args.dim / 2 for n in lengths), steps)
@@ -76,7 +78,8 @@ def setup(mesh, mode, tokens, args, device, dtype):
 
 def check(mesh, mode, args, device, dtype):
     """Relative error of out, dq, dk, dv against one process on the whole sequence (every rank)."""
-    (q, k, v, dout), shard, attend, whole, _, _ = setup(mesh, mode, args.check_tokens, args, device, dtype)
+    shard, attend, whole, _, _ = setup(mesh, mode, args.check_tokens, args, device)
+    q, k, v, dout = problem(args.check_tokens, args, dtype, device, mode == "packed")
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = whole(*full)
     ref.backward(dout)
@@ -151,17 +154,18 @@ def exchanges(mesh, mode, q, k, v, fwd_ms, fwdbwd_ms, steps, device) -> dict:
 def run(mesh, mode, tokens, args, device, dtype) -> dict:
     world = dist.get_world_size()
     per_gpu = tokens // world
-    (q, k, v, dout), shard, attend, _, flops, steps = setup(mesh, mode, tokens, args, device, dtype)
-    local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
-    local_dout = shard(dout)
-    del q, k, v, dout
+    _, attend, _, flops, steps = setup(mesh, mode, tokens, args, device)
+    # Timing needs no whole problem: each rank draws its shard's shape (cutting shards out of the
+    # whole problem built on every rank took 20 GiB a rank at 1M tokens, beside the call's own).
+    *local, local_dout = problem(per_gpu, args, dtype, device, mode == "packed", seed=1 + dist.get_rank())
+    local = [t.requires_grad_() for t in local]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     fwd = timed(lambda: attend(*local), device)
     both = timed(lambda: torch.autograd.grad(attend(*local), local, local_dout), device)
     peak = peak_gib(device)
-    (q, k, v, _), _, _, whole, one_flops, _ = setup(mesh, mode, per_gpu, args, device, dtype)
-    one = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    _, _, whole, one_flops, _ = setup(mesh, mode, per_gpu, args, device)
+    one = [t.requires_grad_() for t in problem(per_gpu, args, dtype, device, mode == "packed")[:3]]
     # The one-GPU call runs as many times back to back as a rank's share of the work holds its work
     # (world times for a causal sequence, once for packed documents), so that both timings last
     # about as long: under seconds of load the GPUs reach their power cap and their clocks fall.
@@ -174,7 +178,6 @@ def run(mesh, mode, tokens, args, device, dtype) -> dict:
     # context-parallel call goes at its slowest rank's pace.
     one_tflops_fwd, one_tflops_both = mean_over_ranks([one_flops / one_fwd / 1e9, 3.5 * one_flops / one_both / 1e9],
                                                       device)
-    del q, k, v
     row = dict(world_size=world, tokens=tokens, tokens_per_gpu=per_gpu, mode=mode,
                layout="contiguous" if mode == "packed" else args.layout, fwd_ms=fwd,
                fwdbwd_ms=both, tflops_per_gpu_fwd=flops / world / fwd / 1e9,
