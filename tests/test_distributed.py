@@ -288,6 +288,15 @@ def test_matches_single_process(world, check):
     _run(world, check)
 
 
+def test_ring_gathers_at_most_an_eighth_of_a_gpus_memory(monkeypatch):
+    """The K/V a rank gathers before its first step: KV_PREFETCH_BYTES, and on a GPU at most an
+    eighth of its memory (a 16 GB GPU gathers 2 GiB at most; an 80 GB one the whole 8 GiB)."""
+    for total, budget in ((16 << 30, 2 << 30), (80 << 30, ring.KV_PREFETCH_BYTES)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+        assert ring._prefetch_budget(torch.device("cuda", 0)) == budget
+    assert ring._prefetch_budget(torch.device("cpu")) == ring.KV_PREFETCH_BYTES
+
+
 @pytest.mark.parametrize("lens,size,causal,steps", [
     ([4, 6, 5, 0, 15], 2, True, 1), ([4, 6, 5, 0, 15], 2, False, 1),  # every document inside a share
     ([4, 6, 5, 0, 15], 3, True, 2), ([4, 6, 5, 0, 15], 3, False, 3),  # one crossing into the next share

@@ -14,9 +14,16 @@ from ..errors import check_attention_inputs, check_cu_seqlens, check_tensor, lse
 from ..params import AttentionParams
 from .shards import check_shards, require_process_group
 
-# The most bytes of other ranks' K/V shards a rank gathers before its first step (_Ring.shards); past
-# it, each shard travels a step ahead of its use.
+# The most bytes of other ranks' K/V shards a rank gathers before its first step (_Ring.shards), and
+# at most an eighth of its GPU's memory (so that a smaller GPU keeps the rest for the steps); past it,
+# each shard travels a step ahead of its use.
 KV_PREFETCH_BYTES = 8 << 30
+
+
+def _prefetch_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        return min(KV_PREFETCH_BYTES, torch.cuda.get_device_properties(device).total_memory // 8)
+    return KV_PREFETCH_BYTES
 
 
 class _Ring:
@@ -52,13 +59,13 @@ class _Ring:
 
     def shards(self, kv: list[torch.Tensor], steps: int) -> Iterator[list[torch.Tensor]]:
         """The K/V shard of each of `steps` steps: this rank's own, then at step s rank (rank - s)'s,
-        sent straight from its owner. Where the other shards fit in KV_PREFETCH_BYTES, all of them
+        sent straight from its owner. Where the other shards fit in _prefetch_budget, all of them
         arrive before the first step computes: NCCL's copy kernels running beside the attention kernels
         slow them far more than the transfers take alone (4 H100s, 128k tokens per GPU: the forward
         took 1.04-1.08 s with each transfer beside a step, 0.89-0.92 s after all of them, whose 3 hops
         take ~2 ms each; docs/tuning.md). Otherwise each shard is sent a step ahead of its use, its
         transfer beside the step before."""
-        if (steps - 1) * sum(t.numel() * t.element_size() for t in kv) <= KV_PREFETCH_BYTES:
+        if (steps - 1) * sum(t.numel() * t.element_size() for t in kv) <= _prefetch_budget(kv[0].device):
             exchanges = [self.start(kv, hops) for hops in range(1, steps)]
             received = [self.wait(exchange) for exchange in exchanges]
             yield kv
