@@ -391,6 +391,51 @@ def test_public_calls_launch_their_signature_plans_directly(monkeypatch):
     assert step(q[:, 1:], k, v, dout[:, 1:], sdpa=True) == []
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=interpret), pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_sdpa_repeats_launch_their_plan_on_its_own_layout(monkeypatch, device):
+    """A repeated scaled_dot_product_attention call that records no graph launches its signature's
+    kept forward plan on the (B, H, N, D) inputs themselves (ops.forward_kept): no (B, N, H, D) views
+    are made, the output is a (B, H, N, D) view of a (B, N, H, D) buffer as before, and new data gets
+    the oracle's values. A base off 16-byte alignment has no kept plan yet and goes through the views
+    once; inputs requiring grad always do, with autograd."""
+    from cuflash import interface
+    from cuflash.kernels import attention
+
+    count_plan_lookups(monkeypatch, attention)
+    views = []
+    real_view = interface._to_flash
+    monkeypatch.setattr(interface, "_to_flash", lambda t: views.append(t) or real_view(t))
+
+    def call(q, k, v, grad=False):
+        views.clear()
+        leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+        with torch.set_grad_enabled(grad):
+            out = cuflash.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
+                                                                enable_gqa=True)
+        assert rel_err(out.detach(), want) < 1e-5
+        assert out.shape == want.shape and out.transpose(1, 2).is_contiguous()
+        if grad:
+            dout = torch.randn_like(out)
+            out.backward(dout)
+            grads = run_and_grad(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+                a, b, c, is_causal=True, enable_gqa=True), q.double(), k.double(), v.double(), dout.double())[1:]
+            assert all(rel_err(t.grad, g) < 1e-5 for t, g in zip(leaves, grads))
+        return len(views) > 0
+
+    def fresh():
+        return tuple(torch.randn(2, h, n, 40, device=device) for h, n in ((4, 17), (2, 23), (2, 23)))
+
+    torch.manual_seed(12)
+    assert call(*fresh())  # the first call of the signature makes its plan on the views
+    assert not call(*fresh()) and not call(*fresh())
+    q, k, v = fresh()
+    shifted = torch.empty(q.numel() + 1, device=device)[1:].view(q.shape).copy_(q)  # base 4 bytes off 16-byte alignment
+    assert call(shifted, k, v) and not call(shifted, k, v)
+    assert call(*fresh(), grad=True) and call(*fresh(), grad=True)
+
+
 @interpret
 def test_signature_plans_keep_the_backend_of_their_settings(monkeypatch):
     """A call signature's plans keep the backend that runs it (ops._call_backend), which the

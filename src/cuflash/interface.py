@@ -233,6 +233,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     sig = signature((query, key, value), is_causal, scale, enable_gqa, deterministic) if plain else None
     p, plans = remembered(sig, lambda: _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                     enable_gqa, deterministic))
+    if query.ndim == 4:  # a repeated call without a graph: no views made (ops.forward_kept)
+        out = ops.forward_kept(query, key, value, p, plans)
+        if out is not None:
+            return out
     out, _ = ops.forward(_to_flash(query), _to_flash(key), _to_flash(value), p, plans)
     out = out.transpose(1, 2)
     return out if query.ndim == 4 else out.reshape(query.shape)

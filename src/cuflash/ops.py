@@ -271,6 +271,20 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
     return attention_forward(q, k, v, *params.as_args())
 
 
+def forward_kept(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: AttentionParams,
+                 plans: dict | None) -> torch.Tensor | None:
+    """forward()'s output for query, key, value in torch SDPA's layout (B, H, N, D) where no graph is
+    recorded and an earlier call of their signature kept its launch plan (the Triton backend's
+    attention_forward_kept), else None: the caller then goes through forward() on (B, N, H, D) views."""
+    if plans is None or not _direct(query) or (torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad)):
+        return None
+    backend = _call_backend(query, plans)
+    # The CPU backend keeps no launch plans (it has no attention_forward_kept).
+    kept_forward = getattr(backend, "attention_forward_kept", None)
+    return None if kept_forward is None else kept_forward(query, key, value, params, plans)
+
+
 def backward(dout, q, k, v, out, softmax_lse, params: AttentionParams):
     """(dq, dk, dv)."""
     if q.numel() == 0 or k.numel() == 0:  # (_Empty's)

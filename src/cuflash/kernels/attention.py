@@ -44,6 +44,25 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     return out, lse
 
 
+def attention_forward_kept(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams,
+                           plans: dict | None) -> torch.Tensor | None:
+    """attention_forward's output for q, k, v in torch SDPA's layout (B, H, N, D), through the plan
+    an earlier call of their signature kept in `plans` (made on their (B, N, H, D) views), or None
+    where none is kept. A kept plan takes nothing of its tensors but their addresses (launch.py),
+    which the views share with q, k, v, and writes the output in (B, N, H, D) order: here into a
+    buffer made as its (B, H, N, D) view. The views and the output's transpose (~1.5 us each) are
+    not made."""
+    plan = kept(plans, _open_key(plans, params, None, "forward", (q, k, v)))
+    if plan is None:
+        return None
+    batch, heads, seqlen, dim = *q.shape[:3], v.shape[3]
+    out = torch.empty_strided((batch, heads, seqlen, dim), (seqlen * heads * dim, dim, heads * dim, 1),
+                              dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=q.device)
+    plan(dict(Q=q, K=k, V=v, Out=out, Lse=lse))
+    return out
+
+
 def _open_key(plans: dict | None, params: AttentionParams, entry: Entry | None, pass_: str,
               inputs: tuple[torch.Tensor, ...], *extra) -> tuple | None:
     """launch.open_key, with `extra` in a backward dO's strides and dtype (autograd passes any); None
