@@ -188,6 +188,11 @@ def _direct(q: torch.Tensor) -> bool:
             and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active())
 
 
+def _records_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether autograd records this call (grad mode on and an input requiring grad)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def _contiguous_last(dout: torch.Tensor) -> torch.Tensor:
     # Gradients can arrive with any strides (a broadcast from .sum() has stride 0 everywhere);
     # the kernels need a contiguous last dim.
@@ -265,7 +270,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
     if q.numel() == 0 or k.numel() == 0:
         return _Empty.apply(q, k, v, params)
     if _direct(q):
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if _records_graph(q, k, v):
             return _Attention.apply(q, k, v, params, plans)
         return _call_backend(q, plans).attention_forward(q, k, v, params, plans=plans)  # no graph: ~10 us less
     return attention_forward(q, k, v, *params.as_args())
@@ -276,8 +281,7 @@ def forward_kept(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pa
     """forward()'s output for query, key, value in torch SDPA's layout (B, H, N, D) where no graph is
     recorded and an earlier call of their signature kept its launch plan (the Triton backend's
     attention_forward_kept), else None: the caller then goes through forward() on (B, N, H, D) views."""
-    if plans is None or not _direct(query) or (torch.is_grad_enabled() and (
-            query.requires_grad or key.requires_grad or value.requires_grad)):
+    if plans is None or not _direct(query) or _records_graph(query, key, value):
         return None
     backend = _call_backend(query, plans)
     # The CPU backend keeps no launch plans (it has no attention_forward_kept).
