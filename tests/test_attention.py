@@ -357,11 +357,12 @@ def test_explicit_block_sizes_on_gpu(dtype, head_dim, blocks):
 @pytest.mark.gpu
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1000), (17, 128), (1000, 17), (128, 4096), (4096, 1000)])
 @pytest.mark.parametrize("nheads,nheads_k", [(8, 2), (6, 1)])
+@pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-def test_gqa_and_unequal_seqlens(dtype, causal, nheads, nheads_k, seqlen_q, seqlen_k):
-    torch.manual_seed(seqlen_q + seqlen_k + nheads)
-    q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, 64, dtype, "cuda")
+def test_gqa_and_unequal_seqlens(dtype, causal, head_dim, nheads, nheads_k, seqlen_q, seqlen_k):
+    torch.manual_seed(seqlen_q + seqlen_k + nheads + head_dim)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, "cuda")
     check_against_oracle(flash_fn(causal), q, k, v, causal)
 
 

@@ -246,7 +246,11 @@ def _hopper_d256(hopper: bool, length: Length, banded: bool):
         # keys, 64-key tiles in 2 elsewhere.
         mid = L.UP_TO_512 <= length <= L.UP_TO_2K
         forward = (gluon.Forward(2, *((32, 4) if mid else (64, 2))), fwd)
-    return forward, (Tiles(64, 64, 8, 2, tma=True),), (Tiles(128, 32, 8, 3),)
+    # dK/dV: Gluon (the split-D consumers, dQ unfused); dQ Triton.
+    dkdv: tuple[Candidate, ...] = (Tiles(64, 64, 8, 2, tma=True),)
+    if hopper:
+        dkdv = (gluon.Dkdv(), *dkdv)
+    return forward, dkdv, (Tiles(128, 32, 8, 3),)
 
 
 def decode_tiles(q: torch.Tensor, block_d: int, paged: bool, fills_gpu: bool) -> Tiles:

@@ -1,8 +1,8 @@
 """The Gluon kernels for Hopper (warp-specialized, TMA and wgmma): the plain forward of 16-bit inputs
-at head dims 64, 128 and 256, and its backward at 64 and 128. This module holds what kernels/plan.py needs without
-importing Gluon: each kernel's configuration type and `accepts`, which calls they compute; the kernels
-are forward.py and backward.py, their shared building blocks common.py (GPU only: Triton's
-interpreter does not run Gluon)."""
+at head dims 64, 128 and 256, and its backward (at 256 the dK/dV pass only). This module holds what
+kernels/plan.py needs without importing Gluon: each kernel's configuration type and `accepts`, which
+calls they compute; the kernels are forward.py and backward.py, their shared building blocks
+common.py (GPU only: Triton's interpreter does not run Gluon)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +32,9 @@ class Forward:
 
 @dataclass(frozen=True)
 class Dkdv:
-    """fuse_dq: also add dQ to an fp32 workspace by TMA reductions, replacing the dQ pass (not in a
-    deterministic backward: the additions' order varies); stages: the ring of Q/dO buffers."""
+    """fuse_dq: also add dQ to an fp32 workspace by TMA reductions, replacing the dQ pass (up to
+    D=128; not in a deterministic backward: the additions' order varies); stages: the ring of Q/dO
+    buffers."""
     fuse_dq: bool = False
     stages: int = 2
 
@@ -47,7 +48,7 @@ class Dq:
 
 def accepts(prob: Problem, params: AttentionParams) -> bool:
     """Whether the Gluon kernels compute the call: the plain attention (causal or not, GQA, a positive
-    softmax_scale) of 16-bit inputs with head dim 64, 128 or 256 (a backward: 64 or 128) that the tensor
+    softmax_scale) of 16-bit inputs with head dim 64, 128 or 256 (a backward at 256: dK/dV unfused) that the tensor
     memory accelerator can address (with dO in a backward), under a Triton whose Gluon they were written
     against (3.6 run, 3.9 compiled; Gluon changed its API between the releases that have it, so older
     ones take the Triton kernels)."""
@@ -55,8 +56,7 @@ def accepts(prob: Problem, params: AttentionParams) -> bool:
              and params.alibi_slopes is None and params.attn_mask is None and params.dropout_p == 0
              and params.softmax_scale > 0)
     streamed: tuple[torch.Tensor, ...] = (prob.q, prob.k, prob.v)
-    head_dims: tuple[int, ...] = (64, 128, 256)
     if prob.dout is not None:
-        streamed, head_dims = (*streamed, prob.dout), (64, 128)
-    return (GLUON_TRITON and plain and not prob.varlen and prob.head_dim in head_dims
+        streamed = (*streamed, prob.dout)
+    return (GLUON_TRITON and plain and not prob.varlen and prob.head_dim in (64, 128, 256)
             and prob.q.dtype in (torch.float16, torch.bfloat16) and tma_addressable(*streamed))

@@ -26,8 +26,12 @@ the loader after the item's last products, dQ leaves through the item's last V t
 bitwise reproducible.
 One consumer's exponentials overlap the other's matrix products.
 
-Only the plain backward is here (kernels/gluon/__init__.py's accepts: 16-bit, head dims 64 and 128,
-causal or not, GQA); everything else takes the Triton kernels. GPU only: Triton's interpreter does not
+At D=256 a consumer's registers cannot hold dK and dV of 64 keys: a dK/dV work item is then 64 keys,
+which both consumers hold; each computes S^T and dP^T for half of each query tile's rows and half of
+dK's and dV's columns, P^T and dS^T passing between them through shared memory (_split_d_tiles); dQ
+is not fused there, and the dQ pass is Triton's.
+Only the plain backward is here (kernels/gluon/__init__.py's accepts: 16-bit, head dims 64, 128 and
+256, causal or not, GQA); everything else takes the Triton kernels. GPU only: Triton's interpreter does not
 run Gluon.
 """
 import triton
@@ -48,15 +52,15 @@ from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, lo
 
 @gluon.jit
 def _buffers(dtype: gl.constexpr, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
-             HELD: gl.constexpr):
-    """The shared memory of both kernels: HELD buffers of two tensors' tiles of 2 x 64 rows, each
+             HELD: gl.constexpr, PARTS: gl.constexpr = 2):
+    """The shared memory of both kernels: HELD buffers of two tensors' tiles of PARTS x 64 rows, each
     held for a work item (K and V for dK/dV, Q and dO for dQ), a ring of STAGES buffers of BLOCK
     rows for the two tensors streamed past them, and the barriers: a "ready" per held buffer and a
     "free" that both consumers arrive at once done with it, a "ready" per streamed tensor and buffer,
     an "empty" per buffer that both consumers arrive at."""
     held_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
-    held_a = gl.allocate_shared_memory(dtype, [2 * HELD, ROWS, HEAD_D], held_layout)
-    held_b = gl.allocate_shared_memory(dtype, [2 * HELD, ROWS, HEAD_D], held_layout)
+    held_a = gl.allocate_shared_memory(dtype, [PARTS * HELD, ROWS, HEAD_D], held_layout)
+    held_b = gl.allocate_shared_memory(dtype, [PARTS * HELD, ROWS, HEAD_D], held_layout)
     ring_a, ring_b, a_ready, b_ready, empty = ring(dtype, BLOCK, HEAD_D, STAGES, 2)
     held_ready = barriers(HELD, 1)
     held_free = barriers(HELD, 2)
@@ -65,18 +69,19 @@ def _buffers(dtype: gl.constexpr, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, STA
 
 @gluon.jit
 def _load_held(done, a_desc, b_desc, row0, off_b, off_h, a_smem, b_smem, ready, free):
-    """The loader's copy of work item `done`'s held tiles (2 x 64 rows of two tensors from row0) into
-    held buffer done % HELD, once both consumers have freed it."""
+    """The loader's copy of work item `done`'s held tiles (PARTS x 64 rows of two tensors from row0)
+    into held buffer done % HELD, once both consumers have freed it."""
     HELD: gl.constexpr = ready.shape[0]
+    PARTS: gl.constexpr = a_smem.shape[0] // HELD
     kb = done % HELD
     mbarrier.wait(free.index(kb), ((done // HELD) & 1) ^ 1)
-    mbarrier.expect(ready.index(kb), 4 * a_desc.block_type.nbytes)
+    mbarrier.expect(ready.index(kb), 2 * PARTS * a_desc.block_type.nbytes)
     box: gl.constexpr = [1, ROWS, 1, a_smem.shape[2]]
-    for part in gl.static_range(2):
+    for part in gl.static_range(PARTS):
         tma_load(a_desc, [off_b, row0 + part * ROWS, off_h, 0], ready.index(kb),
-                  a_smem.index(2 * kb + part).reshape(box))
+                  a_smem.index(PARTS * kb + part).reshape(box))
         tma_load(b_desc, [off_b, row0 + part * ROWS, off_h, 0], ready.index(kb),
-                  b_smem.index(2 * kb + part).reshape(box))
+                  b_smem.index(PARTS * kb + part).reshape(box))
 
 
 @gluon.jit
@@ -136,8 +141,8 @@ def _add_dq(it, j, fused, HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.c
 
 
 @gluon.jit
-def _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL: gl.constexpr):
-    """(first key, batch, KV head, first and end query tile) of work item w: 2 x 64 keys. The key
+def _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL: gl.constexpr, ITEM: gl.constexpr):
+    """(first key, batch, KV head, first and end query tile) of work item w: ITEM keys. The key
     tiles of one (batch, KV head) are consecutive items. Under a causal mask the query tiles above
     the first key's diagonal are skipped, and heavy and light key tiles alternate (the first, the
     last, the second, ...), so that a pair of items costs about the same everywhere."""
@@ -145,7 +150,7 @@ def _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL: gl.constexpr):
     bhk = w // n_n
     if CAUSAL:
         tile = gl.where(tile % 2 == 0, tile // 2, n_n - 1 - tile // 2)
-    start_n = tile * 2 * ROWS
+    start_n = tile * ITEM
     lo = 0
     if CAUSAL:
         lo = gl.maximum(start_n - offset, 0) // ROWS
@@ -162,12 +167,13 @@ def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr
     do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_do, ROWS, HEAD_D)
     k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, ROWS, HEAD_D)
     v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, ROWS, HEAD_D)
-    n_n, items = tiles_of(seqlen_k, batch, nheads_k, 2 * ROWS)
+    ITEM: gl.constexpr = k_smem.shape[0] // kv_ready.shape[0] * ROWS  # keys a work item holds
+    n_n, items = tiles_of(seqlen_k, batch, nheads_k, ITEM)
     group = nheads // nheads_k
     it = 0  # query tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
     for c in range(count(items)):
-        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL)
+        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL, ITEM)
         _load_held(done, k_desc, v_desc, start_n, off_b, off_hk, k_smem, v_smem, kv_ready, kv_free)
         for g in range(group):
             off_h = off_hk * group + g
@@ -190,10 +196,11 @@ def _init_descriptor(AccInit, rows, padded_q):
 
 @gluon.jit
 def _start(row_smem, layout: gl.constexpr):
-    """A 64 x 64 accumulator in `layout` whose every column n starts at the n-th value of row_smem
-    (shared memory holding one box of _init_descriptor)."""
-    row = row_smem.load(layout)  # [1, 64]
-    return gl.broadcast(gl.zeros([ROWS, ROWS], gl.float32, layout), row)[1]
+    """A 64-row accumulator in `layout` whose every column n starts at the n-th value of row_smem
+    (shared memory holding one box of _init_descriptor, or columns of it)."""
+    COLS: gl.constexpr = row_smem.shape[1]
+    row = row_smem.load(layout)  # [1, COLS]
+    return gl.broadcast(gl.zeros([ROWS, COLS], gl.float32, layout), row)[1]
 
 
 @gluon.jit
@@ -256,7 +263,7 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
     it = 0  # query tiles consumed so far: the ring's position
     done = 0  # work items done so far
     for c in range(count(items)):
-        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL)
+        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL, 2 * ROWS)
         key0 = start_n + WG * ROWS
         keys = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         # Query tiles before `full` hold rows that do not see every key of this warpgroup.
@@ -295,27 +302,156 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
 
 
 @gluon.jit
+def _pds_buffers(dtype: gl.constexpr):
+    """The split-D consumers' shared memory for P^T and dS^T: two tiles' worth (alternating), each
+    both consumers' halves of both (64 keys by 32 query rows; index 4 x tile + 2 x (0: P^T, 1: dS^T)
+    + consumer), and per tile buffer a "ready" (both consumers' halves written) and a "free" (both
+    consumers' products read them) barrier."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS // 2], dtype)
+    return gl.allocate_shared_memory(dtype, [8, ROWS, ROWS // 2], layout), barriers(2, 2), barriers(2, 2)
+
+
+@gluon.jit
+def _split_d_tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, pds, base, first, last, keys,
+                   offset, qk_scale, MASKED: gl.constexpr, STAGES: gl.constexpr, HEAD_D: gl.constexpr,
+                   WG: gl.constexpr, s_layout: gl.constexpr):
+    """_tiles where one consumer's registers cannot hold a 64-key dK and dV (D=256): both consumers
+    hold the item's 64 keys. Per query tile each computes S^T and dP^T of its half of the query rows
+    (32), shares its P^T and dS^T through shared memory and, once both halves are there, adds to its
+    half of dV's and dK's columns over all 64 rows: dV[:, half] += P^T dO[:, half] and dK[:, half] +=
+    dS^T Q[:, half] (the split FlashAttention-3 makes at this head dim)."""
+    pds_smem, pds_ready, pds_free = pds
+    HALF: gl.constexpr = ROWS // 2
+    COLS: gl.constexpr = HEAD_D // 2
+    for j in range(first, last):
+        pos = base + j
+        stage = pos % STAGES
+        phase = (pos // STAGES) & 1
+        q = q_smem.index(stage)
+        do = do_smem.index(stage)
+        mbarrier.wait(q_ready.index(stage), phase)
+        s = warpgroup_mma(k, q.slice(WG * HALF, HALF).permute((1, 0)),
+                          _start(init_smem.index(2 * stage).slice(WG * HALF, HALF, dim=1), s_layout), is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp = warpgroup_mma(v, do.slice(WG * HALF, HALF).permute((1, 0)),
+                           _start(init_smem.index(2 * stage + 1).slice(WG * HALF, HALF, dim=1), s_layout),
+                           is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        x = s * qk_scale
+        if MASKED:  # query row i sees key n where n <= i + offset
+            cols = j * ROWS + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, s_layout))
+            x = gl.where(gl.expand_dims(cols + offset, 0) >= gl.expand_dims(keys, 1), x, float("-inf"))
+        p = gl.exp2(x)
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds = p * dp
+        buf = pos % 2
+        mbarrier.wait(pds_free.index(buf), ((pos // 2) & 1) ^ 1)
+        pds_smem.index(4 * buf + WG).store(p.to(k.dtype))
+        pds_smem.index(4 * buf + 2 + WG).store(ds.to(k.dtype))
+        fence_async_shared()
+        barrier()  # every thread's part written before the one arrival
+        mbarrier.arrive(pds_ready.index(buf), count=1)
+        mbarrier.wait(pds_ready.index(buf), (pos // 2) & 1)
+        for half in gl.static_range(2):
+            dv = warpgroup_mma(pds_smem.index(4 * buf + half),
+                               do.slice(half * HALF, HALF).slice(WG * COLS, COLS, dim=1), dv, is_async=True)
+            dk = warpgroup_mma(pds_smem.index(4 * buf + 2 + half),
+                               q.slice(half * HALF, HALF).slice(WG * COLS, COLS, dim=1), dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        mbarrier.arrive(empty.index(stage), count=1)
+        mbarrier.arrive(pds_free.index(buf), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _store_half(T, strides, off_b, off_hk, start_n, seqlen_k, tile, WG: gl.constexpr, layout: gl.constexpr):
+    """Stores a consumer's columns [WG x half, (WG + 1) x half) of a 64-key dK or dV tile (rows past
+    seqlen_k cut off) straight from its registers: once per work item, so no shared memory is set
+    aside for it."""
+    COLS: gl.constexpr = tile.shape[1]
+    rows = start_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = WG * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    base = T + off_b.to(gl.int64) * strides[0] + off_hk.to(gl.int64) * strides[2]
+    ptrs = base + gl.expand_dims(rows.to(gl.int64) * strides[1], 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, tile.to(T.dtype.element_ty), mask=gl.expand_dims(rows < seqlen_k, 1))
+
+
+@gluon.jit
+def _consume_split_d(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+    """_consume for _split_d_tiles: a work item is 64 keys, which both consumers hold."""
+    (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
+     do_ready, empty, pds_smem, dq_smem, pds_ready, pds_free, stride_q, stride_k, stride_v, stride_do, stride_dk,
+     stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS // 2, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D // 2, 16])
+    pds = (pds_smem, pds_ready, pds_free)
+    # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
+    n_n, items = tiles_of(seqlen_k, batch, nheads_k, ROWS)
+    group = nheads // nheads_k
+    it = 0  # query tiles consumed so far: the ring's position
+    done = 0  # work items done so far
+    for c in range(count(items)):
+        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL, ROWS)
+        keys = start_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        # Query tiles before `full` hold rows that do not see every key of the item.
+        full = lo
+        if CAUSAL:
+            full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(start_n + ROWS - 1 - offset, 0), ROWS), lo), hi)
+        dk = gl.zeros([ROWS, HEAD_D // 2], gl.float32, acc_layout)
+        dv = gl.zeros([ROWS, HEAD_D // 2], gl.float32, acc_layout)
+        k = k_smem.index(0)
+        v = v_smem.index(0)
+        mbarrier.wait(kv_ready.index(0), done & 1)
+        base = it - lo  # tile j of head g at ring position it + g * (hi - lo) + j - lo
+        for g in range(group):
+            dk, dv = _split_d_tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, pds, base,
+                                    lo, full, keys, offset, qk_scale, True, STAGES, HEAD_D, WG, s_layout)
+            dk, dv = _split_d_tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, pds, base,
+                                    full, hi, keys, offset, qk_scale, False, STAGES, HEAD_D, WG, s_layout)
+            base += hi - lo
+        it += group * (hi - lo)
+        # This consumer's products are done with K and V: the loader may fetch the next item's.
+        mbarrier.arrive(kv_free.index(0), count=1)
+        _store_half(DV, stride_dv, off_b, off_hk, start_n, seqlen_k, dv, WG, acc_layout)
+        _store_half(DK, stride_dk, off_b, off_hk, start_n, seqlen_k, dk * softmax_scale, WG, acc_layout)
+        done += 1
+
+
+@gluon.jit
 def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc,
                           stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_a, padded_q, batch,
                           nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
                           CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                           KV_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    # kv_free: both consumers' dK and dV have left the item's K/V buffer.
+    # Beyond D=128 a consumer's registers hold half a 64-key dK and dV: both consumers take the same
+    # 64 keys (_split_d_tiles); up to it each takes its own 64 of an item's 128.
+    SPLIT_D: gl.constexpr = HEAD_D > 128
+    # kv_free: both consumers' dK and dV have left the item's K/V buffer (split D: both are done with it).
     k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, q_ready, do_ready, empty = _buffers(
-        Q.dtype.element_ty, HEAD_D, ROWS, STAGES, KV_BUFFERS)
+        Q.dtype.element_ty, HEAD_D, ROWS, STAGES, KV_BUFFERS, 1 if SPLIT_D else 2)
     # Per ring buffer, the boxes of AccInit that come with its Q and its dO.
     init_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, ROWS],
                                           gl.NVMMASharedLayout.get_default_for([1, ROWS], gl.float32))
+    # ds_smem, ds_ready, ds_free: the fused kernel's dS^T tiles, or the split-D consumers' P^T and dS^T.
     ds_smem, dq_smem, ds_ready, ds_free = None, None, None, None
     if FUSED:
         ds_smem, dq_smem, ds_ready, ds_free = _dq_buffers(Q.dtype.element_ty)
+    if SPLIT_D:
+        ds_smem, ds_ready, ds_free = _pds_buffers(Q.dtype.element_ty)
     args = (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free,
             q_ready, do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do,
             stride_dk, stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
             softmax_scale)
-    gl.warp_specialize([(_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 0)),
-                        (_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 1)),
-                        (_load, (args, CAUSAL, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
+    if SPLIT_D:
+        gl.warp_specialize([(_consume_split_d, (args, CAUSAL, HEAD_D, STAGES, 0)),
+                            (_consume_split_d, (args, CAUSAL, HEAD_D, STAGES, 1)),
+                            (_load, (args, CAUSAL, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([(_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 0)),
+                            (_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 1)),
+                            (_load, (args, CAUSAL, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
 
 
 @gluon.jit
@@ -454,16 +590,20 @@ def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
 
 def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dkdv):
     """(kernel, grid, keyword arguments) of the dK/dV kernel for kernels/launch.py: a work item
-    per 128 keys of a (batch, KV head), one persistent program per SM taking pairs of items
+    per 128 keys (D=256: 64) of a (batch, KV head), one persistent program per SM taking pairs of items
     round-robin; 64-row query tiles in a ring of cfg.stages buffers; tensors["AccInit"] as
     kernels/triton/backward.py's delta kernel writes it. With cfg.fuse_dq, the kernel also adds dQ to
     tensors["DQAcc"] (fp32, shaped like Q, zero-filled)."""
     dk, dv, init = tensors["DK"], tensors["DV"], tensors["AccInit"]
     acc = tensors["DQAcc"] if cfg.fuse_dq else None
-    items = cdiv(prob.seqlen_k, 2 * ROWS.value) * prob.batch * prob.nheads_k
+    if acc is not None and prob.head_dim > 128:
+        raise ValueError("the Gluon dK/dV kernel fuses dQ up to head dim 128")
+    item_keys = ROWS.value if prob.head_dim > 128 else 2 * ROWS.value
+    items = cdiv(prob.seqlen_k, item_keys) * prob.batch * prob.nheads_k
     # Two K/V buffers (the loader fetches the next item's K and V during the last one) where shared
-    # memory holds them: all but the fused kernel at D=128 (one: 192 of 227 KB).
-    kv_buffers = 1 if acc is not None and prob.head_dim == 128 else 2
+    # memory holds them: not the fused kernel at D=128 (one: 192 of 227 KB), nor D=256 (one: 224 KB
+    # with the Q/dO ring and the P^T and dS^T tiles).
+    kv_buffers = 1 if (acc is not None and prob.head_dim == 128) or prob.head_dim > 128 else 2
     acc_strides = box_strides(prob, acc) if acc is not None else (0, 0, 0)
     return _attn_bwd_dkdv_hopper, (min(cdiv(items, 2), num_sms(dk.device)),), dict(
         **_shared_args(tensors, prob, params), AccInit=init, padded_q=init.shape[2], DK=dk, DV=dv, DQAcc=acc,
