@@ -498,9 +498,9 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     """The kernels an H100 runs for a causal 300-token call compile for sm_90 with the installed
     Triton and its ptxas, outside the interpreter (scripts/compile_check.py's stand-in driver, in a
     process of its own): bf16 takes the Gluon forward and backward (at D=64, and at D=256 the split-D
-    dK/dV), fp32 the Triton ones; and a bf16 decode step into a paged cache (append, decode, combine). The CPU tests run the Triton kernels
-    through the interpreter and the Gluon ones not at all; this is where a kernel that would not
-    compile on the GPU shows first."""
+    dK/dV), fp32 the Triton ones; and a bf16 decode step into a paged cache (append, decode, combine).
+    The CPU tests run the Triton kernels through the interpreter and the Gluon ones not at all; this is
+    where a kernel that would not compile on the GPU shows first."""
     import os
     import subprocess
     import sys
