@@ -106,6 +106,9 @@ def test_gluon_kernels_accept_only_what_they_implement(monkeypatch):
     with pytest.raises(ValueError, match="fewer than 7"):
         gluon_forward.launch_args(dict(Q=q, K=k, V=k, Out=q), problem(q, k, k, causal), causal,
                                   gluon.Forward(2, 64, 7))
+    with pytest.raises(ValueError, match="early_k"):  # (D=128, 128-key tiles: O leaves through a K tile)
+        gluon_forward.launch_args(dict(Q=q, K=k, V=k, Out=q), problem(q, k, k, causal), causal,
+                                  gluon.Forward(2, 128, 3, early_k=True))
     wide = torch.randn(2, 600, 4, 256, dtype=torch.bfloat16)  # D=256: one Q buffer, at most 2 K/V buffers of 64 keys
     assert gluon.accepts(problem(wide, wide, wide, causal), causal)
     assert gluon.accepts(problem(wide, wide, wide, causal, wide), causal)  # (dK/dV; dQ stays Triton at D=256)

@@ -19,10 +19,13 @@ from ..variant import Problem
 class Forward:
     """consumers: warpgroups of 64 query rows each (2, or 3 where their registers hold D=64);
     block_n: the key tile (128; 64: fewer keys past a short sequence's end and less of a causal
-    diagonal computed, at twice the tiles; 64 or 32 at D=256); stages: the ring of K/V buffers."""
+    diagonal computed, at twice the tiles; 64 or 32 at D=256); stages: the ring of K/V buffers;
+    early_k: each K buffer goes back to the loader once every S product has read it, before its V's
+    products are done (not where O leaves through a K tile: one Q buffer and 2 x 64-key tiles)."""
     consumers: int = 2
     block_n: int = 128
     stages: int = 3
+    early_k: bool = False
 
     def __post_init__(self):
         if self.consumers not in (2, 3) or self.block_n not in (32, 64, 128):

@@ -102,13 +102,19 @@ def copy_out(desc, coord, buffer, tile, ADD: gl.constexpr = False, PART: gl.cons
 def load_pair(it, a_desc, b_desc, coord, a_smem, b_smem, a_ready, b_ready, empty, STAGES: gl.constexpr, rows=None):
     """The loader's step of a ring of STAGES buffers: once every consumer has released position `it`'s
     buffers, the TMA copies the box at `coord` of two tensors into them, each signalling its "ready"
-    barrier. With rows = (descriptor of a 2D tensor, shared memory of 2 x STAGES of its boxes, a's row,
-    b's row), each tensor's box comes with the box of that row at column coord[1]."""
+    barrier. With 2 x STAGES "empty" barriers (ring's EMPTY_EACH) each tensor's buffer has its own, and
+    a's copy waits only for a's release. With rows = (descriptor of a 2D tensor, shared memory of 2 x
+    STAGES of its boxes, a's row, b's row), each tensor's box comes with the box of that row at column
+    coord[1]."""
     stage = it % STAGES
-    mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
+    phase = ((it // STAGES) & 1) ^ 1
+    EMPTY_EACH: gl.constexpr = empty.shape[0] == 2 * STAGES
+    mbarrier.wait(empty.index(stage), phase)
     box: gl.constexpr = [1, a_smem.shape[1], 1, a_smem.shape[2]]
     row_bytes: gl.constexpr = 0 if rows is None else rows[0].block_type.nbytes
     for i in gl.static_range(2):
+        if i == 1 and EMPTY_EACH:
+            mbarrier.wait(empty.index(STAGES + stage), phase)
         desc, smem, ready = (a_desc, a_smem, a_ready) if i == 0 else (b_desc, b_smem, b_ready)
         mbarrier.expect(ready.index(stage), desc.block_type.nbytes + row_bytes)
         tma_load(desc, coord, ready.index(stage), smem.index(stage).reshape(box))
@@ -127,14 +133,16 @@ def barriers(n: gl.constexpr, arrivals: gl.constexpr):
 
 @gluon.jit
 def ring(dtype: gl.constexpr, BLOCK: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-         CONSUMERS: gl.constexpr):
+         CONSUMERS: gl.constexpr, EMPTY_EACH: gl.constexpr = False):
     """A ring of STAGES buffers of BLOCK rows for each of two tensors streamed past the consumers (K
     and V, or Q and dO) and its barriers: a "ready" per tensor and buffer, which the loader's copy
-    completes, and an "empty" per buffer that every consumer arrives at once done with it."""
+    completes, and an "empty" per buffer that every consumer arrives at once done with it (EMPTY_EACH:
+    one per tensor and buffer, a's at [stage], b's at [STAGES + stage])."""
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_D], dtype)
     a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_D], layout)
     b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_D], layout)
-    return a_smem, b_smem, barriers(STAGES, 1), barriers(STAGES, 1), barriers(STAGES, CONSUMERS)
+    empty = barriers(2 * STAGES if EMPTY_EACH else STAGES, CONSUMERS)
+    return a_smem, b_smem, barriers(STAGES, 1), barriers(STAGES, 1), empty
 
 
 def box_strides(prob: Problem, t: torch.Tensor) -> tuple[int, ...]:

@@ -122,13 +122,31 @@ def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, base
         mbarrier.wait(v_ready.index(prev), ((base + j - 1) // STAGES) & 1)
         acc = warpgroup_mma(_unpack(p, v_smem.dtype, p_layout), v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
+        _release_k(kv_empty, stage, STAGES)
         p_new, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, rows, seqlen_k, offset, qk_scale, MASKED, CAUSAL,
                                           BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(kv_empty.index(prev), count=1)
+        _release_v(kv_empty, prev, STAGES)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p = _pack(p_new, v_smem.dtype)
     return acc, m_i, l_i, p
+
+
+@gluon.jit
+def _release_k(kv_empty, stage, STAGES: gl.constexpr):
+    """This consumer is done with the K buffer `stage` (its S product has read it, or it skips the
+    tile). Where O leaves through K tiles (one "empty" per K/V buffer) K goes back with V instead."""
+    if kv_empty.shape[0] == 2 * STAGES:
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+
+
+@gluon.jit
+def _release_v(kv_empty, stage, STAGES: gl.constexpr):
+    """This consumer is done with the V buffer `stage` (and, with one "empty" per K/V buffer, with K's)."""
+    if kv_empty.shape[0] == 2 * STAGES:
+        mbarrier.arrive(kv_empty.index(STAGES + stage), count=1)
+    else:
+        mbarrier.arrive(kv_empty.index(stage), count=1)
 
 
 @gluon.jit
@@ -159,13 +177,14 @@ def _finish_tiles(acc, p, v_smem, k_ready, v_ready, kv_empty, it, n_mine, end, S
     for j in range(it + n_mine, end):
         mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
         mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-        mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
+        _release_k(kv_empty, j % STAGES, STAGES)
+        _release_v(kv_empty, j % STAGES, STAGES)
     if n_mine > 0:
         last = it + n_mine - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         acc = warpgroup_mma(_unpack(p, v_smem.dtype, p_layout), v_smem.index(last % STAGES), acc)
         if last < end:
-            mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
+            _release_v(kv_empty, last % STAGES, STAGES)
     return acc
 
 
@@ -249,6 +268,7 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
             mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)),
                               gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
+            _release_k(kv_empty, it % STAGES, STAGES)
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N,
                                           s_layout)
             p = _pack(p, dtype)
@@ -297,11 +317,14 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse,
                      stride_q, stride_k, stride_v, stride_o, stride_l,
                      batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
                      CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                     CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, EARLY_K: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_D], q_layout)
-    k_smem, v_smem, k_ready, v_ready, kv_empty = ring(dtype, BLOCK_N, HEAD_D, STAGES, CONSUMERS)
+    # EARLY_K: each K buffer goes back once every S product has read it, before its V's products
+    # are done, so the loader fetches the next K that much earlier (one "empty" barrier per tensor).
+    k_smem, v_smem, k_ready, v_ready, kv_empty = ring(dtype, BLOCK_N, HEAD_D, STAGES, CONSUMERS, EARLY_K)
     q_ready = barriers(Q_BUFFERS, 1)
     q_empty = barriers(Q_BUFFERS, CONSUMERS)  # every consumer releases a buffer
     args = (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
@@ -339,6 +362,8 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Forw
     if smem(q_buffers) > 227 * 1024:
         raise ValueError(f"the Gluon forward's buffers take {smem(q_buffers)} bytes of shared memory, over 227 KB: "
                          f"fewer than {cfg.stages} K/V buffers")
+    if cfg.early_k and q_buffers == 1 and cfg.consumers * ROWS.value == cfg.block_n:
+        raise ValueError("early_k: O leaves through the item's last K tile here, which must stay until it has")
     triton.set_allocator(scratch)  # the kernel builds its tensor descriptors in global scratch
     qk_scale, _ = logit_scales(params)
     items = cdiv(prob.seqlen_q, cfg.consumers * ROWS) * prob.batch * prob.nheads
@@ -352,4 +377,5 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Forw
         batch=prob.batch, nheads=prob.nheads, nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q,
         seqlen_k=prob.seqlen_k, offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
         CAUSAL=params.window_right == 0, BLOCK_N=cfg.block_n, HEAD_D=prob.head_dim, STAGES=cfg.stages,
-        CONSUMERS=cfg.consumers, Q_BUFFERS=q_buffers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=regs)
+        CONSUMERS=cfg.consumers, Q_BUFFERS=q_buffers, EARLY_K=cfg.early_k, CONSUMER_REGS=consumer_regs, num_warps=4,
+        maxnreg=regs)
