@@ -8,7 +8,8 @@ pairs of items round-robin (persistent). The partitions share the program's shar
   "ready" barrier; it runs ahead into the next item while the consumers finish the last;
 - the consumer warpgroups, each owning 64 of the rows, run S = Q K^T, the online softmax and
   O += P V on the tensor cores (wgmma; P from registers), then release the K/V buffer on an
-  "empty" barrier that all must arrive at; each writes its rows of O into shared memory it no
+  "empty" barrier that all must arrive at (with early_k, the K buffer on one of its own as soon as
+  the S products have read it); each writes its rows of O into shared memory it no
   longer reads (its part of the Q buffer, or with a single Q buffer, which goes back to the loader
   once every consumer's last S is done, the item's last K tile where that has O's shape), which the
   tensor memory accelerator copies to global memory, and then releases that buffer the same way.
@@ -135,7 +136,7 @@ def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, base
 @gluon.jit
 def _release_k(kv_empty, stage, STAGES: gl.constexpr):
     """This consumer is done with the K buffer `stage` (its S product has read it, or it skips the
-    tile). Where O leaves through K tiles (one "empty" per K/V buffer) K goes back with V instead."""
+    tile). Without EARLY_K (one "empty" per K/V buffer) K goes back with V instead (_release_v)."""
     if kv_empty.shape[0] == 2 * STAGES:
         mbarrier.arrive(kv_empty.index(stage), count=1)
 
@@ -363,7 +364,8 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Forw
         raise ValueError(f"the Gluon forward's buffers take {smem(q_buffers)} bytes of shared memory, over 227 KB: "
                          f"fewer than {cfg.stages} K/V buffers")
     if cfg.early_k and q_buffers == 1 and cfg.consumers * ROWS.value == cfg.block_n:
-        raise ValueError("early_k: O leaves through the item's last K tile here, which must stay until it has")
+        raise ValueError("early_k: O leaves through the item's last K tile here, which must stay until O's copy "
+                         "has read it")
     triton.set_allocator(scratch)  # the kernel builds its tensor descriptors in global scratch
     qk_scale, _ = logit_scales(params)
     items = cdiv(prob.seqlen_q, cfg.consumers * ROWS) * prob.batch * prob.nheads
