@@ -242,66 +242,6 @@ def _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, f
 
 
 @gluon.jit
-def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-             WG: gl.constexpr):
-    (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
-     do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do, stride_dk,
-     stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ROWS, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_D, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    if FUSED:
-        dq_desc = descriptor(DQAcc, batch, seqlen_q, nheads, stride_a, ROWS, HEAD_D, ROWS)
-    dk_desc = descriptor(DK, batch, seqlen_k, nheads_k, stride_dk, ROWS, HEAD_D)
-    dv_desc = descriptor(DV, batch, seqlen_k, nheads_k, stride_dv, ROWS, HEAD_D)
-    # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
-    n_n, items = tiles_of(seqlen_k, batch, nheads_k, 2 * ROWS)
-    KV_BUFFERS: gl.constexpr = kv_ready.shape[0]
-    group = nheads // nheads_k
-    it = 0  # query tiles consumed so far: the ring's position
-    done = 0  # work items done so far
-    for c in range(count(items)):
-        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL, 2 * ROWS)
-        key0 = start_n + WG * ROWS
-        keys = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        # Query tiles before `full` hold rows that do not see every key of this warpgroup.
-        full = lo
-        if CAUSAL:
-            full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(key0 + ROWS - 1 - offset, 0), ROWS), lo), hi)
-        dk = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
-        dv = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
-        kb = done % KV_BUFFERS
-        k = k_smem.index(2 * kb + WG)
-        v = v_smem.index(2 * kb + WG)
-        mbarrier.wait(kv_ready.index(kb), (done // KV_BUFFERS) & 1)
-        base = it - lo  # tile j of head g at ring position it + g * (hi - lo) + j - lo
-        for g in range(group):
-            fused = None
-            if FUSED:
-                fused = (ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_hk * group + g,
-                         softmax_scale)
-            dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, lo,
-                            full, keys, offset, qk_scale, True, FUSED, STAGES, HEAD_D, WG, s_layout, a_layout)
-            dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, full,
-                            hi, keys, offset, qk_scale, False, FUSED, STAGES, HEAD_D, WG, s_layout, a_layout)
-            base += hi - lo
-        it += group * (hi - lo)
-        if FUSED:
-            if it > 0:  # the other consumer's dQ parts of the last tile read this one's K tile
-                mbarrier.wait(ds_free.index((it - 1) % 2), ((it - 1) // 2) & 1)
-        # dK and dV leave through this consumer's K and V tiles, which go back to the loader
-        # once the copies have read them.
-        copy_out(dv_desc, [off_b, key0, off_hk, 0], v, dv.to(DV.dtype.element_ty))
-        copy_out(dk_desc, [off_b, key0, off_hk, 0], k, (dk * softmax_scale).to(DK.dtype.element_ty))
-        tma.store_wait(0)
-        barrier()  # the thread that issued the copies has seen them read the tiles
-        mbarrier.arrive(kv_free.index(kb), count=1)
-        done += 1
-
-
-@gluon.jit
 def _pds_buffers(dtype: gl.constexpr):
     """The split-D consumers' shared memory for P^T and dS^T: two tiles' worth (alternating), each
     both consumers' halves of both (64 keys by 32 query rows; index 4 x tile + 2 x (0: P^T, 1: dS^T)
@@ -377,45 +317,82 @@ def _store_half(T, strides, off_b, off_hk, start_n, seqlen_k, tile, WG: gl.const
 
 
 @gluon.jit
-def _consume_split_d(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
-    """_consume for _split_d_tiles: a work item is 64 keys, which both consumers hold."""
+def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+             WG: gl.constexpr, SPLIT_D: gl.constexpr):
+    """A consumer warpgroup's work items: each takes its own 64 of an item's 128 keys and all of dK's
+    and dV's columns (_tiles), or with SPLIT_D both take the item's 64 keys and half the columns each
+    (_split_d_tiles)."""
     (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
-     do_ready, empty, pds_smem, dq_smem, pds_ready, pds_free, stride_q, stride_k, stride_v, stride_do, stride_dk,
+     do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do, stride_dk,
      stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+    PARTS: gl.constexpr = 1 if SPLIT_D else 2  # 64-key tiles a work item holds
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ROWS // 2, 16])
+                                                       instr_shape=[16, ROWS // 2 if SPLIT_D else ROWS, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_D // 2, 16])
-    pds = (pds_smem, pds_ready, pds_free)
+                                                         instr_shape=[16, HEAD_D // 2 if SPLIT_D else HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    if FUSED:
+        dq_desc = descriptor(DQAcc, batch, seqlen_q, nheads, stride_a, ROWS, HEAD_D, ROWS)
+    if not SPLIT_D:
+        dk_desc = descriptor(DK, batch, seqlen_k, nheads_k, stride_dk, ROWS, HEAD_D)
+        dv_desc = descriptor(DV, batch, seqlen_k, nheads_k, stride_dv, ROWS, HEAD_D)
     # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
-    n_n, items = tiles_of(seqlen_k, batch, nheads_k, ROWS)
+    n_n, items = tiles_of(seqlen_k, batch, nheads_k, PARTS * ROWS)
+    KV_BUFFERS: gl.constexpr = kv_ready.shape[0]
     group = nheads // nheads_k
     it = 0  # query tiles consumed so far: the ring's position
     done = 0  # work items done so far
     for c in range(count(items)):
-        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL, ROWS)
-        keys = start_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        # Query tiles before `full` hold rows that do not see every key of the item.
+        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL, PARTS * ROWS)
+        key0 = start_n + (0 if SPLIT_D else WG * ROWS)  # this warpgroup's first key
+        keys = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        # Query tiles before `full` hold rows that do not see every key of this warpgroup.
         full = lo
         if CAUSAL:
-            full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(start_n + ROWS - 1 - offset, 0), ROWS), lo), hi)
-        dk = gl.zeros([ROWS, HEAD_D // 2], gl.float32, acc_layout)
-        dv = gl.zeros([ROWS, HEAD_D // 2], gl.float32, acc_layout)
-        k = k_smem.index(0)
-        v = v_smem.index(0)
-        mbarrier.wait(kv_ready.index(0), done & 1)
+            full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(key0 + ROWS - 1 - offset, 0), ROWS), lo), hi)
+        dk = gl.zeros([ROWS, HEAD_D // 2 if SPLIT_D else HEAD_D], gl.float32, acc_layout)
+        dv = gl.zeros([ROWS, HEAD_D // 2 if SPLIT_D else HEAD_D], gl.float32, acc_layout)
+        kb = done % KV_BUFFERS
+        k = k_smem.index(PARTS * kb + (0 if SPLIT_D else WG))
+        v = v_smem.index(PARTS * kb + (0 if SPLIT_D else WG))
+        mbarrier.wait(kv_ready.index(kb), (done // KV_BUFFERS) & 1)
         base = it - lo  # tile j of head g at ring position it + g * (hi - lo) + j - lo
         for g in range(group):
-            dk, dv = _split_d_tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, pds, base,
-                                    lo, full, keys, offset, qk_scale, True, STAGES, HEAD_D, WG, s_layout)
-            dk, dv = _split_d_tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, pds, base,
-                                    full, hi, keys, offset, qk_scale, False, STAGES, HEAD_D, WG, s_layout)
+            if SPLIT_D:
+                pds = (ds_smem, ds_ready, ds_free)
+                dk, dv = _split_d_tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, pds,
+                                        base, lo, full, keys, offset, qk_scale, True, STAGES, HEAD_D, WG, s_layout)
+                dk, dv = _split_d_tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, pds,
+                                        base, full, hi, keys, offset, qk_scale, False, STAGES, HEAD_D, WG, s_layout)
+            else:
+                fused = None
+                if FUSED:
+                    fused = (ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_hk * group + g,
+                             softmax_scale)
+                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, lo,
+                                full, keys, offset, qk_scale, True, FUSED, STAGES, HEAD_D, WG, s_layout, a_layout)
+                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base,
+                                full, hi, keys, offset, qk_scale, False, FUSED, STAGES, HEAD_D, WG, s_layout,
+                                a_layout)
             base += hi - lo
         it += group * (hi - lo)
-        # This consumer's products are done with K and V: the loader may fetch the next item's.
-        mbarrier.arrive(kv_free.index(0), count=1)
-        _store_half(DV, stride_dv, off_b, off_hk, start_n, seqlen_k, dv, WG, acc_layout)
-        _store_half(DK, stride_dk, off_b, off_hk, start_n, seqlen_k, dk * softmax_scale, WG, acc_layout)
+        if SPLIT_D:
+            # This consumer's products are done with K and V: the loader may fetch the next item's
+            # while dK's and dV's halves are stored straight from the registers.
+            mbarrier.arrive(kv_free.index(kb), count=1)
+            _store_half(DV, stride_dv, off_b, off_hk, start_n, seqlen_k, dv, WG, acc_layout)
+            _store_half(DK, stride_dk, off_b, off_hk, start_n, seqlen_k, dk * softmax_scale, WG, acc_layout)
+        else:
+            if FUSED:
+                if it > 0:  # the other consumer's dQ parts of the last tile read this one's K tile
+                    mbarrier.wait(ds_free.index((it - 1) % 2), ((it - 1) // 2) & 1)
+            # dK and dV leave through this consumer's K and V tiles, which go back to the loader
+            # once the copies have read them.
+            copy_out(dv_desc, [off_b, key0, off_hk, 0], v, dv.to(DV.dtype.element_ty))
+            copy_out(dk_desc, [off_b, key0, off_hk, 0], k, (dk * softmax_scale).to(DK.dtype.element_ty))
+            tma.store_wait(0)
+            barrier()  # the thread that issued the copies has seen them read the tiles
+            mbarrier.arrive(kv_free.index(kb), count=1)
         done += 1
 
 
@@ -444,14 +421,9 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc,
             q_ready, do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do,
             stride_dk, stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
             softmax_scale)
-    if SPLIT_D:
-        gl.warp_specialize([(_consume_split_d, (args, CAUSAL, HEAD_D, STAGES, 0)),
-                            (_consume_split_d, (args, CAUSAL, HEAD_D, STAGES, 1)),
-                            (_load, (args, CAUSAL, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
-    else:
-        gl.warp_specialize([(_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 0)),
-                            (_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 1)),
-                            (_load, (args, CAUSAL, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
+    gl.warp_specialize([(_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 0, SPLIT_D)),
+                        (_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 1, SPLIT_D)),
+                        (_load, (args, CAUSAL, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
 
 
 @gluon.jit
