@@ -21,7 +21,8 @@ class Forward:
     block_n: the key tile (128; 64: fewer keys past a short sequence's end and less of a causal
     diagonal computed, at twice the tiles; 64 or 32 at D=256); stages: the ring of K/V buffers;
     early_k: each K buffer goes back to the loader once every S product has read it, before its V's
-    products are done (not where O leaves through a K tile: one Q buffer and 2 x 64-key tiles)."""
+    products are done (not where O leaves through the item's last K tile: one Q buffer, and key tiles
+    as tall as the item's query rows, as D=128 with 128-key tiles)."""
     consumers: int = 2
     block_n: int = 128
     stages: int = 3
