@@ -42,10 +42,10 @@ def test_every_table_launch_is_accepted_by_its_kernel(arch):
     """Every candidate of the table (each head dim class, length class, causal or not, dtype) is one
     its kernel takes: Triton tiles last (they take every call), power-of-two tiles of 16 to 256 rows,
     1-8 warps, warp specialization only with tensor descriptors; Gluon candidates only on Hopper for
-    16-bit inputs at D=64/128/256 (what the Gluon kernels take), with key
-    tiles and buffers that fit their shared memory (launch_args validates them). Which candidate wins
-    where is measured, not restated here (docs/tuning.md); that each compiles and computes the right
-    thing is test_every_length_class_on_gpu below."""
+    16-bit inputs at D=64/128/256 (what the Gluon kernels take), with key tiles and buffers that fit
+    their shared memory (launch_args validates them). Which candidate wins where is measured, not
+    restated here (docs/tuning.md); that each compiles and computes the right thing is
+    test_every_length_class_on_gpu below."""
     from cuflash.kernels import gluon
     from cuflash.kernels.gluon import forward as gluon_forward
     from cuflash.kernels.plan import Length, entry
@@ -500,10 +500,11 @@ def test_compiled_launcher_calls_the_launcher_as_the_runner_does(monkeypatch):
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The kernels an H100 runs for a causal 300-token call compile for sm_90 with the installed
     Triton and its ptxas, outside the interpreter (scripts/compile_check.py's stand-in driver, in a
-    process of its own): bf16 takes the Gluon forward and backward (at D=64, and at D=256 the split-D
-    dK/dV), fp32 the Triton ones; and a bf16 decode step into a paged cache (append, decode, combine).
-    The CPU tests run the Triton kernels through the interpreter and the Gluon ones not at all; this is
-    where a kernel that would not compile on the GPU shows first."""
+    process of its own): bf16 takes the Gluon forward and backward (at D=64; at D=256, for 1000
+    tokens, the forward with early_k and the split-D dK/dV), fp32 the Triton ones; and a bf16 decode
+    step into a paged cache (append, decode, combine). The CPU tests run the Triton kernels through the
+    interpreter and the Gluon ones not at all; this is where a kernel that would not compile on the GPU
+    shows first."""
     import os
     import subprocess
     import sys
@@ -514,7 +515,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
               "m = runpy.run_path('scripts/compile_check.py', run_name='compile_check')\n"
               "errors = [m['compile_case'](dtype, 64, 300, 300, 4, 2, 'causal') for dtype in (torch.bfloat16, "
               "torch.float32)]\n"
-              "errors.append(m['compile_case'](torch.bfloat16, 256, 300, 300, 4, 2, 'causal'))\n"
+              "errors.append(m['compile_case'](torch.bfloat16, 256, 1000, 1000, 4, 2, 'causal'))\n"
               "errors.append(m['compile_decode'](torch.bfloat16, 128, True, True))\n"
               "assert errors == [None, None, None, None], errors\n")
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
