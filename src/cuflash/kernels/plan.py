@@ -243,12 +243,11 @@ def _hopper_d256(hopper: bool, length: Length, banded: bool):
     forward: tuple[Candidate, ...] = (fwd,)
     dkdv: tuple[Candidate, ...] = (Tiles(64, 64, 8, 2, tma=True),)
     if hopper:
-        # Gluon (two consumers): 32-key tiles in 4 buffers at 257-512 keys, 64-key tiles in 2 elsewhere,
-        # from 513 keys with early_k (+19..35% at 1-2k over 32-key tiles, +18..29% causal beyond 2k,
-        # +22..49% there over the Triton forward non-causal). dK/dV: Gluon with split-D consumers (dQ
-        # unfused); dQ Triton.
-        forward = (gluon.Forward(2, 32, 4) if length == L.UP_TO_512 else
-                   gluon.Forward(2, 64, 2, early_k=length >= L.UP_TO_1K), fwd)
+        # Gluon (two consumers): 64-key tiles in 2 buffers, from 257 keys with early_k (over 32-key
+        # tiles in 4 buffers: +3..11% at 384-512, +19..35% at 1-2k; +18..29% causal beyond 2k, +22..49%
+        # there over the Triton forward non-causal). dK/dV: Gluon with split-D consumers (dQ unfused);
+        # dQ Triton.
+        forward = (gluon.Forward(2, 64, 2, early_k=length >= L.UP_TO_512), fwd)
         dkdv = (gluon.Dkdv(), *dkdv)
     return forward, dkdv, (Tiles(128, 32, 8, 3),)
 
