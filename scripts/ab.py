@@ -6,10 +6,12 @@ order base, new, new, base, then one CSV row per case with both rounds of each t
 
     python3 scripts/ab.py OUT [bench arguments, e.g. --providers cuflash --seqlens 1024,8192]
     python3 scripts/ab.py OUT --overhead
+    python3 scripts/ab.py OUT --decode [decode bench arguments]
 
 The first times `cuflash bench` (TFLOP/s: a ratio above 1 is faster; each round's output in
 OUT/<round>-<tree>/), the second scripts/overhead.py (host microseconds per call: below 1 is faster;
-each round's output in OUT/<round>-<tree>.txt). A host's speed drifts between rounds (up to 2x
+each round's output in OUT/<round>-<tree>.txt), the third `cuflash bench --decode` (GB/s of the cache
+read, from decode.csv: above 1 is faster). A host's speed drifts between rounds (up to 2x
 within minutes on the GPU machines), so --overhead also gives each row's new/base with every
 round's time taken over the same round's torch SDPA flash backend (ANCHOR), which both trees run
 alike (column vs_anchor).
@@ -26,6 +28,7 @@ from pathlib import Path
 ORDER = ("base", "new", "new", "base")
 ANCHOR = ("torch SDPA, flash backend",)
 KEY = ("provider", "dtype", "mode", "variant", "head_dim", "seqlen", "causal")
+DECODE_KEY = ("provider", "batch", "seqlen_q", "cache_len", "layout")
 
 
 def _round(out: Path, i: int, tree: str, args: list[str]) -> dict[tuple, float]:
@@ -37,8 +40,10 @@ def _round(out: Path, i: int, tree: str, args: list[str]) -> dict[tuple, float]:
         return {(m[2],): float(m[1]) for m in re.finditer(r"^\s*([\d.]+) us  (.+)$", text, re.MULTILINE)}
     folder = out / f"{i}-{tree}"
     subprocess.run([sys.executable, "-m", "cuflash.bench", *args, "--out", str(folder)], env=env, check=True)
-    with open(folder / "results.csv") as f:
-        return {tuple(row[k] for k in KEY): float(row["tflops"]) for row in csv.DictReader(f) if row["tflops"]}
+    decode = args[:1] == ["--decode"]
+    with open(folder / ("decode.csv" if decode else "results.csv")) as f:
+        key, value = (DECODE_KEY, "gbps") if decode else (KEY, "tflops")
+        return {tuple(row[k] for k in key): float(row[value]) for row in csv.DictReader(f) if row.get(value)}
 
 
 def main() -> int:
@@ -48,7 +53,7 @@ def main() -> int:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     overhead = sys.argv[2:] == ["--overhead"]
-    columns = ("layer",) if overhead else KEY
+    columns = ("layer",) if overhead else DECODE_KEY if sys.argv[2:3] == ["--decode"] else KEY
     rounds = [(tree, _round(out, i, tree, sys.argv[2:])) for i, tree in enumerate(ORDER, 1)]
     base = [r for tree, r in rounds if tree == "base"]
     new = [r for tree, r in rounds if tree == "new"]

@@ -2,6 +2,7 @@
 interpreter): in-place append, rotary, paged caches, cache_batch_idx, cache_leftpad, against the
 float64 oracle computed on the updated cache; bad input leaves the cache untouched."""
 import contextlib
+import heapq
 import os
 import subprocess
 import sys
@@ -607,6 +608,40 @@ def test_unused_block_table_entries_are_not_read(backend):
     out = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=10, block_table=table)
     ref, _ = attention_reference(q, k_cache[2:3, :10], v_cache[2:3, :10])
     assert rel_err(out, ref) < 1e-5
+
+
+def _makespan(programs: int, tiles: int, splits: int, sms: int) -> int:
+    """Key tiles read by the busiest SM when each of `programs` sequences' `tiles` are split as the
+    decode kernel splits them (whole tiles, cdiv(tiles, splits) a split, the last one short or empty)
+    and the programs, in launch order, go to whichever SM has read least so far."""
+    per_split = -(-tiles // splits)
+    shares = [max(0, min(per_split, tiles - s * per_split)) for s in range(splits)]
+    loads = [(0, i) for i in range(sms)]
+    for _ in range(programs):
+        for share in shares:
+            load, i = heapq.heappop(loads)
+            heapq.heappush(loads, (load + share, i))
+    return max(loads)[0]
+
+
+@pytest.mark.parametrize("sms", [132, 108])
+@pytest.mark.parametrize("tiles", [32, 256, 2048])
+def test_split_heuristic_loads_the_sms_evenly(sms, tiles):
+    """The split count the decode launch takes unasked: with programs fewer than two an SM, the busiest
+    SM reads within 1 / WAVE_EFFICIENCY of an even share of the tiles, or as little as any split count
+    gets it to; the count never exceeds MAX_SPLITS or the tiles, and a GPU full of programs reads unsplit."""
+    from cuflash.kernels.triton.decode import MAX_SPLITS, WAVE_EFFICIENCY, even_splits
+    for programs in [*range(1, 40), *range(40, 2 * sms + 40, 5)]:
+        splits = even_splits(programs, tiles, sms)
+        assert 1 <= splits <= min(MAX_SPLITS, tiles)
+        if programs >= 2 * sms:
+            assert splits == 1
+            continue
+        makespan = _makespan(programs, tiles, splits, sms)
+        if makespan > programs * tiles / sms / WAVE_EFFICIENCY:
+            best = min(_makespan(programs, tiles, s, sms) for s in range(1, min(MAX_SPLITS, tiles) + 1))
+            assert makespan == best, (programs, splits)
+    assert even_splits(64, 512, sms, fewest=5) >= 5
 
 
 def _kv_caches(layout, batch, capacity, nheads_k, d, dtype):

@@ -252,17 +252,16 @@ def _hopper_d256(hopper: bool, length: Length, banded: bool):
     return forward, dkdv, (Tiles(128, 32, 8, 3),)
 
 
-def decode_tiles(q: torch.Tensor, block_d: int, paged: bool, fills_gpu: bool) -> Tiles:
+def decode_tiles(q: torch.Tensor, block_d: int, paged: bool, split: bool) -> Tiles:
     """The decode kernel's launch: block_m is the most query rows (tokens x heads of a GQA group)
-    per program, block_n the key tile. fills_gpu: the sequences x KV heads alone give every SM its
-    programs, so the cache is read unsplit."""
+    per program, block_n the key tile. split: the keys of a sequence are split between programs."""
     precision = "tf32" if tf32(q) else "ieee"
     if arch(q.device) == 0:
         return Tiles(16, 16, 1, 1, precision)
     if q.dtype == torch.float32 or block_d > 128:
         return Tiles(64, 32, 4, 2, precision)
-    # Many unsplit contiguous sequences read in lock-step: 128-key tiles.
-    return Tiles(64, 128 if fills_gpu and not paged else 64, 4, 3, precision)
+    # 64-key tiles for a split contiguous cache, 128 for whole sequences and pages (docs/tuning.md).
+    return Tiles(64, 64 if split and not paged else 128, 4, 3, precision)
 
 
 @contextlib.contextmanager
