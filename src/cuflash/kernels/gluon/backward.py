@@ -401,10 +401,9 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc,
                           stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_a, padded_q, batch,
                           nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
                           CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                          KV_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    # Beyond D=128 a consumer's registers hold half a 64-key dK and dV: both consumers take the same
-    # 64 keys (_split_d_tiles); up to it each takes its own 64 of an item's 128.
-    SPLIT_D: gl.constexpr = HEAD_D > 128
+                          KV_BUFFERS: gl.constexpr, SPLIT_D: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    # SPLIT_D (dkdv_launch): both consumers take the same 64 keys, each half of dK's and dV's columns;
+    # else each takes its own 64 of an item's 128.
     # kv_free: both consumers' dK and dV have left the item's K/V buffer (split D: both are done with it).
     k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, q_ready, do_ready, empty = _buffers(
         Q.dtype.element_ty, HEAD_D, ROWS, STAGES, KV_BUFFERS, 1 if SPLIT_D else 2)
@@ -568,19 +567,21 @@ def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dkdv
     tensors["DQAcc"] (fp32, shaped like Q, zero-filled)."""
     dk, dv, init = tensors["DK"], tensors["DV"], tensors["AccInit"]
     acc = tensors["DQAcc"] if cfg.fuse_dq else None
-    if acc is not None and prob.head_dim > 128:
+    # Beyond D=128 a consumer's registers hold half a 64-key dK and dV: split-D consumers.
+    split_d = prob.head_dim > 128
+    if acc is not None and split_d:
         raise ValueError("the Gluon dK/dV kernel fuses dQ up to head dim 128")
-    item_keys = ROWS.value if prob.head_dim > 128 else 2 * ROWS.value
+    item_keys = ROWS.value if split_d else 2 * ROWS.value
     items = cdiv(prob.seqlen_k, item_keys) * prob.batch * prob.nheads_k
     # Two K/V buffers (the loader fetches the next item's K and V during the last one) where shared
-    # memory holds them: not the fused kernel at D=128 (one: 192 of 227 KB), nor D=256 (one: 224 KB
-    # with the Q/dO ring and the P^T and dS^T tiles).
-    kv_buffers = 1 if (acc is not None and prob.head_dim == 128) or prob.head_dim > 128 else 2
+    # memory holds them: not the fused kernel at D=128 (one: 192 of 227 KB), nor split D (one: 224 KB
+    # at D=256 with the Q/dO ring and the P^T and dS^T tiles).
+    kv_buffers = 1 if (acc is not None and prob.head_dim == 128) or split_d else 2
     acc_strides = box_strides(prob, acc) if acc is not None else (0, 0, 0)
     return _attn_bwd_dkdv_hopper, (min(cdiv(items, 2), num_sms(dk.device)),), dict(
         **_shared_args(tensors, prob, params), AccInit=init, padded_q=init.shape[2], DK=dk, DV=dv, DQAcc=acc,
         stride_dk=box_strides(prob, dk), stride_dv=box_strides(prob, dv), stride_a=acc_strides,
-        FUSED=cfg.fuse_dq, STAGES=cfg.stages, KV_BUFFERS=kv_buffers)
+        FUSED=cfg.fuse_dq, STAGES=cfg.stages, KV_BUFFERS=kv_buffers, SPLIT_D=split_d)
 
 
 def dq_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dq):
