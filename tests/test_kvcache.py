@@ -369,6 +369,8 @@ def _call(**overrides):
     (dict(num_splits=-1), "INVALID_ARGUMENT", "num_splits"),
     (dict(k_cache=torch.randn(1, 32, 2, 16), v_cache=torch.randn(1, 32, 2, 16)), "SHAPE_MISMATCH", "cache rows"),
     (dict(v_cache=torch.randn(2, 32, 16)), "INVALID_DIMENSION", "v_cache"),
+    (dict(k_cache=torch.randn(8, 16, 2, 16), v_cache=torch.randn(8, 16, 2, 16),
+          block_table=torch.zeros(2, 0, dtype=torch.int32)), "EMPTY_TENSOR", "block_table"),
 ])
 def test_bad_input_leaves_the_cache_untouched(backend, overrides, code, word):
     err = _call(**overrides)

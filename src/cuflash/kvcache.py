@@ -152,6 +152,9 @@ def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
             fail(ErrorCode.INVALID_ARGUMENT, "block_table must be an int32 tensor (batch, max_blocks_per_seq)")
         table = _int_tensor("block_table", block_table, (batch, block_table.shape[1]), q.device)
+        if table.shape[1] == 0:
+            fail(ErrorCode.EMPTY_TENSOR, f"block_table has no columns (shape {tuple(table.shape)}); each sequence "
+                 f"needs at least one page")
         for name, arg in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
             if arg is not None:
                 fail(ErrorCode.UNSUPPORTED_FEATURE, f"{name} with a paged cache (block_table) is not supported")
