@@ -36,6 +36,9 @@ MAX_SPLITS = 64  # the combine kernel holds one row of every split in registers
 # The split heuristic's bar (even_splits): the fewest splits whose key tiles load every SM within 10%
 # of evenly (the SM with most tiles ends last).
 WAVE_EFFICIENCY = 0.9
+# Programs an SM from which the grid fills the GPU alone: each sequence is read unsplit (even_splits)
+# and without the page prefetch (docs/tuning.md).
+FULL = 2
 # The most page-table entries a split's keys span where MAX_SPLITS allows: the kernel's check of a
 # share's pages before its loop cost nothing measurable up to 2048 entries, 15% at 8192 (batch 64,
 # 128k keys in 16-key pages; docs/tuning.md).
@@ -280,10 +283,10 @@ def num_splits_for(programs: int, capacity: int, block_n: int, device: torch.dev
 def even_splits(programs: int, tiles: int, sms: int, fewest: int = 1) -> int:
     """The fewest splits (from `fewest`) of `programs` alike programs reading `tiles` key tiles each
     that load `sms` SMs within WAVE_EFFICIENCY of evenly (the tiles over sms x the most tiles an SM
-    reads), else the most even up to MAX_SPLITS; unsplit from two programs an SM. Measured on an
+    reads), else the most even up to MAX_SPLITS; unsplit from FULL programs an SM. Measured on an
     H100 (132 SMs, 8 KV heads, batch 1-32): 128 programs read 3-10% faster than 264 or 320, and a
     split whose tiles do not divide evenly ends last (docs/tuning.md)."""
-    if programs >= 2 * sms:
+    if programs >= FULL * sms:
         return fewest
 
     def evenness(splits: int) -> float:
@@ -357,8 +360,7 @@ def _plan(tensors: dict, params: AttentionParams, num_splits: int, seqlen_new: i
     splits = num_splits_for(programs, capacity, cfg.block_n, q.device, num_splits, pages)
     if tiles is None and splits == 1:  # whole sequences: the table's unsplit launch (same block_m)
         cfg = decode_tiles(q, block_d, paged, split=False)
-    # The page of each key read a tile ahead, unless programs fill the GPU two to an SM (docs/tuning.md).
-    prefetch = programs < 2 * num_sms(q.device)
+    prefetch = programs < FULL * num_sms(q.device)  # the page of each key read a tile ahead
     keep(plans, key, launch((decode_forward, params.key(), cfg, block_m, splits, seqlen_new, rotary_end), tensors,
                             lambda: _launches(tensors, params, cfg, block_m, m_tiles, splits, seqlen_new,
                                               prefetch, rotary_end)))
