@@ -1,6 +1,7 @@
 """Host time per call of each layer of cuflash's forward, of one autograd step (forward and backward),
 beside torch SDPA (its flash backend), and of a flash_attn_with_kvcache decode step (one token
-appended, contiguous or paged cache), on problems small enough that the GPU
+appended, contiguous or paged cache; by default a step with index tensors waits for the GPU once to
+raise a bad value at the call, deferred it does not), on problems small enough that the GPU
 finishes first (so the wall time of many back-to-back calls is the host's). Usage, on a GPU:
 PYTHONPATH=src python3 scripts/overhead.py (fastest of 5 interleaved rounds per layer); with --pieces,
 the forward's launch path piece by piece (the compiled kernel's C launcher alone, Triton's runner, our
@@ -60,6 +61,15 @@ seqlens = torch.tensor([100], device="cuda", dtype=torch.int32)
 FLASH = torch.nn.attention.SDPBackend.FLASH_ATTENTION
 
 
+def _deferred(step):
+    """A decode step with its index errors deferred (no wait for the GPU; cuflash.set_decode_errors)."""
+    previous = cuflash.set_decode_errors("defer")
+    try:
+        return step()
+    finally:
+        cuflash.set_decode_errors(previous)
+
+
 def _sdpa_flash_forward():
     with torch.nn.attention.sdpa_kernel(FLASH):
         return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
@@ -112,6 +122,11 @@ layers = {
         q1, k_cache, v_cache, k1, v1, cache_seqlens=seqlens, causal=True),
     "decode step, paged, tensor cache_seqlens": lambda: cuflash.flash_attn_with_kvcache(
         q1, k_pages, v_pages, k1, v1, cache_seqlens=seqlens, block_table=table, causal=True),
+    "decode step, contiguous, tensor cache_seqlens, deferred errors": lambda: _deferred(
+        lambda: cuflash.flash_attn_with_kvcache(q1, k_cache, v_cache, k1, v1, cache_seqlens=seqlens, causal=True)),
+    "decode step, paged, tensor cache_seqlens, deferred errors": lambda: _deferred(
+        lambda: cuflash.flash_attn_with_kvcache(q1, k_pages, v_pages, k1, v1, cache_seqlens=seqlens,
+                                                block_table=table, causal=True)),
     "torch SDPA flash, the decode step's attention only": _sdpa_flash_decode,
     "torch SDPA flash, a decode step (two slice copies, attention)": _sdpa_flash_decode_step,
 }

@@ -415,7 +415,7 @@ def _index_case(name: str) -> dict:
 def _violations_by_hand(c: dict) -> dict:
     """{IndexKind: {(sequence, value)}} of a case's bad index values, sequence by sequence in plain
     Python, and the bound each kind's message names."""
-    from cuflash.errors import IndexKind
+    from cuflash.cache import IndexKind
     lengths, rows = c["seqlens"].tolist(), c["rows"].tolist() if c["rows"] is not None else None
     capacity = c["rows_per_seq"] * (c["table"].shape[1] if c["table"] is not None else 1)
     found: dict = {}
@@ -447,11 +447,11 @@ INDEX_CASES = ["valid", "seqlens", "leftpad", "rows", "repeated_rows", "shared_r
 
 @pytest.mark.parametrize("case", INDEX_CASES)
 def test_host_index_checks_name_the_first_bad_value(case):
-    """cpu.index_violation (the host's check where the values are on the CPU): the first kind of
+    """cache.index_violation (the host's check where the values are on the CPU): the first kind of
     errors.IndexKind with a bad value, its first sequence, the value and the bound, by hand."""
     c = _index_case(case)
     expected = _violations_by_hand(c)
-    got = cuflash.cpu.index_violation(c["seqlens"], c["seqlen_new"], c["leftpad"], c["rows"], c["cache_rows"],
+    got = cuflash.cache.index_violation(c["seqlens"], c["seqlen_new"], c["leftpad"], c["rows"], c["cache_rows"],
                                       c["table"], c["rows_per_seq"], c["seqlen_new"] > 0, c["rotary_end"])
     if not expected:
         assert got is None
@@ -461,12 +461,21 @@ def test_host_index_checks_name_the_first_bad_value(case):
     assert got == (kind, *min(pairs), bound)
 
 
-def check_kernel_index_checks(case: str, device: str, dtype: torch.dtype, num_splits: int):
+@pytest.fixture
+def deferred():
+    """Decode errors in "defer" mode for the test (cuflash.set_decode_errors), restored after it."""
+    previous = cuflash.set_decode_errors("defer")
+    yield
+    cuflash.set_decode_errors(previous)
+
+
+def check_kernel_index_checks(case: str, device: str, dtype: torch.dtype, num_splits: int, mode: str):
     """The decode kernel checks the index values it reads (kernels.decode_forward, no host check
-    before it): every sequence with a bad value comes out NaN and writes nothing through the value,
-    the others are right, and raise_decode_errors raises the first kind's error for one of its
-    sequences, then nothing more."""
-    from cuflash.errors import index_error
+    before it): every sequence with a bad value writes nothing through the value, the others are
+    appended. mode "raise": the call raises the first kind's error for one of its sequences;
+    "defer": it returns, the bad sequences NaN and the others right, and raise_decode_errors raises
+    that error, naming the step. Then nothing is left to raise."""
+    from cuflash.cache import index_error
     from cuflash.params import AttentionParams
     c = _index_case(case)
     expected = _violations_by_hand(c)
@@ -482,9 +491,15 @@ def check_kernel_index_checks(case: str, device: str, dtype: torch.dtype, num_sp
     index = {name: None if c[name] is None else c[name].to(device) for name in ("seqlens", "leftpad", "rows", "table")}
     saved = (k_cache.clone(), v_cache.clone())
     params = AttentionParams(16 ** -0.5, c["window"][0], c["window"][1])
-    out, lse = cuflash.kernels.decode_forward(q, k_cache, v_cache, index["seqlens"], seqlen_new, index["leftpad"],
-                                              index["rows"], index["table"], params, num_splits, k_new, v_new,
-                                              rotary_end=c["rotary_end"])
+    previous = cuflash.set_decode_errors(mode)
+    try:
+        with pytest.raises(cuflash.FlashAttentionError) if expected and mode == "raise" else \
+                contextlib.nullcontext() as raised:
+            out, lse = cuflash.kernels.decode_forward(q, k_cache, v_cache, index["seqlens"], seqlen_new,
+                                                      index["leftpad"], index["rows"], index["table"], params,
+                                                      num_splits, k_new, v_new, rotary_end=c["rotary_end"])
+    finally:
+        cuflash.set_decode_errors(previous)
     if device == "cuda":
         torch.cuda.synchronize()
     bad_by = {kind.name: {b for b, _ in pairs} for kind, (pairs, _) in expected.items()}
@@ -507,6 +522,19 @@ def check_kernel_index_checks(case: str, device: str, dtype: torch.dtype, num_sp
                 if b not in bad or (b in may_write and at is not None and torch.equal(cache[at], new[b, j])):
                     want[at] = new[b, j]
         assert torch.equal(cache, want), "the cache holds the new tokens of the valid sequences, nothing else"
+    if expected:
+        kind = min(expected)
+        pairs, bound = expected[kind]
+        if mode == "defer":
+            cuflash.raise_decode_errors("cpu" if device == "cuda" else "cuda")  # another device's record: nothing
+            with pytest.raises(cuflash.FlashAttentionError) as raised:
+                cuflash.raise_decode_errors(device)
+        message = str(raised.value)
+        assert any(index_error(kind, b, value, bound) in message for b, value in pairs), message
+        assert message.startswith("[INVALID_ARGUMENT] decode step ") and f" on {device}" in message, message
+    cuflash.raise_decode_errors()  # nothing left
+    if mode == "raise" and expected:
+        return
     for b in range(batch):
         if b in bad:
             assert out[b].isnan().all() and lse[b].isnan().all(), b
@@ -516,37 +544,91 @@ def check_kernel_index_checks(case: str, device: str, dtype: torch.dtype, num_sp
         keys, values = (torch.stack([cache[a] for a in at])[None].double() for cache in (k_cache, v_cache))
         ref, _ = attention_reference(q[b:b + 1].double(), keys, values, window_size=c["window"])
         assert rel_err(out[b:b + 1], ref) < BOUNDS[dtype], b
-    if expected:
-        kind = min(expected)
-        pairs, bound = expected[kind]
-        cuflash.raise_decode_errors("cpu" if device == "cuda" else "cuda")  # another device's record: nothing
-        with pytest.raises(cuflash.FlashAttentionError) as info:
-            cuflash.raise_decode_errors(device)
-        assert any(index_error(kind, b, value, bound) in str(info.value) for b, value in pairs), str(info.value)
-    cuflash.raise_decode_errors()  # nothing left
 
 
 @interpret
 @pytest.mark.interpret
+@pytest.mark.parametrize("mode", ["raise", "defer"])
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("case", INDEX_CASES)
-def test_kernel_index_checks(case, num_splits):
-    check_kernel_index_checks(case, "cpu", torch.float32, num_splits)
+def test_kernel_index_checks(case, num_splits, mode):
+    check_kernel_index_checks(case, "cpu", torch.float32, num_splits, mode)
+
+
+def _bad_then_good_steps(device: str, dtype: torch.dtype):
+    """Two decode steps through the kernels (kernels.decode_forward) on one cache: the first with
+    cache_seqlens[1] = 9 past its 8 positions, the second valid."""
+    from cuflash.params import AttentionParams
+    k_cache, v_cache = (torch.randn(2, 8, 1, 16, dtype=dtype, device=device) for _ in range(2))
+    q = torch.randn(2, 1, 1, 16, dtype=dtype, device=device)
+
+    def step(lengths):
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        return cuflash.kernels.decode_forward(q, k_cache, v_cache, seqlens, 0, None, None, None, AttentionParams(0.25))
+    return lambda: step([2, 9]), lambda: step([2, 8])
+
+
+def check_deferred_errors_name_their_step(device: str, dtype: torch.dtype):
+    """Deferred: the bad step returns; a step that raises its own errors (the default mode) does not
+    raise the deferred one; the next deferred step does, naming the bad step's number; and then
+    nothing is left."""
+    from cuflash.cache import last_decode_step
+    bad, good = _bad_then_good_steps(device, dtype)
+    previous = cuflash.set_decode_errors("defer")
+    try:
+        out, _ = bad()
+        bad_step = last_decode_step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert out[1].isnan().all() and not out[0].isnan().any()
+        cuflash.set_decode_errors("raise")
+        assert not good()[0].isnan().any()  # a valid step in the raising mode: not another step's error
+        cuflash.set_decode_errors("defer")
+        with pytest.raises(cuflash.FlashAttentionError, match=r"cache_seqlens\[1\] = 9") as info:
+            good()
+        good()  # raised once
+        cuflash.raise_decode_errors()
+    finally:
+        cuflash.set_decode_errors(previous)
+    where = out.device  # (cuda:0, not cuda)
+    assert str(info.value).startswith(f"[INVALID_ARGUMENT] decode step {bad_step} on {where} read"), str(info.value)
+    assert last_decode_step() == bad_step + 3
 
 
 @interpret
 @pytest.mark.interpret
-def test_index_errors_at_once_under_cuda_launch_blocking(monkeypatch):
-    """With CUDA_LAUNCH_BLOCKING=1 (the kernel done when its launch returns) the step raises its own
-    bad value."""
-    from cuflash.kernels.triton import decode
-    from cuflash.params import AttentionParams
-    monkeypatch.setattr(decode, "LAUNCH_BLOCKING", True)
-    k_cache, v_cache = (torch.randn(2, 8, 1, 16) for _ in range(2))
+def test_deferred_errors_name_their_step():
+    check_deferred_errors_name_their_step("cpu", torch.float32)
+
+
+@interpret
+@pytest.mark.interpret
+def test_a_step_raises_its_own_bad_value_by_default():
+    """The default mode: the bad step raises, the next one runs."""
+    bad, good = _bad_then_good_steps("cpu", torch.float32)
     with pytest.raises(cuflash.FlashAttentionError, match=r"cache_seqlens\[1\] = 9"):
-        decode.decode_forward(torch.randn(2, 1, 1, 16), k_cache, v_cache, torch.tensor([2, 9], dtype=torch.int32),
-                              0, None, None, None, AttentionParams(0.25))
+        bad()
+    assert not good()[0].isnan().any()
+    cuflash.raise_decode_errors()
+
+
+@interpret
+@pytest.mark.interpret
+def test_index_errors_at_once_under_cuda_launch_blocking(monkeypatch, deferred):
+    """Deferred, with CUDA_LAUNCH_BLOCKING=1 (the kernel done when its launch returns) the step
+    raises its own bad value."""
+    from cuflash.kernels.triton import decode
+    monkeypatch.setattr(decode, "LAUNCH_BLOCKING", True)
+    bad, _ = _bad_then_good_steps("cpu", torch.float32)
+    with pytest.raises(cuflash.FlashAttentionError, match=r"cache_seqlens\[1\] = 9"):
+        bad()
     cuflash.raise_decode_errors()  # raised once
+
+
+def test_decode_error_modes_are_checked():
+    with pytest.raises(cuflash.FlashAttentionError, match="mode must be one of 'raise', 'defer', got 'later'"):
+        cuflash.set_decode_errors("later")
+    assert cuflash.set_decode_errors("raise") == "raise"
 
 
 def test_layout_checks_run_once_per_signature(monkeypatch):
@@ -748,18 +830,18 @@ def test_kvcache_decode_step_in_a_cuda_graph():
     written = _cached(k_cache, table, 1, 5)[4]
     assert torch.equal(written, k[1, 0])
     assert (k_cache != saved).sum() == written.numel(), "only sequence 1's new key is written"
-    with pytest.raises(cuflash.FlashAttentionError, match=r"cache_seqlens\[0\] = 2000"):
-        cuflash.raise_decode_errors()
     seqlens.copy_(torch.tensor([5, 6], dtype=torch.int32))
+    assert not step().isnan().any(), "an eager step does not raise the replayed step's error"
+    with pytest.raises(cuflash.FlashAttentionError, match=r"replayed from a CUDA graph\) .*cache_seqlens\[0\] = 2000"):
+        cuflash.raise_decode_errors()
     graph.replay()
     assert torch.equal(captured, step())
 
 
 @pytest.mark.gpu
-def test_bad_index_values_raise_at_the_next_step_on_gpu():
-    """On the GPU a decode step does not wait to read its index values: a step with a bad one
-    returns (that sequence NaN, the others right), the next step on the device raises naming the
-    value, and the one after runs."""
+def test_bad_index_values_raise_at_their_own_step_on_gpu():
+    """By default a decode step with a bad index value raises it itself (after one wait for the
+    GPU), and the next step runs; a step without index tensors does not wait."""
     torch.manual_seed(26)
     k_cache, v_cache = (torch.randn(3, 64, 2, 64, dtype=torch.float16, device="cuda") for _ in range(2))
     q = torch.randn(3, 1, 4, 64, dtype=torch.float16, device="cuda")
@@ -767,30 +849,57 @@ def test_bad_index_values_raise_at_the_next_step_on_gpu():
     def step(lengths):
         return cuflash.flash_attn_with_kvcache(q, k_cache, v_cache,
                                                cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device="cuda"))
-    with contextlib.suppress(cuflash.FlashAttentionError):  # what a failed test left
-        cuflash.raise_decode_errors()
-    out = step([10, 65, 30])
-    torch.cuda.synchronize()
-    assert out[1].isnan().all()
-    for b, n in ((0, 10), (2, 30)):
+    with pytest.raises(cuflash.FlashAttentionError, match=r"cache_seqlens\[1\] = 65"):
+        step([10, 65, 30])
+    out = step([10, 20, 30])
+    for b, n in ((0, 10), (1, 20), (2, 30)):
         ref, _ = attention_reference(q[b:b + 1].double(), k_cache[b:b + 1, :n].double(), v_cache[b:b + 1, :n].double())
         assert rel_err(out[b:b + 1], ref) < BOUNDS[torch.float16]
-    with pytest.raises(cuflash.FlashAttentionError, match=r"cache_seqlens\[1\] = 65"):
-        step([10, 20, 30])
-    assert not step([10, 20, 30]).isnan().any()
+    cuflash.raise_decode_errors()
+
+
+@pytest.mark.gpu
+def test_deferred_errors_name_their_step_on_gpu():
+    check_deferred_errors_name_their_step("cuda", torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overflow", ["cache", "appended"])
+def test_paged_cache_outgrowing_its_block_table_raises_at_the_call_on_gpu(overflow):
+    """flash-attn's paged guard (its test_flash_attn_kvcache_paged_block_table_bounds): cache_seqlens,
+    or the keys appended to a full cache, past block_table's columns x page size raise RuntimeError
+    naming block_table at the call, which writes nothing through the bad sequence; the next call runs."""
+    torch.manual_seed(27)
+    page, columns = 16, 2
+    k_cache, v_cache = (torch.randn(6, page, 2, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(2, 1, 2, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    capacity = page * columns
+    lengths = [3, capacity + 5] if overflow == "cache" else [3, capacity]  # one new key past a full cache
+    saved = k_cache.clone()
+    with pytest.raises(RuntimeError, match="block_table"):
+        cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, block_table=table,
+                                        cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device="cuda"))
+    assert torch.equal(k_cache[2:], saved[2:]), "nothing written through sequence 1's pages"
+    out = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table,
+                                          cache_seqlens=torch.tensor([4, capacity], dtype=torch.int32, device="cuda"))
+    assert not out.isnan().any()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", INDEX_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_kernel_index_checks_on_gpu(case, dtype):
-    check_kernel_index_checks(case, "cuda", dtype, 0)
+@pytest.mark.parametrize("mode", ["raise", "defer"])
+def test_kernel_index_checks_on_gpu(case, dtype, mode):
+    check_kernel_index_checks(case, "cuda", dtype, 0, mode)
 
 
 @pytest.mark.gpu
 def test_index_errors_at_once_under_cuda_launch_blocking_on_gpu():
-    """CUDA_LAUNCH_BLOCKING=1 (a process of its own): the bad step itself raises."""
+    """CUDA_LAUNCH_BLOCKING=1 (a process of its own): the bad step itself raises, deferred too."""
     script = ("import torch, cuflash\n"
+              "cuflash.set_decode_errors('defer')\n"
               "k = torch.randn(2, 8, 1, 16, device='cuda', dtype=torch.float16)\n"
               "try:\n"
               "    cuflash.flash_attn_with_kvcache(torch.randn(2, 1, 1, 16, device='cuda', dtype=torch.float16), k, k,"

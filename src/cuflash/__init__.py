@@ -1,6 +1,7 @@
 """cuflash: exact FlashAttention-2 for PyTorch, forward and backward, in Triton (GPU) and
 blocked PyTorch (CPU)."""
-from .errors import ErrorCode, FlashAttentionError, raise_decode_errors
+from .cache import raise_decode_errors, set_decode_errors
+from .errors import ErrorCode, FlashAttentionError
 from .interface import (backward, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                         flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                         forward, scaled_dot_product_attention)
@@ -13,7 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ErrorCode", "FlashAttentionError", "flash_attn_func", "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func", "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "raise_decode_errors",
+    "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "raise_decode_errors", "set_decode_errors",
     "scaled_dot_product_attention", "forward", "backward", "apply_rotary_emb", "apply_rotary_emb_qkv_",
     "apply_rotary_emb_kv_", "RotaryEmbedding", "bert_padding",
     "__version__",

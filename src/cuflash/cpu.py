@@ -14,8 +14,9 @@ import dataclasses
 import torch
 
 from .dropout import head_ids, keep_mask
-from .errors import IndexKind, lse_dtype
-from .params import AttentionParams, cache_slot, per_sequence
+from .cache import append_to_cache, cache_slot
+from .errors import lse_dtype
+from .params import AttentionParams, per_sequence
 
 BLOCK_M = 256  # query rows and keys per tile where the call asks for none (AttentionParams.block_m/_n)
 BLOCK_N = 512
@@ -229,24 +230,11 @@ def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0)
     return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.transpose(1, 2).to(v.dtype).contiguous())
 
 
-def append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, cache_rows, block_table) -> None:
-    """Writes k_new, v_new (B, seqlen_new, Hk, D) into the cache in place at positions cache_seqlens[b] ..
-    of each sequence (addressed as decode_forward reads them), as torch ops: the CPU backend's append,
-    and the one a traced graph (torch.compile) holds before the decode op."""
-    batch, seqlen_new = k_new.shape[:2]
-    positions = per_sequence(cache_seqlens, batch, k_new.device)[:, None] + torch.arange(seqlen_new,
-                                                                                         device=k_new.device)
-    where = cache_slot(torch.arange(batch, device=k_new.device)[:, None], positions, k_cache.shape[1], block_table,
-                       cache_rows)
-    for cache, new in ((k_cache, k_new), (v_cache, v_new)):
-        cache[where] = new  # any strides: the index pairs address the cache's first two dims
-
-
 def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad, cache_rows, block_table,
                    params: AttentionParams, num_splits: int = 0, k_new=None, v_new=None, plans: dict | None = None,
                    rotary_end: int | None = None):
     """Same contract as kernels.decode_forward but for the index values, which the caller checked
-    (index_violation; plans, rotary_end: not used here): k_new, v_new appended (append_to_cache),
+    (cache.index_violation; plans, rotary_end: not used here): k_new, v_new appended (append_to_cache),
     then each sequence's keys (cache positions leftpad[b] .. cache_seqlens[b] + seqlen_new - 1)
     gathered into one packed tensor, attended as a varlen batch. num_splits changes only the
     kernels' rounding: not used here."""
@@ -266,36 +254,3 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad,
                                  max_seqlen_q=seqlen_q, max_seqlen_k=max(1, int(lengths.max())))
     out, lse = attention_forward(q.reshape(batch * seqlen_q, nheads, head_dim), k_packed, v_packed, params)
     return out.view(q.shape), lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
-
-
-def index_violation(cache_seqlens, seqlen_new: int, leftpad, rows, cache_rows: int, table, rows_per_seq: int,
-                    repeats: bool, rotary_end: int | None) -> tuple[IndexKind, int, int, int] | None:
-    """The first bad index value of a decode step (errors.IndexKind order, then the first sequence)
-    as (kind, sequence, value, bound) for errors.index_error, or None: cache_seqlens (a tensor or an
-    int; with seqlen_new new tokens in the cache's capacity), cache_leftpad, cache_batch_idx `rows`
-    of cache_rows (repeats: distinct too), the block_table entries before each sequence's end, and
-    rotary_end (None: no rotary) the largest cache_seqlens the rotary tables cover. Torch ops on the
-    tensors' device (at least one index is a tensor), whose values it reads."""
-    given = next(t for t in (cache_seqlens, leftpad, rows, table) if isinstance(t, torch.Tensor))
-    batch, device = given.shape[0], given.device
-    seqlens = per_sequence(cache_seqlens, batch, device)
-    capacity = rows_per_seq * (1 if table is None else table.shape[1])
-    checks = [(IndexKind.SEQLENS, (seqlens < 0) | (seqlens > capacity - seqlen_new), seqlens, capacity - seqlen_new)]
-    if leftpad is not None:
-        checks.append((IndexKind.LEFTPAD, (leftpad < 0) | (leftpad > seqlens), leftpad, 0))
-    if rows is not None:
-        checks.append((IndexKind.ROWS, (rows < 0) | (rows >= cache_rows), rows, cache_rows))
-        if repeats:
-            checks.append((IndexKind.REPEATED, (rows[:, None] == rows[None, :]).sum(1) > 1, rows, 0))
-    if rotary_end is not None:
-        checks.append((IndexKind.ROTARY, seqlens > rotary_end, seqlens, rotary_end))
-    if table is not None:  # the pages before each sequence's end (the others may hold anything)
-        positions = torch.arange(0, table.shape[1] * rows_per_seq, rows_per_seq, device=device)
-        outside = (positions < (seqlens + seqlen_new)[:, None]) & ((table < 0) | (table >= cache_rows))
-        first_outside = table.gather(1, outside.int().argmax(1, keepdim=True))[:, 0]
-        checks.append((IndexKind.PAGES, outside.any(1), first_outside, cache_rows))
-    for kind, bad, values, bound in checks:
-        if bool(bad.any()):
-            seq = int(bad.int().argmax())
-            return kind, seq, int(values[seq]), bound
-    return None

@@ -5,7 +5,6 @@ got and what is accepted.
 """
 from __future__ import annotations
 
-import ctypes
 import enum
 import math
 import operator
@@ -46,80 +45,6 @@ class FlashAttentionError(ValueError, RuntimeError):
 
 def fail(code: ErrorCode, message: str) -> NoReturn:
     raise FlashAttentionError(code, message)
-
-
-class IndexKind(enum.IntEnum):
-    """What a decode step's index value breaks, in the order the checks report them (the first
-    kind found is the error): the host's checks (kvcache.py) and the decode kernel's
-    (kernels/triton/decode.py) name them alike."""
-
-    SEQLENS = 0  # cache_seqlens < 0, or the new tokens past the cache's end
-    LEFTPAD = 1  # cache_leftpad < 0 or past cache_seqlens
-    ROWS = 2  # cache_batch_idx outside the cache's rows
-    REPEATED = 3  # cache_batch_idx gives two sequences one row, and new tokens are written
-    ROTARY = 4  # cache_seqlens past what rotary_cos covers
-    PAGES = 5  # a block_table entry before the sequence's end outside the cache's blocks
-
-
-def index_error(kind: IndexKind, seq: int | None, value: int, bound: int) -> str:
-    """The message of a bad index value: `value` of sequence `seq` (None: an int for all), against
-    `bound` (the largest value accepted, or the count the value must stay below)."""
-    at = "" if seq is None else f"[{seq}]"
-    return {
-        IndexKind.SEQLENS: f"cache_seqlens{at} = {value}: it and the new tokens must fit the sequence's cache row "
-                           f"or the pages block_table lists (cache_seqlens in [0, {bound}])",
-        IndexKind.LEFTPAD: f"cache_leftpad{at} = {value} must lie in [0, cache_seqlens{at}]",
-        IndexKind.ROWS: f"cache_batch_idx{at} = {value} must be one of the {bound} cache rows",
-        IndexKind.REPEATED: f"cache_batch_idx{at} = {value} is another sequence's row too: the rows new tokens "
-                            f"are written into must be distinct",
-        IndexKind.ROTARY: f"cache_seqlens{at} = {value} reaches past rotary_cos, rotary_sin (cache_seqlens up to "
-                          f"{bound} fit their rows)",
-        IndexKind.PAGES: f"block_table{at} lists page {value}, outside the {bound} cache blocks",
-    }[kind]
-
-
-# Per device, where its decode kernels leave bad index values (index_record), and a ctypes view of it.
-_RECORDS: dict[torch.device, tuple[torch.Tensor, ctypes.Array]] = {}
-
-
-def index_record(device: torch.device) -> torch.Tensor:
-    """Where the decode kernel on `device` leaves the bad index values it finds: two int64 per
-    IndexKind, (sequence + 1) << 32 | (value as int32), then the bound. On the GPU it is pinned host
-    memory, which the kernel writes over the bus and the host reads without waiting for the GPU."""
-    found = _RECORDS.get(device)
-    if found is None:
-        record = torch.zeros(2 * len(IndexKind), dtype=torch.int64, pin_memory=device.type == "cuda")
-        found = _RECORDS[device] = (record, (ctypes.c_int64 * record.numel()).from_address(record.data_ptr()))
-    return found[0]
-
-
-def raise_pending(device: torch.device) -> None:
-    """raise_decode_errors(device) as each decode step calls it: one look at the record."""
-    found = _RECORDS.get(device)
-    if found is not None and any(found[1]):
-        raise_decode_errors(device)
-
-
-def raise_decode_errors(device: torch.device | str | None = None) -> None:
-    """Raises FlashAttentionError for a bad index value (cache_seqlens, cache_leftpad,
-    cache_batch_idx, block_table) that a decode step on `device` (None: any; "cuda": any GPU) found
-    on the GPU since the last error, and clears the record. flash_attn_with_kvcache calls it on every
-    step; a serving loop that replays a CUDA graph of its steps calls it itself, e.g. after a step's
-    outputs are read."""
-    wanted = None if device is None else torch.device(device)
-    for where, (_, words) in _RECORDS.items():
-        if wanted is not None and (where.type != wanted.type or wanted.index not in (None, where.index)):
-            continue
-        if not any(words):
-            continue
-        kind = next(k for k in IndexKind if words[2 * k])
-        packed, bound = words[2 * kind], words[2 * kind + 1]
-        value = packed & 0xFFFFFFFF
-        ctypes.memset(words, 0, ctypes.sizeof(words))
-        fail(ErrorCode.INVALID_ARGUMENT,
-             f"a decode step on {where} read a bad index value; that sequence's output and softmax_lse are NaN, "
-             f"and nothing was read or written through the value: "
-             f"{index_error(kind, (packed >> 32) - 1, value - (value >> 31 << 32), bound)}")
 
 
 # float64 is accepted on the CPU path only (it is what gradcheck needs).

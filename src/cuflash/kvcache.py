@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu, ops
-from .errors import (ErrorCode, IndexKind, check_alibi, check_attention_inputs, check_softcap, check_tensor,
-                     check_window, fail, index_error, resolve_scale)
+from . import ops
+from .cache import IndexKind, index_error, index_violation
+from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_softcap, check_tensor, check_window, fail,
+                     resolve_scale)
 from .memo import plain_flash_options, remembered, signature
 from .params import AttentionParams, per_sequence
 from .rotary import check_cos_sin, rotate
@@ -67,11 +68,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out (batch, seqlen_q, nheads, headdim), and softmax_lse with return_softmax_lse.
     Bad input raises FlashAttentionError before the cache is touched, with one exception: on the GPU
     the values of the index tensors (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) are
-    checked by the decode kernel before it reads or writes through them, so that a step never waits
-    for the GPU. A sequence with a bad value reads and writes nothing through it, its output and
-    softmax_lse are NaN, and the error is raised by the next flash_attn_with_kvcache call on that
-    device once the GPU has run the step (at once under CUDA_LAUNCH_BLOCKING=1), or by
-    cuflash.raise_decode_errors(), which serving loops that replay a CUDA graph call.
+    checked by the decode kernel before it reads or writes through them. A sequence with a bad value
+    reads and writes nothing through it (the others are appended and attended), and by default the
+    call raises the error once the GPU has run the step (one wait for the GPU, which a step without
+    index tensors does not pay). With cuflash.set_decode_errors("defer"), and inside a CUDA-graph
+    capture, the step does not wait: the bad sequence's output and softmax_lse are NaN, and the
+    error, naming the step, is raised by the next deferred step on the device or by
+    cuflash.raise_decode_errors() (cache.py).
     """
     call = _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                      block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
@@ -210,12 +213,12 @@ def _rotate(call: _Call, q, k, rotary_cos, rotary_sin, interleaved):
 
 
 def _check_values(layout: _Layout, seqlens, leftpad, rows, cache_rows: int, table, rows_per_seq: int) -> None:
-    """Checks the values of the index arguments (cpu.index_violation) where they can be read without
+    """Checks the values of the index arguments (cache.index_violation) where they can be read without
     waiting for the GPU: an int cache_seqlens always, the index tensors unless the decode kernel
     checks them (kernels/triton/decode.py)."""
     tensors = any(isinstance(t, torch.Tensor) for t in (seqlens, leftpad, rows, table))
     if tensors and not layout.kernel_checks:
-        found = cpu.index_violation(seqlens, layout.seqlen_new, leftpad, rows, cache_rows, table, rows_per_seq,
+        found = index_violation(seqlens, layout.seqlen_new, leftpad, rows, cache_rows, table, rows_per_seq,
                                     layout.seqlen_new > 0, layout.rotary_end)
     elif isinstance(seqlens, int):  # the same for every sequence
         found = _int_violation(seqlens, layout.capacity - layout.seqlen_new, layout.rotary_end)
@@ -226,7 +229,7 @@ def _check_values(layout: _Layout, seqlens, leftpad, rows, cache_rows: int, tabl
 
 
 def _int_violation(seqlens: int, seqlens_max: int, rotary_end: int | None):
-    """cpu.index_violation of an int cache_seqlens (no sequence named)."""
+    """cache.index_violation of an int cache_seqlens (no sequence named)."""
     if not 0 <= seqlens <= seqlens_max:
         return IndexKind.SEQLENS, None, seqlens, seqlens_max
     if rotary_end is not None and seqlens > rotary_end:

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .cpu import append_to_cache
+from .cache import append_to_cache
 from .errors import ErrorCode, fail, lse_dtype
 from .params import FIELD_NAMES, AttentionParams
 

@@ -117,16 +117,6 @@ def per_sequence(x: torch.Tensor | int, batch: int, device: torch.device) -> tor
     return x.long() if isinstance(x, torch.Tensor) else torch.full((batch,), x, dtype=torch.long, device=device)
 
 
-def cache_slot(seq: torch.Tensor, positions: torch.Tensor, rows_per_seq: int, table: torch.Tensor | None,
-               rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where position `positions` of sequence `seq` lies in a cache (broadcasting long tensors), as
-    (index in the cache's first dim, index in its second): through the page table (page, slot in the
-    page), or in the sequence's cache row (cache_batch_idx, default its batch index)."""
-    if table is not None:
-        return table[seq, positions // rows_per_seq].long(), positions % rows_per_seq
-    return (seq if rows is None else rows[seq].long()).expand_as(positions), positions
-
-
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))
 _TENSOR_NAMES = ("alibi_slopes", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k", "block_table")
 # key()'s field getters, in C (a Python loop over the fields costs microseconds per launch).

@@ -11,10 +11,11 @@ are written into the cache by the programs that read them, before their loop (on
 Keys are addressed by position, through the page table of a paged cache or the cache row of the
 sequence, so nothing is gathered or copied before the kernel, and no value (sequence lengths,
 pages) is read to the host: the launch can be captured in a CUDA graph, and a decode loop never
-waits for the GPU. The kernel checks those values itself before it reads or writes through them:
-a program whose sequence holds a bad one (or, paged, whose share of the sequence's pages does)
-reads and writes nothing, the sequence's rows come out NaN, and the value is left in the device's
-record (errors.index_record, pinned host memory) for the next step to raise.
+need not wait for the GPU. The kernel checks those values itself before it reads or writes through
+them: a program whose sequence holds a bad one (or, paged, whose share of the sequence's pages
+does) reads and writes nothing, the sequence's rows come out NaN, and the value is left in the
+step's record (cache.DecodeStep, pinned host memory), which the step itself or a later one raises
+(cache.py says which).
 """
 
 import os
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...errors import IndexKind, index_record, raise_pending
+from ...cache import RECORD_WORDS, DecodeStep, IndexKind
 from ...params import AttentionParams
 from ..device import cdiv, next_power_of_2, num_sms, padded_head_dim
 from ..launch import keep, kept, launch, open_key, workspace
@@ -46,24 +47,29 @@ MAX_SHARE_PAGES = 2048
 # The decode kernel's optional tensor arguments (the index tensors first, then ALiBi's slopes and the
 # new keys and values to append), in the launch's tensors only when given.
 _OPTIONAL = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes", "KNew", "VNew")
-LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"  # the step's own errors are raised at once
+LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"  # a deferred step's own errors are raised at once
 # errors.IndexKind, as the kernel names them
 _SEQLENS, _LEFTPAD, _ROWS, _REPEATED, _ROTARY, _PAGES = (tl.constexpr(int(kind)) for kind in IndexKind)
 
 
+_WORDS = tl.constexpr(RECORD_WORDS)
+
+
 @triton.jit
-def _report(Errors, kind: tl.constexpr, seq, value, bound, bad):
-    """Leaves a bad index value (a scalar, or each of a block's where `bad`) in the record
-    (errors.index_record): sequence + 1 and the value (as int32) packed in one int64, so that
-    programs or lanes reporting at once leave one pair whole."""
+def _report(Errors, step, kind: tl.constexpr, seq, value, bound, bad):
+    """Leaves a bad index value (a scalar, or each of a block's where `bad`) in the step's record
+    (cache.DecodeStep): sequence + 1 and the value (as int32) packed in one int64, so that programs
+    or lanes reporting at once leave one pair whole, then the bound and the step's number."""
     value = tl.minimum(tl.maximum(value.to(tl.int64), -2**31), 2**31 - 1)
-    at = Errors + 2 * kind + value * 0
+    at = Errors + _WORDS * kind + value * 0
     tl.store(at, ((seq.to(tl.int64) + 1) << 32) | (value & 0xFFFFFFFF), mask=bad)
     tl.store(at + 1, bound + value * 0, mask=bad)
+    tl.store(at + 2, step + value * 0, mask=bad)
 
 
 @triton.jit
-def _pages_ok(Errors, table, lo, hi, rows_per_seq, cache_blocks, seq, BLOCK_P: tl.constexpr, CHUNKS: tl.constexpr):
+def _pages_ok(Errors, step, table, lo, hi, rows_per_seq, cache_blocks, seq, BLOCK_P: tl.constexpr,
+              CHUNKS: tl.constexpr):
     """Whether the page-table entries of key positions lo .. hi - 1 (at most CHUNKS * BLOCK_P of
     them) all lie in the cache; reports those that do not. Unrolled, with one reduction: a loop
     here slowed the decode loop after it by 5-20% (docs/tuning.md)."""
@@ -75,14 +81,14 @@ def _pages_ok(Errors, table, lo, hi, rows_per_seq, cache_blocks, seq, BLOCK_P: t
         used = p < end
         page = tl.load(table + p, mask=used, other=0)
         bad = used & ((page < 0) | (page >= cache_blocks))
-        _report(Errors, _PAGES, seq, page, cache_blocks, bad)
+        _report(Errors, step, _PAGES, seq, page, cache_blocks, bad)
         outside = tl.maximum(outside, bad.to(tl.int32))
     return tl.max(outside, 0) == 0
 
 
-@triton.jit(do_not_specialize=["cache_seqlen"])
+@triton.jit(do_not_specialize=["cache_seqlen", "step"])
 def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, Slopes, KNew, VNew, Errors,
-                stride_q, stride_k, stride_v, stride_o, stride_l, stride_tb, stride_slope_b, stride_kn, stride_vn,
+                step, stride_q, stride_k, stride_v, stride_o, stride_l, stride_tb, stride_slope_b, stride_kn, stride_vn,
                 batch, nheads_k, seqlen_q, group_size, rows_per_seq, cache_blocks, head_dim, num_splits, cache_seqlen,
                 seqlen_new, seqlens_max, rotary_end, window_left, window_right, qk_scale, softcap,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -131,14 +137,14 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
     # pages of the program's share of the keys: with a bad one it reads and writes nothing.
     ok = (end >= 0) & (end <= seqlens_max)
     if SEQLENS:
-        _report(Errors, _SEQLENS, off_b, end, seqlens_max, ~ok)
+        _report(Errors, step, _SEQLENS, off_b, end, seqlens_max, ~ok)
     if LEFTPAD:
         pad_ok = (first >= 0) & (first <= end)
-        _report(Errors, _LEFTPAD, off_b, first, 0, ~pad_ok)
+        _report(Errors, step, _LEFTPAD, off_b, first, 0, ~pad_ok)
         ok = ok & pad_ok
     if BATCH_IDX:
         cache_row_ok = (block >= 0) & (block < cache_blocks)
-        _report(Errors, _ROWS, off_b, block, cache_blocks, ~cache_row_ok)
+        _report(Errors, step, _ROWS, off_b, block, cache_blocks, ~cache_row_ok)
         ok = ok & cache_row_ok
         if APPEND:  # two sequences writing one row (unrolled, as _pages_ok)
             shared = tl.zeros([BLOCK_B], dtype=tl.int32)
@@ -147,11 +153,11 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
                 rows = tl.load(CacheRows + others, mask=others < batch, other=-1).to(tl.int64)
                 shared = tl.maximum(shared, ((rows == block) & (others != off_b)).to(tl.int32))
             repeated = tl.max(shared, 0) > 0
-            _report(Errors, _REPEATED, off_b, block, 0, repeated)
+            _report(Errors, step, _REPEATED, off_b, block, 0, repeated)
             ok = ok & ~repeated
     if ROTARY:
         rotary_ok = end <= rotary_end
-        _report(Errors, _ROTARY, off_b, end, rotary_end, ~rotary_ok)
+        _report(Errors, step, _ROTARY, off_b, end, rotary_end, ~rotary_ok)
         ok = ok & rotary_ok
     # This split's share of the keys, whole tiles so that no tile straddles two splits (none with a
     # bad index), cut below to the band the tile's queries can see.
@@ -159,7 +165,7 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
     lo = split * chunk
     hi = tl.where(ok, tl.minimum(lo + chunk, seqlen_k), lo)
     if PAGED:  # the share's pages, those left of a window too (the host's checks see them)
-        pages_ok = _pages_ok(Errors, table, lo, hi, rows_per_seq, cache_blocks, off_b, BLOCK_P, PAGE_CHUNKS)
+        pages_ok = _pages_ok(Errors, step, table, lo, hi, rows_per_seq, cache_blocks, off_b, BLOCK_P, PAGE_CHUNKS)
         ok = ok & pages_ok
         hi = tl.where(pages_ok, hi, lo)
     if APPEND:
@@ -315,18 +321,18 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     kernel's instead of the table's (tuning). plans: as kernels.attention_forward's, from
     flash_attn_with_kvcache's call signature (whose options hold no tensor). rotary_end: the
     largest cache_seqlens the caller's rotary tables cover (None: no rotary).
-    The index tensors' values are checked by the kernel (see the module's doc): errors.raise_pending
-    raises what an earlier step found, before this one starts.
+    The index tensors' values are checked by the kernel (see the module's doc): a bad one is raised
+    by this call once the GPU has run it, or, deferred, by a later step (cache.DecodeStep).
     Returns out (B, Sq, H, D) and softmax_lse (B, H, Sq) fp32."""
-    raise_pending(q.device)
     batch, seqlen_q, nheads, head_dim = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     given = isinstance(cache_seqlens, torch.Tensor)
     optional = (cache_seqlens if given else None, leftpad, cache_rows, block_table, params.alibi_slopes, k_new, v_new)
+    report = DecodeStep(q.device, any(t is not None for t in optional[:4]), LAUNCH_BLOCKING)
     inputs = (q, k_cache, v_cache, *(t for t in optional if isinstance(t, torch.Tensor)))
-    tensors: dict[str, torch.Tensor | int] = dict(Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse,
-                                                  Errors=index_record(q.device))
+    tensors: dict[str, torch.Tensor | int] = dict(Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse, Errors=report.record,
+                                                  step=report.step)
     tensors.update({name: t for name, t in zip(_OPTIONAL, optional) if t is not None})
     # An int cache_seqlens is an argument of the plan like the tensors (the kernels do not specialize
     # on it, only on its width), so that a decode loop stepping through positions keeps one plan.
@@ -337,8 +343,7 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         plan(tensors)
     else:
         _plan(tensors, params, num_splits, seqlen_new, tiles, plans, key, rotary_end)
-    if LAUNCH_BLOCKING:
-        raise_pending(q.device)
+    report.done()
     return out, lse
 
 
@@ -401,7 +406,7 @@ def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tile
     repeats = "CacheRows" in t and k_new is not None  # the kernel looks for two sequences writing one row
     decode = _decode_fwd, (splits, m_tiles, batch * nheads_k), dict(
         Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part, **{name: t.get(name) for name in _OPTIONAL},
-        Errors=t["Errors"],
+        Errors=t["Errors"], step=t["step"],
         stride_q=q.stride()[:3], stride_k=k_cache.stride()[:3], stride_v=v_cache.stride()[:3],
         stride_o=out_strides, stride_l=lse_strides,
         stride_tb=0 if block_table is None else block_table.stride(0),
