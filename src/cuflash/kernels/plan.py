@@ -102,10 +102,23 @@ def table_entry(prob: Problem, params: AttentionParams) -> Entry:
     q = prob.q
     if params.block_m:
         _user_tiles_fit(prob, params)
-        tiles = Tiles(params.block_m, params.block_n, 4, 2, "tf32" if tf32(q) else "ieee")
+        tiles = Tiles(params.block_m, params.block_n, _user_warps(params.block_m, params.block_n, prob.block_d), 2,
+                      "tf32" if tf32(q) else "ieee")
         return Entry((tiles,), (tiles,), (tiles,))
     return entry(arch(q.device), prob.block_d, q.dtype == torch.float32, tf32(q),
                  Length.of(max(prob.seqlen_q, prob.seqlen_k)), params.banded)
+
+
+# User tiles whose fp32 accumulators exceed this many elements take 8 warps instead of 4: on 4 warps
+# they spill, and the compiler takes minutes over them (docs/tuning.md).
+USER_TILE_ELEMENTS_PER_4_WARPS = 8192
+
+
+def _user_warps(block_m: int, block_n: int, block_d: int) -> int:
+    """The warps of user tiles: the forward holds a block_m x block_d output and a block_m x block_n
+    score tile in fp32, the dK/dV pass two block_n x block_d accumulators."""
+    held = max(block_m * (block_d + block_n), 2 * block_n * block_d)
+    return 8 if held > USER_TILE_ELEMENTS_PER_4_WARPS else 4
 
 
 def _user_tiles_fit(prob: Problem, params: AttentionParams) -> None:
