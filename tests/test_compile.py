@@ -1,6 +1,7 @@
 """The op layer: torch.compile(fullgraph=True) over attention and a decode step (aot_eager on the
 CPU, inductor on the GPU), gradcheck through the eager path and the custom op, and the two agreeing."""
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -166,3 +167,30 @@ def test_decode_step_compiles_fullgraph_inductor(paged):
     """A decode step (rotary, append, the decode custom op) under torch.compile(fullgraph=True) with
     inductor (check_decode_compiled)."""
     check_decode_compiled("cuda", "inductor", paged)
+
+
+def test_compiling_warns_of_no_cache_wrapper(monkeypatch):
+    """Dynamo traces through a functools.lru_cache wrapper, ignoring the cache, and warns that this may
+    be silently wrong: nothing on the path of a compiled call is such a wrapper (the backend choice
+    is kept in a plain table outside compiled code)."""
+    monkeypatch.setenv("CUFLASH_BACKEND", "cpu")
+    torch._dynamo.reset()  # (dynamo warns of each call site once per process)
+    q, k, v = make_qkv(1, 9, 9, 2, 2, 16, dtype=torch.float32, device="cpu")
+    compiled = torch.compile(lambda *t: cuflash.flash_attn_func(*t, causal=True), fullgraph=True, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(q, k, v)
+    assert torch.equal(out, cuflash.flash_attn_func(q, k, v, causal=True))
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+
+
+def test_backend_choice_queries_the_driver_once(monkeypatch):
+    """Outside compiled code the backend choice is kept: the driver is asked once per device."""
+    from cuflash import ops
+    queries = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: queries.append(device) or (9, 0))
+    monkeypatch.setenv("CUFLASH_BACKEND", "auto")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    device = torch.device("cuda", 7)  # (a device no other test asks about)
+    assert [ops.backend_name(device, torch.float16) for _ in range(3)] == ["triton"] * 3
+    assert queries == [device]

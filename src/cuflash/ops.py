@@ -13,7 +13,6 @@ blocked PyTorch implementation in cpu.py (CPU tensors). CUFLASH_BACKEND=triton|c
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional
 
@@ -48,13 +47,25 @@ def backend_settings() -> tuple[str, str | None]:
     return os.environ.get("CUFLASH_BACKEND", "auto"), os.environ.get("TRITON_INTERPRET")
 
 
+_BACKEND_NAMES: dict[tuple, str] = {}  # (backend settings, device, dtype) -> backend_name's answer
+
+
 def backend_name(device: torch.device, dtype: torch.dtype) -> str:
-    """The backend that will run for tensors on `device`; raises FlashAttentionError when none can."""
-    return _backend_name(*backend_settings(), device, dtype)
+    """The backend that will run for tensors on `device`; raises FlashAttentionError when none can.
+    Answers are kept (the choice queries the driver), errors are not. torch.compile traces the choice
+    itself, not the table: the graph holds no check, and a table read in it would be guarded on the
+    table's entries, recompiling when eager calls add one (a functools.lru_cache, Dynamo ignores,
+    warning that this may be silently wrong)."""
+    key = (*backend_settings(), device, dtype)
+    if torch.compiler.is_compiling():
+        return _choose_backend(*key)
+    name = _BACKEND_NAMES.get(key)
+    if name is None:
+        name = _BACKEND_NAMES[key] = _choose_backend(*key)
+    return name
 
 
-@functools.lru_cache(maxsize=None)  # a driver query inside; errors raise, so they are not cached
-def _backend_name(choice: str, interpret: str | None, device: torch.device, dtype: torch.dtype) -> str:
+def _choose_backend(choice: str, interpret: str | None, device: torch.device, dtype: torch.dtype) -> str:
     choice = choice.lower()
     if choice not in BACKENDS:
         fail(ErrorCode.INVALID_ARGUMENT, f"CUFLASH_BACKEND={choice!r}; accepted: {', '.join(BACKENDS)}")

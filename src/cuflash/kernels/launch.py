@@ -12,9 +12,12 @@ binding and specialization of ~45 arguments, each about half of a short forward'
 
 Under Triton's interpreter (the CPU tests) there is no compiled kernel: plans launch the
 interpreted kernel with the stored arguments, the same order and tensor slots as on the GPU.
+Every launch but a compiled kernel's through its launcher goes through run_kernel, which runs
+interpreted launches one at a time.
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -29,6 +32,19 @@ from .device import on_device, scratch, tf32
 MAX_PLANS = 4096
 _plans: dict[tuple, Plan] = {}
 _uninitialized: set[int] = set()  # ids of the workspaces build() asked for uninitialized
+# Triton's interpreter keeps the running program's grid index and its patches of triton.language in
+# globals: two interpreted launches at once (from two threads) read each other's.
+_interpreting = threading.Lock()
+
+
+def run_kernel(kernel, grid, *args, **options):
+    """kernel[grid](*args, **options), the launch of every kernel not launched by a plan's compiled
+    launcher: a kernel compiled for the GPU (a JITFunction) at once, an interpreted one
+    (TRITON_INTERPRET=1) while no other interpreted launch runs."""
+    if isinstance(kernel, triton.JITFunction):
+        return kernel[grid](*args, **options)
+    with _interpreting:
+        return kernel[grid](*args, **options)
 
 
 def workspace(shape: tuple, dtype: torch.dtype, device: torch.device, zeroed: bool = True) -> torch.Tensor:
@@ -71,7 +87,7 @@ class _Launch:
         args = [kwargs.pop(name) for name in kernel.arg_names]
         if kwargs:
             raise TypeError(f"{kernel.fn.__name__}: not kernel arguments: {sorted(kwargs)}")
-        compiled = kernel[grid](*args, **options)  # this call's launch (compiles a new variant)
+        compiled = run_kernel(kernel, grid, *args, **options)  # this call's launch (compiles a new variant)
         # A tensor argument takes the place of the same tensor among `tensors`, an int the place of its name.
         places = {id(t): j for j, t in enumerate(tensors.values()) if isinstance(t, torch.Tensor)}
         names = tuple(tensors)
@@ -92,7 +108,7 @@ class _Launch:
         self.slots = tuple(slots)
         self.args = args
         if compiled is None:  # the interpreter
-            self.run, self.scratch = lambda *a: kernel[grid](*a, **options), False
+            self.run, self.scratch = lambda *a: run_kernel(kernel, grid, *a, **options), False
         else:
             self.run = compiled_launcher(compiled, (*grid, 1, 1)[:3])
             # Descriptors built in the kernel need global scratch; Triton's allocator is per thread

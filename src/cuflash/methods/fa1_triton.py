@@ -10,6 +10,7 @@ import triton.language as tl
 
 from ..kernels.triton.common import LN2, LOG2E, tile_ptrs
 from ..kernels.device import arch, on_inputs_device, padded_head_dim
+from ..kernels.launch import run_kernel
 
 
 @triton.jit
@@ -136,9 +137,9 @@ def attention_forward(q, k, v, scale: float, causal: bool):
     o = torch.zeros(batch * nheads, seqlen_q, block_d, dtype=torch.float32, device=q.device)
     m = torch.full((batch * nheads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
     l = torch.zeros_like(m)  # noqa: E741
-    _fa1_fwd[(batch * nheads,)](q, k, v, o, m, l, *(x.stride()[:3] for x in (q, k, v)), nheads,
-                                seqlen_q, k.shape[1], head_dim, scale * LOG2E.value, CAUSAL=causal,
-                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
+    run_kernel(_fa1_fwd, (batch * nheads,), q, k, v, o, m, l, *(x.stride()[:3] for x in (q, k, v)), nheads,
+               seqlen_q, k.shape[1], head_dim, scale * LOG2E.value, CAUSAL=causal,
+               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
     lse = torch.where(l == 0, float("inf"), (m + torch.log2(torch.where(l == 0, 1.0, l))) * LN2.value)
     out = o[..., :head_dim].view(batch, nheads, seqlen_q, head_dim).transpose(1, 2).to(q.dtype).contiguous()
     return out, lse.view(batch, nheads, seqlen_q)
@@ -151,9 +152,9 @@ def attention_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, Nq)
     dq = torch.zeros(batch * nheads, seqlen_q, block_d, dtype=torch.float32, device=q.device)
     dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (k, v))
-    _fa1_bwd[(batch * nheads,)](q, k, v, dout, lse.contiguous(), delta, dq, dk, dv,
-                                *(x.stride()[:3] for x in (q, k, v, dout, dk, dv)), nheads,
-                                seqlen_q, k.shape[1], head_dim, scale * LOG2E.value, scale, CAUSAL=causal,
-                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
+    run_kernel(_fa1_bwd, (batch * nheads,), q, k, v, dout, lse.contiguous(), delta, dq, dk, dv,
+               *(x.stride()[:3] for x in (q, k, v, dout, dk, dv)), nheads,
+               seqlen_q, k.shape[1], head_dim, scale * LOG2E.value, scale, CAUSAL=causal,
+               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
     dq = dq[..., :head_dim].view(batch, nheads, seqlen_q, head_dim).transpose(1, 2).to(q.dtype).contiguous()
     return dq, dk, dv

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from ..kernels.triton.common import LOG2E
 from ..kernels.device import arch, cdiv, next_power_of_2, on_inputs_device
+from ..kernels.launch import run_kernel
 
 
 @triton.jit
@@ -98,7 +99,7 @@ def _matmul(a, a_t: bool, b, b_t: bool, c, alpha: float = 1.0):
     a = a.transpose(-1, -2) if a_t else a
     b = b.transpose(-1, -2) if b_t else b
     grid = (cdiv(m, tiles[0]), cdiv(n, tiles[1]), batch * nheads)
-    _bmm[grid](a, b, c, nheads, m, n, a.shape[-1], alpha, *a.stride(), *b.stride(), *c.stride(),
+    run_kernel(_bmm, grid, a, b, c, nheads, m, n, a.shape[-1], alpha, *a.stride(), *b.stride(), *c.stride(),
                BLOCK_M=tiles[0], BLOCK_N=tiles[1], BLOCK_K=tiles[2])
     return c
 
@@ -113,8 +114,8 @@ def _probs(q, k, scale: float, causal: bool):
     p = torch.empty(batch, nheads, seqlen_q, seqlen_k, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
     _matmul(_bhnd(q), False, _bhnd(k), True, p, scale)
-    _softmax_rows[(batch * nheads * seqlen_q,)](p, lse, seqlen_q, seqlen_k, seqlen_k - seqlen_q, CAUSAL=causal,
-                                                 BLOCK=min(1024, next_power_of_2(seqlen_k)))
+    run_kernel(_softmax_rows, (batch * nheads * seqlen_q,), p, lse, seqlen_q, seqlen_k, seqlen_k - seqlen_q,
+               CAUSAL=causal, BLOCK=min(1024, next_power_of_2(seqlen_k)))
     return p, lse
 
 
@@ -133,8 +134,8 @@ def attention_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
     _matmul(p, True, _bhnd(dout), False, _bhnd(dv))
     ds = torch.empty_like(p)
     _matmul(_bhnd(dout), False, _bhnd(v), True, ds)
-    _softmax_grad_rows[(ds.shape[0] * ds.shape[1] * ds.shape[2],)](p, ds, ds.shape[3],
-                                                                    BLOCK=min(1024, next_power_of_2(ds.shape[3])))
+    run_kernel(_softmax_grad_rows, (ds.shape[0] * ds.shape[1] * ds.shape[2],), p, ds, ds.shape[3],
+               BLOCK=min(1024, next_power_of_2(ds.shape[3])))
     _matmul(ds, False, _bhnd(k), False, _bhnd(dq), scale)
     _matmul(ds, True, _bhnd(q), False, _bhnd(dk), scale)
     return dq, dk, dv

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ..device import cdiv, next_power_of_2, on_device
+from ..launch import run_kernel
 
 BLOCK_R = 16  # tokens per program
 
@@ -45,8 +46,7 @@ def rotate_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positi
     positions = positions.reshape(-1).contiguous()
     grid = (cdiv(batch * seqlen, BLOCK_R), nheads)
     with on_device(x):
-        _rotary_inplace[grid](x4, cos, sin, positions, x4.stride(0), x4.stride(1), x4.stride(2), cos.stride(0),
-                              sin.stride(0), batch * seqlen, seqlen, cos.shape[0], half, -1.0 if inverse else 1.0,
-                              BLOCK_R=BLOCK_R, BLOCK_HALF=max(16, next_power_of_2(half)), INTERLEAVED=interleaved,
-                              num_warps=4)
+        run_kernel(_rotary_inplace, grid, x4, cos, sin, positions, x4.stride(0), x4.stride(1), x4.stride(2),
+                   cos.stride(0), sin.stride(0), batch * seqlen, seqlen, cos.shape[0], half, -1.0 if inverse else 1.0,
+                   BLOCK_R=BLOCK_R, BLOCK_HALF=max(16, next_power_of_2(half)), INTERLEAVED=interleaved, num_warps=4)
     return x
