@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .errors import KERNEL_DTYPES, ErrorCode, FlashAttentionError, check_cu_seqlens, check_tensor, fail
+from .errors import KERNEL_DTYPES, ErrorCode, FlashAttentionError, check_bool, check_cu_seqlens, check_tensor, fail
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -104,9 +104,11 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
             i + seqlen_offsets[b] (decoding after a KV cache); positions past seqlen_ro stay unrotated.
         cu_seqlens: (batch + 1,) int32 prefix sums of a varlen batch (positions count from each
             sequence's start); max_seqlen: its longest sequence.
+        interleaved and inplace are bools (errors.check_bool).
     Returns:
         x rotated, with x's shape and dtype (computed in fp32). Differentiable in x.
     """
+    interleaved, inplace = check_bool("interleaved", interleaved), check_bool("inplace", inplace)
     if cu_seqlens is None:
         check_tensor("x", x, 4, "(batch, seqlen, nheads, headdim)")
         batch, seqlen = x.shape[:2]
