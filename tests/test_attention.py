@@ -7,7 +7,7 @@ import torch
 
 import cuflash
 from attn_testing import BOUNDS, GPU_DTYPES, check_against_oracle, flash_fn, make_qkv, \
-    rel_err, run_and_grad, seed_of
+    rel_err, run_and_grad, seed_of, varlen_batch, varlen_reference
 from cuflash.params import AttentionParams
 from cuflash.reference import attention_reference
 
@@ -309,6 +309,93 @@ def test_cuflash_backend_env_is_validated(monkeypatch):
     with pytest.raises(cuflash.FlashAttentionError) as info:
         cuflash.flash_attn_func(q, k, v)
     assert info.value.code == cuflash.ErrorCode.INVALID_ARGUMENT and "CUFLASH_BACKEND" in str(info.value)
+
+
+# A scale of 0 (uniform attention over the visible keys) and negative ones (the least similar keys
+# weigh most), which flash-attn and torch SDPA take: with softcap, in which scale / softcap is folded.
+SCALES = [(0.0, 0.0), (-0.7, 0.0), (-0.7, 3.0), (0.0, 3.0)]
+
+
+@pytest.mark.parametrize("scale,softcap", SCALES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_zero_and_negative_softmax_scale(backend, scale, softcap, causal):
+    """flash_attn_func, forward and backward, against the float64 oracle (GQA, seqlen_q != seqlen_k:
+    rows that see one key, several or none)."""
+    torch.manual_seed(seed_of(scale, softcap, causal))
+    q, k, v = make_qkv(2, 19, 13, 4, 2, 24, dtype=torch.float32, device="cpu")
+    check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, softmax_scale=scale, causal=causal,
+                                                                  softcap=softcap),
+                         q, k, v, causal, with_sdpa=False, softmax_scale=scale, softcap=softcap)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.7])
+def test_zero_and_negative_scale_varlen_and_sdpa(backend, scale):
+    """The same scales through flash_attn_varlen_func (window too) and scaled_dot_product_attention,
+    forward and backward, against the float64 oracle and torch SDPA's math backend in float64."""
+    torch.manual_seed(seed_of(scale))
+    q, k, v, cu_q, cu_k = varlen_batch([5, 1, 9], [7, 4, 9], 4, 2, 16, torch.float32, "cpu")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = cuflash.flash_attn_varlen_func(*leaves, cu_q, cu_k, 9, 9, softmax_scale=scale, causal=True,
+                                         window_size=(3, -1))
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = varlen_reference(*ref_leaves, cu_q.tolist(), cu_k.tolist(), softmax_scale=scale, causal=True,
+                           window_size=(3, -1))
+    expected = torch.autograd.grad(ref, ref_leaves, dout.double())
+    for name, x, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *expected)):
+        assert rel_err(x, r) < 1e-5, name
+
+    query, key, value = (torch.randn(2, 4, 11, 16, requires_grad=True) for _ in range(3))
+    ours = cuflash.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
+    dout = torch.randn_like(ours)
+    grads = torch.autograd.grad(ours, (query, key, value), dout)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (query, key, value)]
+    # (torch's CPU flash kernel gives NaN for a scale <= 0 with is_causal; its math backend does not)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        theirs = torch.nn.functional.scaled_dot_product_attention(*ref_leaves, is_causal=True, scale=scale)
+    expected = torch.autograd.grad(theirs, ref_leaves, dout.double())
+    for name, x, r in zip(("out", "dq", "dk", "dv"), (ours, *grads), (theirs, *expected)):
+        assert rel_err(x, r) < 1e-5, name
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.7])
+def test_zero_and_negative_scale_with_kvcache(backend, scale):
+    """flash_attn_with_kvcache (the decode kernel on the Triton backend) with the same scales, causal,
+    after appending new tokens, against the float64 oracle over each sequence's filled cache."""
+    torch.manual_seed(seed_of("kvcache", scale))
+    q = torch.randn(2, 2, 4, 16)
+    k_cache, v_cache = torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16)
+    k_new, v_new = torch.randn(2, 2, 2, 16), torch.randn(2, 2, 2, 16)
+    lengths = [3, 9]
+    out = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, causal=True, softmax_scale=scale,
+                                          cache_seqlens=torch.tensor(lengths, dtype=torch.int32))
+    for b, n in enumerate(lengths):
+        ref, _ = attention_reference(q[b:b + 1], k_cache[b:b + 1, :n + 2], v_cache[b:b + 1, :n + 2],
+                                     softmax_scale=scale, causal=True)
+        assert torch.equal(k_cache[b, n:n + 2], k_new[b])
+        assert rel_err(out[b:b + 1], ref) < 1e-5, b
+
+
+@pytest.mark.parametrize("view", ["every_other", "transposed"])
+def test_sdpa_takes_a_strided_head_dim(backend, view):
+    """scaled_dot_product_attention takes inputs whose last dim is strided, as torch does (copied
+    once), with gradients back through the views; flash_attn_func refuses them (test_errors.py)."""
+    torch.manual_seed(seed_of(view))
+    shape = (2, 4, 9, 32) if view == "every_other" else (2, 4, 16, 9)
+    leaves = [torch.randn(shape, requires_grad=True) for _ in range(3)]
+
+    def strided(t):  # (2, 4, 9, 16) views
+        return t[..., ::2] if view == "every_other" else t.transpose(-1, -2)
+    assert all(strided(t).stride(-1) != 1 for t in leaves)
+    ours = cuflash.scaled_dot_product_attention(*map(strided, leaves), is_causal=True)
+    dout = torch.randn_like(ours)
+    grads = torch.autograd.grad(ours, leaves, dout)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    theirs = torch.nn.functional.scaled_dot_product_attention(*map(strided, ref_leaves), is_causal=True)
+    expected = torch.autograd.grad(theirs, ref_leaves, dout.double())
+    for name, x, r in zip(("out", "dq", "dk", "dv"), (ours, *grads), (theirs, *expected)):
+        assert rel_err(x, r) < 1e-5, name
 
 
 HEAD_DIMS = [32, 40, 64, 96, 128, 256]

@@ -108,3 +108,28 @@ def test_row_gather_and_scatter_with_gradients():
     assert values.grad.tolist() == [[9.0, 10.0, 11.0], [3.0, 4.0, 5.0]]
     with pytest.raises(cuflash.FlashAttentionError, match="one index per row of values"):
         index_put_first_axis(values, torch.tensor([1]), 5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("indices,code,words", [
+    ([0, 6], cuflash.ErrorCode.INVALID_ARGUMENT, ["indices", "[0, 6)", "from 0 to 6"]),
+    ([-1, 2], cuflash.ErrorCode.INVALID_ARGUMENT, ["indices", "[0, 6)", "from -1 to 2"]),
+    (torch.tensor([0.0, 2.0]), cuflash.ErrorCode.UNSUPPORTED_DTYPE, ["indices", "int64", "torch.float32"]),
+    (torch.tensor([True, False]), cuflash.ErrorCode.UNSUPPORTED_DTYPE, ["indices", "torch.bool"]),
+    ([[0, 2]], cuflash.ErrorCode.SHAPE_MISMATCH, ["indices", "got (1, 2)"]),
+], ids=["past_the_end", "negative", "float", "bool", "2d"])
+def test_bad_indices_name_the_argument(device, indices, code, words):
+    """pad_input, index_put_first_axis and index_first_axis check the indices torch would index with
+    (an IndexError for a float dtype or a row past the end, a negative row wrapped around): int64 or
+    int32, one per row, in [0, rows); a good call at the bounds passes."""
+    indices = torch.as_tensor(indices, device=device)
+    values = torch.randn(2, 3, device=device)
+    calls = [lambda i: pad_input(values, i, 2, 3), lambda i: index_put_first_axis(values, i, 6),
+             lambda i: index_first_axis(torch.randn(6, 3, device=device), i)]
+    for call in calls:
+        with pytest.raises(cuflash.FlashAttentionError) as info:
+            call(indices)
+        assert info.value.code == code and all(w in str(info.value) for w in words), str(info.value)
+    good = torch.tensor([5, 0], device=device, dtype=torch.int32)
+    assert torch.equal(pad_input(values, good, 2, 3)[1, 2], values[0])
+    assert torch.equal(index_first_axis(values.repeat(3, 1), good), values.repeat(3, 1)[[5, 0]])

@@ -1,12 +1,14 @@
 """Bad input: each case raises FlashAttentionError with its code and a message naming the argument."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import cuflash
 from cuflash import ErrorCode, FlashAttentionError
 from cuflash import ops
+from cuflash.reference import attention_reference
 
 
 def qkv(b=2, n=8, h=4, hk=4, d=16, dtype=torch.float32):
@@ -124,17 +126,89 @@ def test_non_tensor_argument():
         cuflash.flash_attn_func(q.tolist(), k, v)
 
 
-@pytest.mark.parametrize("scale", [math.nan, math.inf, 0.0, -1.0, "0.5"])
+@pytest.mark.parametrize("scale", [math.nan, math.inf, -math.inf, "0.5", True, torch.tensor([0.5, 0.5]), 1j])
 def test_bad_softmax_scale(scale):
+    """Any finite real number is a scale (0 and negative ones too: test_attention.py); NaN, inf, bools
+    and non-numbers are not."""
     q, k, v = qkv()
-    with raises(ErrorCode.INVALID_ARGUMENT, "softmax_scale", repr(scale)):
+    with raises(ErrorCode.INVALID_ARGUMENT, "softmax_scale", "finite"):
         cuflash.flash_attn_func(q, k, v, softmax_scale=scale)
+    query, key, value = (t.transpose(1, 2) for t in (q, k, v))
+    with raises(ErrorCode.INVALID_ARGUMENT, "scale", "finite"):
+        cuflash.scaled_dot_product_attention(query, key, value, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [0, -2, 0.25, np.float32(0.25), np.int64(-1), torch.tensor(0.25)])
+def test_softmax_scale_takes_any_finite_real_number(scale):
+    """Python, numpy and one-element tensor numbers are read as the float they hold (torch SDPA takes
+    numpy's too)."""
+    q, k, v = qkv()
+    expected, _ = attention_reference(q, k, v, float(scale))
+    assert (cuflash.flash_attn_func(q, k, v, softmax_scale=scale).double() - expected).abs().max() < 1e-5
+
+
+def _flag_calls():
+    """Every entry point's bool arguments: (name of the argument, a call taking its value)."""
+    q, k, v = qkv()
+    query, key, value = (t.transpose(1, 2) for t in (q, k, v))
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    flat = [t.flatten(0, 1) for t in (q, k, v)]
+    cos, sin = torch.ones(8, 8), torch.zeros(8, 8)
+    qkv_packed, kv_packed = torch.stack((q, k, v), dim=2), torch.stack((k, v), dim=2)
+    calls = []
+    for option in ("causal", "deterministic", "return_attn_probs"):
+        calls += [
+            (option, lambda x, o=option: cuflash.flash_attn_func(q, k, v, **{o: x})),
+            (option, lambda x, o=option: cuflash.flash_attn_qkvpacked_func(qkv_packed, **{o: x})),
+            (option, lambda x, o=option: cuflash.flash_attn_kvpacked_func(q, kv_packed, **{o: x})),
+            (option, lambda x, o=option: cuflash.flash_attn_varlen_func(*flat, cu, cu, 8, 8, **{o: x})),
+            (option, lambda x, o=option: cuflash.flash_attn_varlen_qkvpacked_func(
+                qkv_packed.flatten(0, 1), cu, 8, **{o: x})),
+            (option, lambda x, o=option: cuflash.flash_attn_varlen_kvpacked_func(
+                flat[0], kv_packed.flatten(0, 1), cu, cu, 8, 8, **{o: x})),
+        ]
+    for option in ("causal", "deterministic"):
+        calls.append((option, lambda x, o=option: cuflash.backward(q, q, k, v, q, torch.zeros(2, 4, 8), **{o: x})))
+    calls += [
+        ("causal", lambda x: cuflash.forward(q, k, v, causal=x)),
+        ("is_causal", lambda x: cuflash.scaled_dot_product_attention(query, key, value, is_causal=x)),
+        ("enable_gqa", lambda x: cuflash.scaled_dot_product_attention(query, key, value, enable_gqa=x)),
+        ("is_causal", lambda x: cuflash.scaled_dot_product_attention(query[0, 0], key[0, 0], value[0, 0],
+                                                                     is_causal=x)),
+        ("interleaved", lambda x: cuflash.apply_rotary_emb(q, cos, sin, interleaved=x)),
+        ("inplace", lambda x: cuflash.apply_rotary_emb(q, cos, sin, inplace=x)),
+        ("interleaved", lambda x: cuflash.apply_rotary_emb_qkv_(qkv_packed, cos, sin, interleaved=x)),
+        ("interleaved", lambda x: cuflash.apply_rotary_emb_kv_(kv_packed, cos, sin, interleaved=x)),
+    ]
+    return calls
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None, 1.0, np.bool_(True), torch.tensor(True)],
+                         ids=["1", "0", "str", "None", "float", "numpy", "tensor"])
+def test_flags_must_be_bools(value):
+    """A flag is a Python bool, as torch SDPA's is_causal and enable_gqa are (its schema refuses
+    ints, numpy bools and tensors with a TypeError): anything else raises naming the argument,
+    through one check (errors.check_bool) at every entry point."""
+    for name, call in _flag_calls():
+        with raises(ErrorCode.INVALID_ARGUMENT, name, "bool", repr(value)):
+            call(value)
+
+
+def test_flags_take_true_and_false():
+    for _, call in _flag_calls():
+        for value in (False, True):
+            call(value)
 
 
 def test_last_dim_not_contiguous():
+    """flash-attn's API refuses a strided head dim, as flash-attn does (scaled_dot_product_attention
+    copies it, as torch takes it: test_attention.py)."""
     q, k, v = qkv()
     with raises(ErrorCode.NOT_CONTIGUOUS, "q", "stride 1", ".contiguous()"):
         cuflash.flash_attn_func(q.transpose(1, 3).contiguous().transpose(1, 3), k, v)
+    with raises(ErrorCode.NOT_CONTIGUOUS, "k", "stride 1"):
+        cuflash.flash_attn_varlen_func(q[0], torch.randn(8, 4, 32)[..., ::2], v[0],
+                                       *[torch.tensor([0, 8], dtype=torch.int32)] * 2, 8, 8)
 
 
 def test_cuda_tensor_on_a_gpu_too_old(monkeypatch):
@@ -251,12 +325,10 @@ def test_sdpa_errors():
         cuflash.scaled_dot_product_attention(query, None, value)
     with raises(ErrorCode.UNSUPPORTED_DTYPE, "value", "torch.int32"):
         cuflash.scaled_dot_product_attention(query, key, value.int())
-    with raises(ErrorCode.NOT_CONTIGUOUS, "query", "stride 1"):
-        cuflash.scaled_dot_product_attention(query.transpose(-1, -2).contiguous().transpose(-1, -2), key, value)
     with raises(ErrorCode.UNSUPPORTED_HEAD_DIM, "query", "(2, 4, 8, 0)"):
         cuflash.scaled_dot_product_attention(query[..., :0], key[..., :0], value[..., :0])
     with raises(ErrorCode.INVALID_ARGUMENT, "scale"):
-        cuflash.scaled_dot_product_attention(query, key, value, scale=-1.0)
+        cuflash.scaled_dot_product_attention(query, key, value, scale=math.nan)
 
 
 def test_backward_argument_checks():
@@ -334,7 +406,7 @@ def test_sdpa_checks_each_signature_once(monkeypatch):
     with raises(ErrorCode.SHAPE_MISMATCH, "value"):  # fewer keys than values
         cuflash.scaled_dot_product_attention(q, k, v[:, :, :5], is_causal=True, enable_gqa=True)
     with raises(ErrorCode.INVALID_ARGUMENT, "scale"):
-        cuflash.scaled_dot_product_attention(q, k, v, is_causal=True, scale=-1.0, enable_gqa=True)
+        cuflash.scaled_dot_product_attention(q, k, v, is_causal=True, scale=math.inf, enable_gqa=True)
     before = len(checked)
     for _ in range(2):
         cuflash.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool), enable_gqa=True)

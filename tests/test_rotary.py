@@ -1,13 +1,13 @@
 """cuflash.apply_rotary_emb (flash-attn's signature and semantics) against a float64 oracle written
 with complex numbers: both layouts, partial rotary dims, int and per-sequence offsets, varlen,
-in place, positions past the table, gradients, every dtype; the torch path and the Triton kernel
-(through the interpreter on the CPU), and both on the GPU."""
+in place, positions outside the table (refused, or left unrotated), gradients, every dtype; the
+torch path and the Triton kernel (through the interpreter on the CPU), and both on the GPU."""
 import pytest
 import torch
 
 import cuflash
 from attn_testing import rel_err, rotary_reference
-from cuflash.rotary import RotaryEmbedding, _kernel
+from cuflash.rotary import RotaryEmbedding, _kernel, rotate
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
@@ -66,27 +66,69 @@ def test_gradient_is_the_inverse_rotation(backend, device):
     assert rel_err(x.grad, expected) < 1e-6
 
 
-def test_inplace_and_positions_past_the_table(backend):
+def test_inplace(backend):
     torch.manual_seed(5)
-    x = torch.randn(1, 6, 1, 8)
+    x = torch.randn(2, 6, 1, 8)
     cos, sin = _table(8, 8, "cpu")
-    expected = rotary_reference(x, cos, sin, torch.arange(4, 10)[None].clamp(max=7), False)
-    expected[:, 4:] = x[:, 4:].double()  # positions 8 and 9 are past the table: left as they are
+    offsets = torch.tensor([2, 0])
+    expected = rotary_reference(x, cos, sin, offsets[:, None] + torch.arange(6), False)
     y = x.clone()
-    result = cuflash.apply_rotary_emb(y, cos, sin, inplace=True, seqlen_offsets=torch.tensor([4]))
+    result = cuflash.apply_rotary_emb(y, cos, sin, inplace=True, seqlen_offsets=offsets)
     assert result.data_ptr() == y.data_ptr()
     assert rel_err(y, expected) < 1e-6
 
 
-def test_negative_positions_are_left_as_they_are(backend):
-    """A position before the table (a negative offset) is left unrotated, as one past it, and is
-    not read from before the table."""
+def test_rotate_leaves_positions_outside_the_table_as_they_are(backend):
+    """rotate(), which apply_rotary_emb and flash_attn_with_kvcache share, leaves a token whose
+    position falls outside the table unrotated (cos 1, sin 0, as flash-attn's kernel) and reads
+    nothing outside it: what a GPU tensor of offsets gets (the rule's one exception)."""
     torch.manual_seed(6)
-    x = torch.randn(1, 6, 1, 8)
+    x = torch.randn(2, 6, 1, 8)
     cos, sin = _table(8, 8, "cpu")
-    expected = rotary_reference(x, cos, sin, torch.arange(-2, 4)[None].clamp(min=0), False)
-    expected[:, :2] = x[:, :2].double()  # positions -2 and -1
-    out = cuflash.apply_rotary_emb(x, cos, sin, seqlen_offsets=torch.tensor([-2]))
+    positions = torch.stack((torch.arange(4, 10), torch.arange(-2, 4)))
+    expected = rotary_reference(x, cos, sin, positions.clamp(0, 7), False)
+    outside = (positions < 0) | (positions >= 8)
+    expected[outside] = x[outside].double()  # positions 8, 9 and -2, -1
+    assert rel_err(rotate(x, cos, sin, positions, False), expected) < 1e-6
+
+
+@pytest.mark.parametrize("call,position", [
+    (dict(seqlen_offsets=7), "up to 12"),
+    (dict(seqlen_offsets=torch.tensor([0, 7])), "seqlen_offsets[1] = 7"),
+    (dict(seqlen_offsets=torch.tensor([-1, 0])), "seqlen_offsets[0] = -1"),
+    (dict(x=torch.randn(18, 2, 16), cu_seqlens=torch.tensor([0, 5, 6, 18], dtype=torch.int32), max_seqlen=12,
+          seqlen_offsets=torch.tensor([2, 7, 3])), "seqlen_offsets[2] = 3"),
+    (dict(x=torch.randn(18, 2, 16), cu_seqlens=torch.tensor([0, 5, 6, 18], dtype=torch.int32), max_seqlen=12,
+          seqlen_offsets=1), "up to 12"),
+], ids=["int", "tensor", "negative", "varlen_tensor", "varlen_int"])
+def test_positions_outside_the_table_raise(call, position):
+    """A token whose position falls outside cos and sin raises naming them wherever the position is
+    known on the host: an int offset (o + seqlen <= seqlen_ro, seqlen being max_seqlen with cu_seqlens,
+    as flash-attn asserts) and a CPU tensor of offsets, per sequence (its own length); the
+    positions through the table's last row pass."""
+    cos, sin = _table(12, 16, "cpu")
+    args = dict(x=torch.randn(2, 6, 2, 16), cos=cos, sin=sin) | call
+    with pytest.raises(cuflash.FlashAttentionError, match="cos, sin") as info:
+        cuflash.apply_rotary_emb(**args)
+    assert info.value.code == cuflash.ErrorCode.INVALID_ARGUMENT and position in str(info.value)
+    cuflash.apply_rotary_emb(torch.randn(2, 6, 2, 16), cos, sin, seqlen_offsets=6)
+    cuflash.apply_rotary_emb(torch.randn(2, 6, 2, 16), cos, sin, seqlen_offsets=torch.tensor([6, 0]))
+    cu_seqlens = torch.tensor([0, 5, 6, 18], dtype=torch.int32)
+    cuflash.apply_rotary_emb(torch.randn(18, 2, 16), cos, sin, cu_seqlens=cu_seqlens, max_seqlen=12,
+                             seqlen_offsets=torch.tensor([7, 11, 0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_tensor_offsets_past_the_table_pass_unrotated():
+    """The documented exception: a tensor of offsets on the GPU is not read back; a token it puts
+    past the table is left as it is, as flash-attn leaves it."""
+    torch.manual_seed(11)
+    x = torch.randn(1, 6, 1, 8, device="cuda")
+    cos, sin = _table(8, 8, "cuda")
+    out = cuflash.apply_rotary_emb(x, cos, sin, seqlen_offsets=torch.tensor([4], device="cuda"))
+    expected = rotary_reference(x, cos, sin, torch.arange(4, 10, device="cuda")[None].clamp(max=7), False)
+    expected[:, 4:] = x[:, 4:].double()
     assert rel_err(out, expected) < 1e-6
 
 

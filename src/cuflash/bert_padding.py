@@ -7,7 +7,10 @@ packed tokens that the varlen functions take, and back.
 
 unpad_input_for_concatenated_sequences packs rows that each hold several sequences one after the
 other; index_first_axis and index_put_first_axis are the row gather and scatter under them all.
-All are differentiable.
+All are differentiable. The indices a caller passes (pad_input, index_first_axis,
+index_put_first_axis) are checked before torch indexes with them: an integer dtype and rows in
+range, read with one look at their extremes (on the GPU a wait for it: these run once per batch,
+not on a decode step's path).
 """
 from __future__ import annotations
 
@@ -27,24 +30,45 @@ def _check_mask(name: str, mask, like: torch.Tensor) -> torch.Tensor:
 
 
 def index_first_axis(input, indices):
-    """Rows `indices` ((n,) int64) of input (rows, ...): (n, ...). Its gradient scatters back into
-    zeros (rows picked twice add up)."""
+    """Rows `indices` ((n,) int64 or int32, each in [0, rows)) of input (rows, ...): (n, ...). Its
+    gradient scatters back into zeros (rows picked twice add up)."""
     if not isinstance(input, torch.Tensor) or input.dim() < 1:
         fail(ErrorCode.INVALID_DIMENSION, "input must be a tensor (rows, ...)")
+    _check_indices(indices, None, input.shape[0], "input")
     return input[indices]
 
 
 def index_put_first_axis(values, indices, first_axis_dim):
-    """A zero (first_axis_dim, ...) tensor with values (n, ...) at rows `indices` ((n,) int64)."""
-    _check_rows("values", values, indices)
+    """A zero (first_axis_dim, ...) tensor with values (n, ...) at rows `indices` ((n,) int64 or
+    int32, each in [0, first_axis_dim))."""
+    _check_rows("values", values, indices, first_axis_dim, "first_axis_dim")
     return values.new_zeros((first_axis_dim, *values.shape[1:])).index_put((indices,), values)
 
 
-def _check_rows(name: str, values, indices) -> None:
+def _check_rows(name: str, values, indices, rows: int, rows_name: str) -> None:
+    """values (n, ...) and one index per row, each in [0, rows) (_check_indices)."""
     if not isinstance(values, torch.Tensor) or values.dim() < 1:
         fail(ErrorCode.INVALID_DIMENSION, f"{name} must be a tensor (total, ...)")
-    if not isinstance(indices, torch.Tensor) or indices.shape != values.shape[:1]:
-        fail(ErrorCode.SHAPE_MISMATCH, f"indices must be a ({values.shape[0]},) tensor, one index per row of {name}")
+    _check_indices(indices, values.shape[0], rows, rows_name, f", one index per row of {name}")
+
+
+def _check_indices(indices, count: int | None, rows: int, rows_name: str, why: str = "") -> None:
+    """indices: a 1-D int64 or int32 tensor (of `count` elements unless None) of row numbers in
+    [0, rows), the rows of `rows_name` (torch would raise IndexError for a float dtype or a row past
+    the end, and wrap a negative one around). The range is checked with one host read of the
+    extremes (the module docstring); under torch.compile it is not checked."""
+    shape = "(n,)" if count is None else f"({count},)"
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or (count is not None and len(indices) != count):
+        fail(ErrorCode.SHAPE_MISMATCH, f"indices must be a {shape} tensor{why}, got "
+             f"{tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__}")
+    if indices.dtype not in (torch.int64, torch.int32):
+        fail(ErrorCode.UNSUPPORTED_DTYPE, f"indices must be int64 or int32 (row numbers), got {indices.dtype}")
+    if indices.numel() == 0 or torch.compiler.is_compiling():
+        return
+    low, high = (int(e) for e in torch.aminmax(indices))
+    if low < 0 or high >= rows:
+        fail(ErrorCode.INVALID_ARGUMENT, f"indices must lie in [0, {rows}) (the rows of {rows_name}), got values "
+             f"from {low} to {high}")
 
 
 def unpad_input(hidden_states, attention_mask, unused_mask=None):
@@ -101,6 +125,8 @@ def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_leng
 
 def pad_input(hidden_states, indices, batch, seqlen):
     """The inverse of unpad_input: hidden_states (total, ...) put back at `indices` of a zero
-    (batch, seqlen, ...) tensor."""
-    _check_rows("hidden_states", hidden_states, indices)
+    (batch, seqlen, ...) tensor. indices: (total,) int64 or int32, each in [0, batch * seqlen),
+    checked with one host read of their extremes (on the GPU a wait for the GPU, once per batch:
+    pad_input is not on a decode step's path)."""
+    _check_rows("hidden_states", hidden_states, indices, batch * seqlen, "the (batch * seqlen) output")
     return index_put_first_axis(hidden_states, indices, batch * seqlen).view(batch, seqlen, *hidden_states.shape[1:])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import operator
 from typing import NoReturn
 
@@ -125,15 +126,29 @@ def check_same(name: str, t, like: torch.Tensor, like_name: str, shape=None) -> 
 
 
 def resolve_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> float:
+    """The scale of q.k as a float: None gives 1/sqrt(head_dim); any finite real number is taken as
+    it is (a Python or numpy number, or a one-element tensor), as flash-attn and torch SDPA take it:
+    0 gives uniform attention over the visible keys, a negative scale favours the keys least like the
+    query. NaN, infinities, bools and anything else raise, naming `name`."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, torch.Tensor):
-        softmax_scale = softmax_scale.item()
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        fail(ErrorCode.INVALID_ARGUMENT, f"{name} must be a positive finite number or None, got {softmax_scale!r}")
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        fail(ErrorCode.INVALID_ARGUMENT, f"{name} must be a positive finite number or None, got {softmax_scale!r}")
-    return float(softmax_scale)
+    value = softmax_scale
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        fail(ErrorCode.INVALID_ARGUMENT, f"{name} must be a finite real number (0 and negative ones too) or None, "
+             f"got {softmax_scale!r}")
+    return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    """A flag (causal, deterministic, interleaved, ...): a Python bool, the one type torch SDPA's
+    is_causal and enable_gqa take (its schema refuses ints, numpy bools and tensors); anything
+    else raises, naming `name`. Every entry point checks its flags here."""
+    if type(value) is not bool:
+        fail(ErrorCode.INVALID_ARGUMENT, f"{name} must be a bool (True or False), got {value!r} "
+             f"of type {type(value).__name__}")
+    return value
 
 
 def check_dropout(dropout_p) -> float:

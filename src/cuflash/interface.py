@@ -6,9 +6,9 @@ import torch
 
 from . import ops
 from .dropout import draw_seed, head_ids, keep_mask
-from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_attn_mask, check_block_table,
-                     check_blocks, check_cu_seqlens, check_dropout, check_same, check_softcap, check_tensor,
-                     check_window, fail, lse_dtype, resolve_scale)
+from .errors import (ErrorCode, FlashAttentionError, check_alibi, check_attention_inputs, check_attn_mask,
+                     check_block_table, check_blocks, check_bool, check_cu_seqlens, check_dropout, check_same,
+                     check_softcap, check_tensor, check_window, fail, lse_dtype, resolve_scale)
 from .memo import number, plain_flash_options, remembered, signature
 from .params import AttentionParams
 from .reference import attention_probs
@@ -21,11 +21,11 @@ def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, sof
     left, right = check_window(window_size)
     return AttentionParams(
         softmax_scale=resolve_scale(softmax_scale, q.shape[-1]),
-        window_left=left, window_right=0 if causal else right,
+        window_left=left, window_right=0 if check_bool("causal", causal) else right,
         softcap=check_softcap(softcap),
         alibi_slopes=check_alibi(alibi_slopes, batch, q.shape[-2], q.device),
         dropout_p=dropout_p, rng_seed=draw_seed(q.device) if dropout_p > 0 else None,
-        deterministic=bool(deterministic), **fields)
+        deterministic=check_bool("deterministic", deterministic), **fields)
 
 
 def _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
@@ -74,7 +74,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         dropout_p: probability of dropping each attention probability (the rest are scaled by
             1 / (1 - dropout_p)); drawn from torch's generator, so torch.manual_seed reproduces it.
             Applied whenever > 0: pass 0.0 at evaluation, as with flash-attn.
-        softmax_scale: scale of QK^T before the softmax; default 1/sqrt(headdim).
+        softmax_scale: scale of QK^T before the softmax; default 1/sqrt(headdim). Any finite
+            number, as flash-attn: 0 gives uniform attention over the visible keys.
         causal: causal mask aligned to the bottom-right corner of the (seqlen_q, seqlen_k) score
             matrix: query i sees keys j <= i + seqlen_k - seqlen_q.
         window_size: (left, right) sliding window, -1 for unbounded: query i sees keys
@@ -86,15 +87,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             adds dQ across key tiles in whatever order they finish (as flash-attn's default).
         return_attn_probs: also return softmax_lse and the attention probabilities (for tests:
             it materializes (batch, nheads, seqlen_q, seqlen_k); dropped ones are negated).
+        causal, deterministic and return_attn_probs are bools (errors.check_bool).
     Returns:
         out (batch, seqlen_q, nheads, headdim); with return_attn_probs,
         (out, softmax_lse (batch, nheads, seqlen_q) fp32, probs (batch, nheads, seqlen_q, seqlen_k)).
         Rows that see no key give out = 0 and softmax_lse = +inf.
     """
+    with_probs = check_bool("return_attn_probs", return_attn_probs)
     p, plans = _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
                              deterministic)
     out, lse = ops.forward(q, k, v, p, plans)
-    if return_attn_probs:
+    if with_probs:
         return out, lse, _probs(q, k, p).to(q.dtype)
     return out
 
@@ -143,6 +146,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out (total_q, nheads, headdim); with return_attn_probs, (out, softmax_lse (nheads, total_q)
         fp32, probs (batch, nheads, max_seqlen_q, max_seqlen_k), zero-padded).
     """
+    with_probs = check_bool("return_attn_probs", return_attn_probs)
     check_tensor("q", q, 3, "(total_q, nheads, headdim)", empty=True)
     paged = block_table is not None
     layout = "(num_blocks, page_block_size, nheads_k, headdim) with block_table" if paged else \
@@ -165,7 +169,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max_seqlen_k, block_table=block_table)
     out, lse = ops.forward(q, k, v, p)
-    if not return_attn_probs:
+    if not with_probs:
         return out
     probs = q.new_zeros((batch, q.shape[1], max_seqlen_q, max_seqlen_k), dtype=torch.float32)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -207,15 +211,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query: (..., nheads, L, E); key: (..., nheads_k, S, E); value: (..., nheads_k, S, Ev), the
             leading dims (batch) equal; or all three (L, E), (S, E), (S, Ev) as one head (as torch
             takes them). nheads_k == nheads unless enable_gqa, then nheads % nheads_k == 0. An Ev
-            other than E runs with every input zero-padded to the larger of the two.
+            other than E runs with every input zero-padded to the larger of the two. Any strides:
+            a last dim whose stride is not 1 (x[..., ::2], a transposed view), which torch takes
+            and the kernels cannot read, is copied once with .contiguous() (flash_attn_func
+            refuses it, as flash-attn does).
         attn_mask: bool (True = attend) or floating (added to the logits), broadcastable to
             (..., nheads, L, S); read through its strides, never expanded in memory (with more than
             one leading dim, they are merged, which copies only a mask whose batch dims cannot merge).
             It gets no gradient.
         dropout_p: as torch, applied whenever > 0.
         is_causal: causal mask aligned to the top-left corner, as torch does: query i sees keys j <= i.
-            Not together with attn_mask (torch refuses that too).
-        scale: default 1/sqrt(E).
+            Not together with attn_mask (torch refuses that too). is_causal and enable_gqa are bools,
+            as torch's schema has them (errors.check_bool).
+        scale: default 1/sqrt(E); any finite number, as torch (0: uniform attention).
     Returns:
         (..., nheads, L, Ev), a view in torch's layout of a (batch, L, nheads, Ev) buffer. Rows that
         see no key give 0, as in torch (its math backend's safe softmax).
@@ -231,8 +239,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
              and (scale is None or type(scale) is float) and type(enable_gqa) is bool)
     deterministic = torch.are_deterministic_algorithms_enabled()
     sig = signature((query, key, value), is_causal, scale, enable_gqa, deterministic) if plain else None
-    p, plans = remembered(sig, lambda: _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                    enable_gqa, deterministic))
+    try:
+        p, plans = remembered(sig, lambda: _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                        enable_gqa, deterministic))
+    except FlashAttentionError as error:
+        # A strided head dim (torch takes it, the kernels do not) is copied once and the call made
+        # again; the checks find it, so that the common call pays nothing for it.
+        strided = [_strided_head_dim(t) for t in (query, key, value)]
+        if error.code != ErrorCode.NOT_CONTIGUOUS or not any(strided):
+            raise
+        return scaled_dot_product_attention(*(t.contiguous() if copy else t for t, copy in
+                                              zip((query, key, value), strided)), *options)
     if query.ndim == 4:  # a repeated call without a graph: no views made (ops.forward_kept)
         out = ops.forward_kept(query, key, value, p, plans)
         if out is not None:
@@ -240,6 +257,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out, _ = ops.forward(_to_flash(query), _to_flash(key), _to_flash(value), p, plans)
     out = out.transpose(1, 2)
     return out if query.ndim == 4 else out.reshape(query.shape)
+
+
+def _strided_head_dim(t) -> bool:
+    """Whether t is a tensor whose last dim has more than one element and a stride other than 1
+    (what check_tensor refuses as NOT_CONTIGUOUS)."""
+    return isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[-1] > 1 and t.stride(-1) != 1
 
 
 def _one_head_or_padded(query, key, value, options):
@@ -275,6 +298,7 @@ def _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
                  deterministic: bool) -> AttentionParams:
     """scaled_dot_product_attention's inputs checked and its options as AttentionParams."""
     dropout_p = check_dropout(dropout_p)
+    is_causal, enable_gqa = check_bool("is_causal", is_causal), check_bool("enable_gqa", enable_gqa)
     names = ("query", "key", "value")
     for name, t in zip(names, (query, key, value)):
         # What the views need (a tensor of rank >= 3) and the head dim are checked as given (the

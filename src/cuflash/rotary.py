@@ -5,13 +5,26 @@ flash_attn_with_kvcache share.
 The rotation runs in fp32 whatever the input dtype and is rounded once to it: on the GPU one
 Triton kernel (kernels/rotary.py; its gradient is the rotation by the opposite angle), on the CPU
 torch ops of the same arithmetic, which autograd differentiates.
+
+Positions outside the table, one rule for apply_rotary_emb and flash_attn_with_kvcache: the
+tables cos, sin (rotary_cos, rotary_sin) hold seqlen_ro rows, row p for position p, and a token at
+a position outside [0, seqlen_ro) raises FlashAttentionError naming the table wherever the position
+is known on the host without waiting for the GPU:
+  - apply_rotary_emb: always seqlen <= seqlen_ro, and with an int seqlen_offsets o,
+    o + seqlen <= seqlen_ro (seqlen: max_seqlen with cu_seqlens), as flash-attn asserts both; with a
+    tensor of offsets on the CPU, each sequence's positions;
+  - flash_attn_with_kvcache: cache_seqlens (an int, or a CPU tensor) before the call; on the GPU the
+    decode kernel checks them and the error is raised by the next step (see its docstring).
+The one exception is a tensor of seqlen_offsets on the GPU in apply_rotary_emb, which is not read
+back (that would wait for the GPU): a token whose position falls outside the table is left
+unrotated, as flash-attn's kernel leaves it (it masks the table's reads with cos 1, sin 0).
 """
 from __future__ import annotations
 
 import torch
 
 from . import ops
-from .errors import KERNEL_DTYPES, ErrorCode, FlashAttentionError, check_cu_seqlens, check_tensor, fail
+from .errors import KERNEL_DTYPES, ErrorCode, FlashAttentionError, check_bool, check_cu_seqlens, check_tensor, fail
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -20,7 +33,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     shaped like x.shape[:-2]): pairs (2i, 2i + 1) when interleaved (GPT-J), halves
     (i, i + rotary_dim / 2) otherwise (GPT-NeoX). cos, sin: (seqlen_ro, rotary_dim / 2). A position
     past seqlen_ro is left unrotated (cos 1, sin 0), as flash-attn's kernel does, and so is a
-    negative one. inplace: into x.
+    negative one (the callers refuse such positions where they can read them: see the module
+    docstring). inplace: into x.
     With the Triton backend (x on the GPU) one kernel rotates; otherwise torch ops do."""
     if _kernel(x):
         return _Rotate.apply(x, cos, sin, positions, interleaved, inplace)
@@ -101,12 +115,20 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
             (0, rotary_dim / 2), (1, rotary_dim / 2 + 1), ... (GPT-NeoX).
         inplace: write the result into x and return x.
         seqlen_offsets: int or (batch,) int32/int64 tensor: token i of sequence b sits at position
-            i + seqlen_offsets[b] (decoding after a KV cache); positions past seqlen_ro stay unrotated.
+            i + seqlen_offsets[b] (decoding after a KV cache).
         cu_seqlens: (batch + 1,) int32 prefix sums of a varlen batch (positions count from each
             sequence's start); max_seqlen: its longest sequence.
+        interleaved and inplace are bools (errors.check_bool).
+    Every position must have a row of cos and sin: seqlen <= seqlen_ro, and an int offset o needs
+    o + seqlen <= seqlen_ro (as flash-attn asserts); a tensor of offsets on the CPU has each
+    sequence's positions checked. Otherwise FlashAttentionError names cos. A tensor of offsets on the
+    GPU is not read back (that would wait for the GPU): a token it puts outside the table is left
+    unrotated, as flash-attn leaves it. (The module docstring states the rule for
+    flash_attn_with_kvcache too.)
     Returns:
         x rotated, with x's shape and dtype (computed in fp32). Differentiable in x.
     """
+    interleaved, inplace = check_bool("interleaved", interleaved), check_bool("inplace", inplace)
     if cu_seqlens is None:
         check_tensor("x", x, 4, "(batch, seqlen, nheads, headdim)")
         batch, seqlen = x.shape[:2]
@@ -117,8 +139,9 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         batch = check_cu_seqlens("cu_seqlens", cu_seqlens, "max_seqlen", max_seqlen, x.shape[0], "x", x.device)
         seqlen = max_seqlen
     check_cos_sin(cos, sin, x.shape[-1], x.device)
-    if seqlen > cos.shape[0]:
-        fail(ErrorCode.SHAPE_MISMATCH, f"cos has {cos.shape[0]} positions (seqlen_ro) but x has sequences of "
+    seqlen_ro = cos.shape[0]
+    if seqlen > seqlen_ro:
+        fail(ErrorCode.SHAPE_MISMATCH, f"cos has {seqlen_ro} positions (seqlen_ro) but x has sequences of "
              f"{seqlen} tokens; seqlen_ro must be >= seqlen")
     if isinstance(seqlen_offsets, torch.Tensor):
         if seqlen_offsets.dtype not in (torch.int32, torch.int64) or tuple(seqlen_offsets.shape) != (batch,):
@@ -128,17 +151,39 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
             fail(ErrorCode.DEVICE_MISMATCH, f"seqlen_offsets is on {seqlen_offsets.device} but x is on {x.device}")
         offsets = seqlen_offsets.long()
     elif isinstance(seqlen_offsets, int) and not isinstance(seqlen_offsets, bool) and seqlen_offsets >= 0:
+        if seqlen_offsets + seqlen > seqlen_ro:
+            fail(ErrorCode.INVALID_ARGUMENT, f"seqlen_offsets = {seqlen_offsets} puts tokens of x at positions up to "
+                 f"{seqlen_offsets + seqlen - 1}, past the {seqlen_ro} rows of cos, sin (seqlen_ro): "
+                 f"seqlen_offsets + seqlen must be <= seqlen_ro")
         offsets = torch.full((batch,), seqlen_offsets, dtype=torch.long, device=x.device)
     else:
         fail(ErrorCode.INVALID_ARGUMENT, f"seqlen_offsets must be an int >= 0 or a (batch,) integer tensor, "
              f"got {seqlen_offsets!r}")
     if cu_seqlens is None:
+        lengths: torch.Tensor | int = seqlen
         positions = offsets[:, None] + torch.arange(seqlen, device=x.device)
     else:
         starts = cu_seqlens.long()
-        owner = torch.repeat_interleave(torch.arange(batch, device=x.device), starts.diff(), output_size=x.shape[0])
+        lengths = starts.diff()
+        owner = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths, output_size=x.shape[0])
         positions = torch.arange(x.shape[0], device=x.device) - starts[owner] + offsets[owner]
+    if isinstance(seqlen_offsets, torch.Tensor) and x.is_cpu and not torch.compiler.is_compiling():
+        _check_reach(offsets, lengths, seqlen_ro)
     return rotate(x, cos, sin, positions, interleaved, inplace)
+
+
+def _check_reach(offsets: torch.Tensor, lengths: torch.Tensor | int, seqlen_ro: int) -> None:
+    """Sequence b's tokens take positions offsets[b] .. offsets[b] + lengths[b] - 1 (none when it has
+    no token; an int: every sequence's length): each within the seqlen_ro rows of cos, or
+    FlashAttentionError (CPU tensors: the values are read here)."""
+    lengths = torch.as_tensor(lengths).expand_as(offsets)
+    outside = (lengths > 0) & ((offsets < 0) | (offsets + lengths > seqlen_ro))
+    if outside.any():
+        b = int(outside.nonzero()[0, 0])
+        first, last = int(offsets[b]), int(offsets[b] + lengths[b] - 1)
+        fail(ErrorCode.INVALID_ARGUMENT, f"seqlen_offsets[{b}] = {first} puts sequence {b}'s tokens at positions "
+             f"{first} .. {last}, outside the {seqlen_ro} rows of cos, sin (seqlen_ro): every position must lie "
+             f"in [0, seqlen_ro)")
 
 
 def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0,
