@@ -17,7 +17,7 @@ import cuflash
 from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_func, \
     ring_flash_attn_varlen_func, ulysses_flash_attn_func, ulysses_flash_attn_varlen_func, zigzag_shard, zigzag_unshard
 from cuflash.distributed.mesh import ULYSSES_MAX_TOKENS, auto_mode
-from cuflash.distributed import ring
+from cuflash.distributed import ring, shards
 from cuflash.distributed.ring import _packed_steps
 from cuflash.distributed.shards import join_sequence
 
@@ -236,9 +236,35 @@ def _check_mesh(rank, world):
             context_parallel_attn_func(q, q, q, mesh, mode=mode)
 
 
+def _check_shards_checked_once(rank, world):
+    """check_shards gathers the ranks' shapes once per signature: again for new shapes, a new layout or
+    another group, not for repeats."""
+    gathers = []
+    real = dist.all_gather
+    dist.all_gather = lambda *args, **kwargs: gathers.append(kwargs.get("group")) or real(*args, **kwargs)
+    try:
+        q, wide = torch.randn(1, 8, 2, 8), torch.randn(1, 12, 2, 8)
+        pair = dist.new_group(list(range(world)))
+        counts = []
+        for args in ((q, "contiguous"), (q, "contiguous"), (wide, "contiguous"), (q, "contiguous"),
+                     (q, "zigzag"), (wide, "contiguous"), (q, "zigzag")):
+            before = len(gathers)
+            ring_flash_attn_func(args[0], args[0], args[0], causal=True, layout=args[1])
+            counts.append(len(gathers) - before)
+        before = len(gathers)
+        ring_flash_attn_func(q, q, q, group=pair)
+        ring_flash_attn_func(q, q, q, group=pair)
+        counts.append(len(gathers) - before)
+    finally:
+        dist.all_gather = real
+    assert counts == [1, 0, 1, 0, 1, 0, 0, 1], counts
+    assert shards.CHECKED_SHARDS, "nothing remembered"
+
+
 CHECKS = {"full": _check_against_full, "strided": _check_strided_inputs, "mesh": _check_mesh, "ulysses": _check_ulysses,
           "ulysses_varlen": _check_ulysses_varlen, "ring_varlen": _check_ring_varlen,
-          "ulysses_heads": _check_ulysses_heads, "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag}
+          "ulysses_heads": _check_ulysses_heads, "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag,
+          "checked_once": _check_shards_checked_once}
 
 
 def _worker(rank, world, init_file, result_dir, check):
@@ -327,6 +353,12 @@ def test_context_parallel_over_a_device_mesh(world):
 @pytest.mark.parametrize("check", ["mismatch", "odd_zigzag", "ulysses_heads"])
 def test_bad_shards_raise_on_every_rank(check):
     _run(2, check)
+
+
+def test_shard_shapes_are_gathered_once_per_signature():
+    """check_shards' all-gather (and its host read) runs for a signature it has not checked, not in
+    every call (every layer)."""
+    _run(2, "checked_once")
 
 
 @pytest.mark.parametrize("fn", [ring_flash_attn_func, ulysses_flash_attn_func])
