@@ -14,8 +14,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import cuflash
-from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_func, \
-    ring_flash_attn_varlen_func, ulysses_flash_attn_func, ulysses_flash_attn_varlen_func, zigzag_shard, zigzag_unshard
+from cuflash.distributed import context_parallel_attn_func, context_parallel_attn_varlen_func, context_parallel_shard, \
+    ring_flash_attn_func, ring_flash_attn_varlen_func, ulysses_flash_attn_func, ulysses_flash_attn_varlen_func, \
+    zigzag_shard, zigzag_unshard
 from cuflash.distributed.mesh import ULYSSES_MAX_TOKENS, auto_mode
 from cuflash.distributed import ring, shards
 from cuflash.distributed.ring import _packed_steps
@@ -217,23 +218,105 @@ def _check_mesh(rank, world):
     mesh = init_device_mesh("cpu", (world,) if world == 2 else (2, world // 2))
     heads = [(4, 2), (3, 3)] if world == 2 else [(4, 2)]
     for layout in ("contiguous", "zigzag"):
-        for causal in (False, True):
+        for causal, softcap in ((False, 0.0), (True, 0.0), (True, 0.5)):
             for nheads, nheads_k in heads:
                 torch.manual_seed(2)
                 q, k, v, dout = (torch.randn(2, 8 * world, h, 8, dtype=torch.float64)
                                  for h in (nheads, nheads_k, nheads_k, nheads))
                 full = [t.clone().requires_grad_() for t in (q, k, v)]
-                ref = cuflash.flash_attn_func(*full, causal=causal)
+                ref = cuflash.flash_attn_func(*full, causal=causal, softcap=softcap)
                 ref.backward(dout)
                 local = [context_parallel_shard(t, mesh, layout).detach().clone().requires_grad_() for t in (q, k, v)]
-                out = context_parallel_attn_func(*local, mesh, causal=causal, layout=layout)
+                out = context_parallel_attn_func(*local, mesh, causal=causal, layout=layout, softcap=softcap)
                 out.backward(context_parallel_shard(dout, mesh, layout))
-                what = f"mesh {tuple(mesh.shape)} layout={layout} causal={causal} heads={nheads}/{nheads_k}"
+                what = (f"mesh {tuple(mesh.shape)} layout={layout} causal={causal} softcap={softcap} "
+                        f"heads={nheads}/{nheads_k}")
                 _assert_matches(out, local, ref, full, lambda x: _mesh_unshard(x, mesh, layout), 1e-12, what)
     q = torch.randn(1, 8, 4, 8)
     for mode, words in (("hybrid", "2-D") if world == 2 else ("ring", "2-D"), ("sideways", "mode")):
         with pytest.raises(cuflash.FlashAttentionError, match=words):
             context_parallel_attn_func(q, q, q, mesh, mode=mode)
+    if world == 4:  # the hybrid's ring has no sliding window, and no varlen path
+        with pytest.raises(cuflash.FlashAttentionError, match="window_size"):
+            context_parallel_attn_func(q, q, q, mesh, causal=True, window_size=(3, 0))
+        cu = torch.tensor([0, 32], dtype=torch.int32)
+        with pytest.raises(cuflash.FlashAttentionError, match="1-D mesh"):
+            context_parallel_attn_varlen_func(q[0], q[0], q[0], cu, cu, 32, 32, mesh)
+
+
+def _check_ring_softcap(rank, world):
+    """The ring with softcap, dense (both layouts, causal or not) and packed, forward and backward,
+    against one process."""
+    for layout, causal in itertools.product(("contiguous", "zigzag"), (False, True)):
+        torch.manual_seed(6)
+        q, k, v, dout = (torch.randn(2, 8 * world, h, 8, dtype=torch.float64) for h in (4, 2, 2, 4))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = cuflash.flash_attn_func(*full, causal=causal, softcap=0.5)
+        ref.backward(dout)
+        local = [_shard(t, rank, world, layout).detach().clone().requires_grad_() for t in (q, k, v)]
+        out = ring_flash_attn_func(*local, causal=causal, layout=layout, softcap=0.5)
+        out.backward(_shard(dout, rank, world, layout))
+        _assert_matches(out, local, ref, full, lambda x: _unshard(x, world, layout), 1e-12,
+                        f"softcap layout={layout} causal={causal}")
+    lens = [5, 13, 1, 0, 4, 7]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    q, k, v, dout = (torch.randn(30, h, 8, dtype=torch.float64) for h in (6, 2, 2, 6))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = cuflash.flash_attn_varlen_func(*full, cu, cu, max(lens), max(lens), causal=True, softcap=0.5)
+    ref.backward(dout)
+    local = [t.chunk(world)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
+    out = ring_flash_attn_varlen_func(*local, cu, max(lens), causal=True, softcap=0.5)
+    out.backward(dout.chunk(world)[rank])
+    _assert_matches(out, local, ref, full, _gather_tokens, 1e-12, "softcap packed")
+
+
+def _check_mesh_options(rank, world):
+    """context_parallel_attn_func and context_parallel_attn_varlen_func on a 1-D mesh with a sliding
+    window and softcap, through each mode that can run them (auto takes the all-to-all for a window),
+    forward and backward, against one process; a mode that cannot run an option raises naming it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    dense = [("ulysses", dict(window_size=(3, 1))), ("auto", dict(causal=True, window_size=(4, 4), softcap=0.5)),
+             ("ring", dict(causal=True, softcap=0.5)), ("ring", dict(causal=True, window_size=(-1, 2)))]
+    for mode, opts in dense:
+        torch.manual_seed(7)
+        q, k, v, dout = (torch.randn(2, 10 * world, h, 8, dtype=torch.float64) for h in (2 * world, world, world,
+                                                                                           2 * world))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = cuflash.flash_attn_func(*full, **opts)
+        ref.backward(dout)
+        local = [context_parallel_shard(t, mesh).detach().clone().requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attn_func(*local, mesh, mode=mode, **opts)
+        out.backward(context_parallel_shard(dout, mesh))
+        _assert_matches(out, local, ref, full, lambda x: _mesh_unshard(x, mesh, "contiguous"), 1e-12,
+                        f"mode={mode} {opts}")
+    lens = [5, 9, 4, 6, 0, 6]  # 30 tokens: a multiple of 2 and 3
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    packed = [("ring", dict(causal=True, softcap=0.5)), ("ring", dict(causal=False)),
+              ("ulysses", dict(causal=True, window_size=(2, 0))), ("auto", dict(window_size=(2, 3), softcap=0.5))]
+    for mode, opts in packed:
+        torch.manual_seed(8)
+        q, k, v, dout = (torch.randn(30, h, 8, dtype=torch.float64) for h in (2 * world, world, world, 2 * world))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = cuflash.flash_attn_varlen_func(*full, cu, cu, max(lens), max(lens), **opts)
+        ref.backward(dout)
+        local = [t.chunk(world)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attn_varlen_func(*local, cu, cu.clone(), max(lens), max(lens), mesh, mode=mode, **opts)
+        out.backward(dout.chunk(world)[rank])
+        _assert_matches(out, local, ref, full, _gather_tokens, 1e-12, f"packed mode={mode} {opts}")
+    q = torch.randn(2, 10, 2 * world, 8, dtype=torch.float64)
+    odd = torch.randn(2, 10, 2 * world + 1, 8, dtype=torch.float64)
+    for mode, heads in (("ring", q), ("auto", odd)):  # auto: the all-to-all cannot split 2W + 1 heads
+        with pytest.raises(cuflash.FlashAttentionError, match=r"window_size=\(3, 0\)") as info:
+            context_parallel_attn_func(heads, heads, heads, mesh, mode=mode, causal=True, window_size=(3, 0))
+        assert info.value.code == cuflash.ErrorCode.UNSUPPORTED_FEATURE
+    cu_k = torch.tensor([0, 10, 30], dtype=torch.int32)
+    for words, opts in (("window_size", dict(cu_seqlens_k=cu, window_size=(2, 2))),
+                        ("cu_seqlens_k", dict(cu_seqlens_k=cu_k))):
+        with pytest.raises(cuflash.FlashAttentionError, match=words):
+            context_parallel_attn_varlen_func(q[0, :30 // world], q[0, :30 // world], q[0, :30 // world], cu,
+                                              max_seqlen_q=max(lens), max_seqlen_k=max(lens), mesh=mesh, mode="ring",
+                                              **opts)
 
 
 def _check_shards_checked_once(rank, world):
@@ -264,6 +347,7 @@ def _check_shards_checked_once(rank, world):
 CHECKS = {"full": _check_against_full, "strided": _check_strided_inputs, "mesh": _check_mesh, "ulysses": _check_ulysses,
           "ulysses_varlen": _check_ulysses_varlen, "ring_varlen": _check_ring_varlen,
           "ulysses_heads": _check_ulysses_heads, "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag,
+          "ring_softcap": _check_ring_softcap, "mesh_options": _check_mesh_options,
           "checked_once": _check_shards_checked_once}
 
 
@@ -307,7 +391,8 @@ def _run(world, check):
             assert result == "ok", f"rank {rank}:\n{result}"
 
 
-@pytest.mark.parametrize("check", ["full", "strided", "ring_varlen", "ulysses", "ulysses_varlen"])
+@pytest.mark.parametrize("check", ["full", "strided", "ring_varlen", "ulysses", "ulysses_varlen", "ring_softcap",
+                                   "mesh_options"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_matches_single_process(world, check):
     """The ring and the all-to-all, dense and packed, with 2 and 3 processes (the CHECKS above)."""
@@ -338,11 +423,14 @@ def test_packed_ring_stops_after_the_last_step_with_work(lens, size, causal, ste
 
 def test_auto_mode_takes_the_all_to_all_only_where_it_led():
     """mode="auto" on a 1-D mesh: the all-to-all for whole sequences up to ULYSSES_MAX_TOKENS whose
-    head counts divide among the ranks; the ring for longer ones or where a head count does not divide."""
+    head counts divide among the ranks; the ring for longer ones or where a head count does not divide.
+    A call the ring cannot run (a sliding window) takes the all-to-all at any length where the heads divide."""
     assert auto_mode(32, 8, ULYSSES_MAX_TOKENS, 2) == "ulysses"
     assert auto_mode(32, 8, 2 * ULYSSES_MAX_TOKENS, 2) == "ring"
     assert auto_mode(32, 8, 1024, 16) == "ring"  # 8 KV heads among 16 ranks
     assert auto_mode(30, 10, 1024, 4) == "ring"
+    assert auto_mode(32, 8, 2 * ULYSSES_MAX_TOKENS, 2, ring_can=False) == "ulysses"
+    assert auto_mode(30, 10, 1024, 4, ring_can=False) == "ring"  # which then raises naming what it cannot run
 
 
 @pytest.mark.parametrize("world", [2, 4])
