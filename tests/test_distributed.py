@@ -319,6 +319,68 @@ def _check_mesh_options(rank, world):
                                               **opts)
 
 
+def _check_transformers_cp(rank, world):
+    """register_context_parallel's attention called as transformers calls it (query (B, H, L, D) of
+    this rank's shard; sliding_window, softcap, is_causal and the padding-free cu_seq_lens_* kwargs of
+    the whole packed row), through the ring, the all-to-all and auto, against attention_forward on the
+    whole sequence in one process with the same options, forward and backward; what a mode cannot
+    run (a window in the ring, dropout, packed zigzag shards) raises naming it. Then a Gemma-2 (sliding
+    and full layers, softcapped logits) on the mesh against the eager model in one process."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import cuflash.integrations.transformers as cuflash_hf
+    mesh = init_device_mesh("cpu", (world,))
+    for mode in ("ring", "ulysses", "auto"):
+        cuflash_hf.register_context_parallel(mesh, name=f"cp_{mode}", mode=mode)
+    cuflash_hf.register_context_parallel(mesh, name="cp_zigzag", layout="zigzag")
+    module = torch.nn.Module()  # causal, as transformers' decoders
+    lens = [5, 9, 4, 6, 0, 6]  # 30 tokens: a multiple of 2 and 3
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    packed = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=max(lens), max_length_k=max(lens))
+    cases = [("ring", dict(softcap=0.5)), ("ring", dict(is_causal=False)), ("ulysses", dict(sliding_window=5)),
+             ("ulysses", dict(sliding_window=4, is_causal=False, softcap=0.5)), ("auto", dict(sliding_window=5)),
+             ("ring", dict(packed, softcap=0.5)), ("ring", dict(packed, is_causal=False)),
+             ("ulysses", dict(packed, sliding_window=3)), ("auto", dict(packed, sliding_window=3, softcap=0.5))]
+    for mode, opts in cases:
+        torch.manual_seed(9)
+        batch = 1 if "cu_seq_lens_q" in opts else 2
+        q, k, v, dout = (torch.randn(batch, 30, h, 8, dtype=torch.float64) for h in (4, 2, 2, 4))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref, _ = cuflash_hf.attention_forward(module, *(t.transpose(1, 2) for t in full), None, **opts)
+        ref.backward(dout)
+        local = [t.chunk(world, dim=1)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
+        out, _ = ALL_ATTENTION_FUNCTIONS[f"cp_{mode}"](module, *(t.transpose(1, 2) for t in local), None, **opts)
+        out.backward(dout.chunk(world, dim=1)[rank])
+        what = f"mode={mode} {sorted(opts)} softcap={opts.get('softcap')} window={opts.get('sliding_window')}"
+        _assert_matches(out, local, ref, full, lambda x: _unshard(x, world, "contiguous"), 1e-12, what)
+    q = torch.randn(1, 4, 30 // world, 8, dtype=torch.float64)
+    refusals = [("cp_ring", dict(sliding_window=5), "window_size"),
+                ("cp_ring", dict(packed, sliding_window=3), "window_size"),
+                ("cp_auto", dict(dropout=0.1), "dropout"), ("cp_ulysses", dict(packed, dropout=0.1), "dropout"),
+                ("cp_zigzag", packed, "layout")]
+    for name, opts, words in refusals:
+        with pytest.raises(cuflash.FlashAttentionError, match=words):
+            ALL_ATTENTION_FUNCTIONS[name](module, q, q, q, None, **opts)
+
+    def config():
+        return transformers.Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                                         attn_logit_softcapping=0.5, max_position_embeddings=64)
+    torch.manual_seed(10)
+    ref = transformers.Gemma2ForCausalLM._from_config(config(), attn_implementation="eager", dtype=torch.float64)
+    ours = transformers.Gemma2ForCausalLM._from_config(config(), attn_implementation="cp_auto", dtype=torch.float64)
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 97, (2, 8 * world))
+    positions = torch.arange(8 * world).expand(2, -1)
+    logits = ours(input_ids=context_parallel_shard(ids, mesh),
+                  position_ids=context_parallel_shard(positions, mesh)).logits
+    expected = ref(input_ids=ids).logits  # eager attention takes its softmax in fp32
+    err = ((_mesh_unshard(logits, mesh, "contiguous") - expected).norm() / expected.norm()).item()
+    assert err < 1e-6, f"Gemma-2 on the mesh: logits error {err:.2e}"
+
+
 def _check_shards_checked_once(rank, world):
     """check_shards gathers the ranks' shapes once per signature: again for new shapes, a new layout or
     another group, not for repeats."""
@@ -348,7 +410,7 @@ CHECKS = {"full": _check_against_full, "strided": _check_strided_inputs, "mesh":
           "ulysses_varlen": _check_ulysses_varlen, "ring_varlen": _check_ring_varlen,
           "ulysses_heads": _check_ulysses_heads, "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag,
           "ring_softcap": _check_ring_softcap, "mesh_options": _check_mesh_options,
-          "checked_once": _check_shards_checked_once}
+          "transformers_cp": _check_transformers_cp, "checked_once": _check_shards_checked_once}
 
 
 def _worker(rank, world, init_file, result_dir, check):
@@ -447,6 +509,13 @@ def test_shard_shapes_are_gathered_once_per_signature():
     """check_shards' all-gather (and its host read) runs for a signature it has not checked, not in
     every call (every layer)."""
     _run(2, "checked_once")
+
+
+def test_transformers_context_parallel_attention_honours_every_option():
+    """register_context_parallel's attention: sliding_window, softcap, is_causal and packed
+    sequences give what the one-process attention gives; dropout, and what a mode cannot run, raise."""
+    pytest.importorskip("transformers")
+    _run(2, "transformers_cp")
 
 
 @pytest.mark.parametrize("fn", [ring_flash_attn_func, ulysses_flash_attn_func])
