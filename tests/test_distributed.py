@@ -14,10 +14,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import cuflash
-from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_func, \
-    ring_flash_attn_varlen_func, ulysses_flash_attn_func, ulysses_flash_attn_varlen_func, zigzag_shard, zigzag_unshard
+from cuflash.distributed import context_parallel_attn_func, context_parallel_attn_varlen_func, context_parallel_shard, \
+    ring_flash_attn_func, ring_flash_attn_varlen_func, ulysses_flash_attn_func, ulysses_flash_attn_varlen_func, \
+    zigzag_shard, zigzag_unshard
 from cuflash.distributed.mesh import ULYSSES_MAX_TOKENS, auto_mode
-from cuflash.distributed import ring
+from cuflash.distributed import ring, shards
 from cuflash.distributed.ring import _packed_steps
 from cuflash.distributed.shards import join_sequence
 
@@ -217,28 +218,199 @@ def _check_mesh(rank, world):
     mesh = init_device_mesh("cpu", (world,) if world == 2 else (2, world // 2))
     heads = [(4, 2), (3, 3)] if world == 2 else [(4, 2)]
     for layout in ("contiguous", "zigzag"):
-        for causal in (False, True):
+        for causal, softcap in ((False, 0.0), (True, 0.0), (True, 0.5)):
             for nheads, nheads_k in heads:
                 torch.manual_seed(2)
                 q, k, v, dout = (torch.randn(2, 8 * world, h, 8, dtype=torch.float64)
                                  for h in (nheads, nheads_k, nheads_k, nheads))
                 full = [t.clone().requires_grad_() for t in (q, k, v)]
-                ref = cuflash.flash_attn_func(*full, causal=causal)
+                ref = cuflash.flash_attn_func(*full, causal=causal, softcap=softcap)
                 ref.backward(dout)
                 local = [context_parallel_shard(t, mesh, layout).detach().clone().requires_grad_() for t in (q, k, v)]
-                out = context_parallel_attn_func(*local, mesh, causal=causal, layout=layout)
+                out = context_parallel_attn_func(*local, mesh, causal=causal, layout=layout, softcap=softcap)
                 out.backward(context_parallel_shard(dout, mesh, layout))
-                what = f"mesh {tuple(mesh.shape)} layout={layout} causal={causal} heads={nheads}/{nheads_k}"
+                what = (f"mesh {tuple(mesh.shape)} layout={layout} causal={causal} softcap={softcap} "
+                        f"heads={nheads}/{nheads_k}")
                 _assert_matches(out, local, ref, full, lambda x: _mesh_unshard(x, mesh, layout), 1e-12, what)
     q = torch.randn(1, 8, 4, 8)
     for mode, words in (("hybrid", "2-D") if world == 2 else ("ring", "2-D"), ("sideways", "mode")):
         with pytest.raises(cuflash.FlashAttentionError, match=words):
             context_parallel_attn_func(q, q, q, mesh, mode=mode)
+    if world == 4:  # the hybrid's ring has no sliding window, and no varlen path
+        with pytest.raises(cuflash.FlashAttentionError, match="window_size"):
+            context_parallel_attn_func(q, q, q, mesh, causal=True, window_size=(3, 0))
+        cu = torch.tensor([0, 32], dtype=torch.int32)
+        with pytest.raises(cuflash.FlashAttentionError, match="1-D mesh"):
+            context_parallel_attn_varlen_func(q[0], q[0], q[0], cu, cu, 32, 32, mesh)
+
+
+def _check_ring_softcap(rank, world):
+    """The ring with softcap, dense (both layouts, causal or not) and packed, forward and backward,
+    against one process."""
+    for layout, causal in itertools.product(("contiguous", "zigzag"), (False, True)):
+        torch.manual_seed(6)
+        q, k, v, dout = (torch.randn(2, 8 * world, h, 8, dtype=torch.float64) for h in (4, 2, 2, 4))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = cuflash.flash_attn_func(*full, causal=causal, softcap=0.5)
+        ref.backward(dout)
+        local = [_shard(t, rank, world, layout).detach().clone().requires_grad_() for t in (q, k, v)]
+        out = ring_flash_attn_func(*local, causal=causal, layout=layout, softcap=0.5)
+        out.backward(_shard(dout, rank, world, layout))
+        _assert_matches(out, local, ref, full, lambda x: _unshard(x, world, layout), 1e-12,
+                        f"softcap layout={layout} causal={causal}")
+    lens = [5, 13, 1, 0, 4, 7]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    q, k, v, dout = (torch.randn(30, h, 8, dtype=torch.float64) for h in (6, 2, 2, 6))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = cuflash.flash_attn_varlen_func(*full, cu, cu, max(lens), max(lens), causal=True, softcap=0.5)
+    ref.backward(dout)
+    local = [t.chunk(world)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
+    out = ring_flash_attn_varlen_func(*local, cu, max(lens), causal=True, softcap=0.5)
+    out.backward(dout.chunk(world)[rank])
+    _assert_matches(out, local, ref, full, _gather_tokens, 1e-12, "softcap packed")
+
+
+def _check_mesh_options(rank, world):
+    """context_parallel_attn_func and context_parallel_attn_varlen_func on a 1-D mesh with a sliding
+    window and softcap, through each mode that can run them (auto takes the all-to-all for a window),
+    forward and backward, against one process; a mode that cannot run an option raises naming it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    dense = [("ulysses", dict(window_size=(3, 1))), ("auto", dict(causal=True, window_size=(4, 4), softcap=0.5)),
+             ("ring", dict(causal=True, softcap=0.5)), ("ring", dict(causal=True, window_size=(-1, 2)))]
+    for mode, opts in dense:
+        torch.manual_seed(7)
+        q, k, v, dout = (torch.randn(2, 10 * world, h, 8, dtype=torch.float64) for h in (2 * world, world, world,
+                                                                                           2 * world))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = cuflash.flash_attn_func(*full, **opts)
+        ref.backward(dout)
+        local = [context_parallel_shard(t, mesh).detach().clone().requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attn_func(*local, mesh, mode=mode, **opts)
+        out.backward(context_parallel_shard(dout, mesh))
+        _assert_matches(out, local, ref, full, lambda x: _mesh_unshard(x, mesh, "contiguous"), 1e-12,
+                        f"mode={mode} {opts}")
+    lens = [5, 9, 4, 6, 0, 6]  # 30 tokens: a multiple of 2 and 3
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    packed = [("ring", dict(causal=True, softcap=0.5)), ("ring", dict(causal=False)),
+              ("ulysses", dict(causal=True, window_size=(2, 0))), ("auto", dict(window_size=(2, 3), softcap=0.5))]
+    for mode, opts in packed:
+        torch.manual_seed(8)
+        q, k, v, dout = (torch.randn(30, h, 8, dtype=torch.float64) for h in (2 * world, world, world, 2 * world))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = cuflash.flash_attn_varlen_func(*full, cu, cu, max(lens), max(lens), **opts)
+        ref.backward(dout)
+        local = [t.chunk(world)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attn_varlen_func(*local, cu, cu.clone(), max(lens), max(lens), mesh, mode=mode, **opts)
+        out.backward(dout.chunk(world)[rank])
+        _assert_matches(out, local, ref, full, _gather_tokens, 1e-12, f"packed mode={mode} {opts}")
+    q = torch.randn(2, 10, 2 * world, 8, dtype=torch.float64)
+    odd = torch.randn(2, 10, 2 * world + 1, 8, dtype=torch.float64)
+    for mode, heads in (("ring", q), ("auto", odd)):  # auto: the all-to-all cannot split 2W + 1 heads
+        with pytest.raises(cuflash.FlashAttentionError, match=r"window_size=\(3, 0\)") as info:
+            context_parallel_attn_func(heads, heads, heads, mesh, mode=mode, causal=True, window_size=(3, 0))
+        assert info.value.code == cuflash.ErrorCode.UNSUPPORTED_FEATURE
+    cu_k = torch.tensor([0, 10, 30], dtype=torch.int32)
+    for words, opts in (("window_size", dict(cu_seqlens_k=cu, window_size=(2, 2))),
+                        ("cu_seqlens_k", dict(cu_seqlens_k=cu_k))):
+        with pytest.raises(cuflash.FlashAttentionError, match=words):
+            context_parallel_attn_varlen_func(q[0, :30 // world], q[0, :30 // world], q[0, :30 // world], cu,
+                                              max_seqlen_q=max(lens), max_seqlen_k=max(lens), mesh=mesh, mode="ring",
+                                              **opts)
+
+
+def _check_transformers_cp(rank, world):
+    """register_context_parallel's attention called as transformers calls it (query (B, H, L, D) of
+    this rank's shard; sliding_window, softcap, is_causal and the padding-free cu_seq_lens_* kwargs of
+    the whole packed row), through the ring, the all-to-all and auto, against attention_forward on the
+    whole sequence in one process with the same options, forward and backward; what a mode cannot
+    run (a window in the ring, dropout, packed zigzag shards) raises naming it. Then a Gemma-2 (sliding
+    and full layers, softcapped logits) on the mesh against the eager model in one process."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import cuflash.integrations.transformers as cuflash_hf
+    mesh = init_device_mesh("cpu", (world,))
+    for mode in ("ring", "ulysses", "auto"):
+        cuflash_hf.register_context_parallel(mesh, name=f"cp_{mode}", mode=mode)
+    cuflash_hf.register_context_parallel(mesh, name="cp_zigzag", layout="zigzag")
+    module = torch.nn.Module()  # causal, as transformers' decoders
+    lens = [5, 9, 4, 6, 0, 6]  # 30 tokens: a multiple of 2 and 3
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    packed = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=max(lens), max_length_k=max(lens))
+    cases = [("ring", dict(softcap=0.5)), ("ring", dict(is_causal=False)), ("ulysses", dict(sliding_window=5)),
+             ("ulysses", dict(sliding_window=4, is_causal=False, softcap=0.5)), ("auto", dict(sliding_window=5)),
+             ("ring", dict(packed, softcap=0.5)), ("ring", dict(packed, is_causal=False)),
+             ("ulysses", dict(packed, sliding_window=3)), ("auto", dict(packed, sliding_window=3, softcap=0.5))]
+    for mode, opts in cases:
+        torch.manual_seed(9)
+        batch = 1 if "cu_seq_lens_q" in opts else 2
+        q, k, v, dout = (torch.randn(batch, 30, h, 8, dtype=torch.float64) for h in (4, 2, 2, 4))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref, _ = cuflash_hf.attention_forward(module, *(t.transpose(1, 2) for t in full), None, **opts)
+        ref.backward(dout)
+        local = [t.chunk(world, dim=1)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
+        out, _ = ALL_ATTENTION_FUNCTIONS[f"cp_{mode}"](module, *(t.transpose(1, 2) for t in local), None, **opts)
+        out.backward(dout.chunk(world, dim=1)[rank])
+        what = f"mode={mode} {sorted(opts)} softcap={opts.get('softcap')} window={opts.get('sliding_window')}"
+        _assert_matches(out, local, ref, full, lambda x: _unshard(x, world, "contiguous"), 1e-12, what)
+    q = torch.randn(1, 4, 30 // world, 8, dtype=torch.float64)
+    refusals = [("cp_ring", dict(sliding_window=5), "window_size"),
+                ("cp_ring", dict(packed, sliding_window=3), "window_size"),
+                ("cp_auto", dict(dropout=0.1), "dropout"), ("cp_ulysses", dict(packed, dropout=0.1), "dropout"),
+                ("cp_zigzag", packed, "layout")]
+    for name, opts, words in refusals:
+        with pytest.raises(cuflash.FlashAttentionError, match=words):
+            ALL_ATTENTION_FUNCTIONS[name](module, q, q, q, None, **opts)
+
+    def config():
+        return transformers.Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                                         attn_logit_softcapping=0.5, max_position_embeddings=64)
+    torch.manual_seed(10)
+    ref = transformers.Gemma2ForCausalLM._from_config(config(), attn_implementation="eager", dtype=torch.float64)
+    ours = transformers.Gemma2ForCausalLM._from_config(config(), attn_implementation="cp_auto", dtype=torch.float64)
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 97, (2, 8 * world))
+    positions = torch.arange(8 * world).expand(2, -1)
+    logits = ours(input_ids=context_parallel_shard(ids, mesh),
+                  position_ids=context_parallel_shard(positions, mesh)).logits
+    expected = ref(input_ids=ids).logits  # eager attention takes its softmax in fp32
+    err = ((_mesh_unshard(logits, mesh, "contiguous") - expected).norm() / expected.norm()).item()
+    assert err < 1e-6, f"Gemma-2 on the mesh: logits error {err:.2e}"
+
+
+def _check_shards_checked_once(rank, world):
+    """check_shards gathers the ranks' shapes once per signature: again for new shapes, a new layout or
+    another group, not for repeats."""
+    gathers = []
+    real = dist.all_gather
+    dist.all_gather = lambda *args, **kwargs: gathers.append(kwargs.get("group")) or real(*args, **kwargs)
+    try:
+        q, wide = torch.randn(1, 8, 2, 8), torch.randn(1, 12, 2, 8)
+        pair = dist.new_group(list(range(world)))
+        counts = []
+        for args in ((q, "contiguous"), (q, "contiguous"), (wide, "contiguous"), (q, "contiguous"),
+                     (q, "zigzag"), (wide, "contiguous"), (q, "zigzag")):
+            before = len(gathers)
+            ring_flash_attn_func(args[0], args[0], args[0], causal=True, layout=args[1])
+            counts.append(len(gathers) - before)
+        before = len(gathers)
+        ring_flash_attn_func(q, q, q, group=pair)
+        ring_flash_attn_func(q, q, q, group=pair)
+        counts.append(len(gathers) - before)
+    finally:
+        dist.all_gather = real
+    assert counts == [1, 0, 1, 0, 1, 0, 0, 1], counts
+    assert shards.CHECKED_SHARDS, "nothing remembered"
 
 
 CHECKS = {"full": _check_against_full, "strided": _check_strided_inputs, "mesh": _check_mesh, "ulysses": _check_ulysses,
           "ulysses_varlen": _check_ulysses_varlen, "ring_varlen": _check_ring_varlen,
-          "ulysses_heads": _check_ulysses_heads, "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag}
+          "ulysses_heads": _check_ulysses_heads, "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag,
+          "ring_softcap": _check_ring_softcap, "mesh_options": _check_mesh_options,
+          "transformers_cp": _check_transformers_cp, "checked_once": _check_shards_checked_once}
 
 
 def _worker(rank, world, init_file, result_dir, check):
@@ -281,7 +453,8 @@ def _run(world, check):
             assert result == "ok", f"rank {rank}:\n{result}"
 
 
-@pytest.mark.parametrize("check", ["full", "strided", "ring_varlen", "ulysses", "ulysses_varlen"])
+@pytest.mark.parametrize("check", ["full", "strided", "ring_varlen", "ulysses", "ulysses_varlen", "ring_softcap",
+                                   "mesh_options"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_matches_single_process(world, check):
     """The ring and the all-to-all, dense and packed, with 2 and 3 processes (the CHECKS above)."""
@@ -312,11 +485,14 @@ def test_packed_ring_stops_after_the_last_step_with_work(lens, size, causal, ste
 
 def test_auto_mode_takes_the_all_to_all_only_where_it_led():
     """mode="auto" on a 1-D mesh: the all-to-all for whole sequences up to ULYSSES_MAX_TOKENS whose
-    head counts divide among the ranks; the ring for longer ones or where a head count does not divide."""
+    head counts divide among the ranks; the ring for longer ones or where a head count does not divide.
+    A call the ring cannot run (a sliding window) takes the all-to-all at any length where the heads divide."""
     assert auto_mode(32, 8, ULYSSES_MAX_TOKENS, 2) == "ulysses"
     assert auto_mode(32, 8, 2 * ULYSSES_MAX_TOKENS, 2) == "ring"
     assert auto_mode(32, 8, 1024, 16) == "ring"  # 8 KV heads among 16 ranks
     assert auto_mode(30, 10, 1024, 4) == "ring"
+    assert auto_mode(32, 8, 2 * ULYSSES_MAX_TOKENS, 2, ring_can=False) == "ulysses"
+    assert auto_mode(30, 10, 1024, 4, ring_can=False) == "ring"  # which then raises naming what it cannot run
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -327,6 +503,19 @@ def test_context_parallel_over_a_device_mesh(world):
 @pytest.mark.parametrize("check", ["mismatch", "odd_zigzag", "ulysses_heads"])
 def test_bad_shards_raise_on_every_rank(check):
     _run(2, check)
+
+
+def test_shard_shapes_are_gathered_once_per_signature():
+    """check_shards' all-gather (and its host read) runs for a signature it has not checked, not in
+    every call (every layer)."""
+    _run(2, "checked_once")
+
+
+def test_transformers_context_parallel_attention_honours_every_option():
+    """register_context_parallel's attention: sliding_window, softcap, is_causal and packed
+    sequences give what the one-process attention gives; dropout, and what a mode cannot run, raise."""
+    pytest.importorskip("transformers")
+    _run(2, "transformers_cp")
 
 
 @pytest.mark.parametrize("fn", [ring_flash_attn_func, ulysses_flash_attn_func])

@@ -5,6 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import cuflash  # noqa: E402
 import cuflash.integrations.transformers as cuflash_hf  # noqa: E402
 
 
@@ -150,3 +151,37 @@ def test_deterministic_reaches_the_kernels(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(before)
     assert [options["deterministic"] for options in seen] == [False, True, True, True]
+
+
+def test_bidirectional_sliding_window_matches_sdpa_cpu(cuflash_calls):
+    """An encoder's sliding window (ModernBERT's local layers, is_causal False) bounds both sides: a
+    query sees sliding_window - 1 keys either side, as transformers' flash-attn path and its sdpa
+    mask have it, with and without padding."""
+    def config():
+        return transformers.ModernBertConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, local_attention=6, global_attn_every_n_layers=2,
+                                             max_position_embeddings=64, pad_token_id=0, sep_token_id=1, cls_token_id=2,
+                                             bos_token_id=2, eos_token_id=1)
+    cuflash_hf.register()
+    torch.manual_seed(0)
+    ref = transformers.ModernBertModel._from_config(config(), attn_implementation="sdpa", dtype=torch.float32)
+    ours = transformers.ModernBertModel._from_config(config(), attn_implementation="cuflash", dtype=torch.float32)
+    ours.load_state_dict(ref.state_dict())
+    assert "sliding_attention" in ours.config.layer_types
+    ids = torch.randint(3, 97, (2, 20))  # 20 tokens: past the 6-token local window
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, 15:] = 0
+    for inputs in (dict(input_ids=ids), dict(input_ids=ids, attention_mask=mask)):
+        out = _run(ours, cuflash_calls, **inputs).last_hidden_state
+        expected = _run(ref, cuflash_calls, **inputs).last_hidden_state
+        valid = mask.bool() if "attention_mask" in inputs else slice(None)
+        assert torch.allclose(out[valid], expected[valid], atol=1e-5)
+
+
+def test_incomplete_packed_kwargs_raise_naming_the_missing_ones():
+    """Padding-free kwargs come four together (as transformers passes them); a call with
+    cu_seq_lens_q and not the others raises naming those it lacks."""
+    q = torch.randn(1, 4, 6, 16)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(cuflash.FlashAttentionError, match="missing: cu_seq_lens_k, max_length_k"):
+        cuflash_hf.attention_forward(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=cu, max_length_q=4)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..errors import check_attention_inputs, check_cu_seqlens, check_tensor, lse_dtype, resolve_scale
+from ..errors import check_attention_inputs, check_cu_seqlens, check_softcap, check_tensor, lse_dtype, resolve_scale
 from ..params import AttentionParams
 from .shards import check_shards, require_process_group
 
@@ -85,11 +85,13 @@ class _Ring:
 Block = tuple[slice, slice, AttentionParams]
 
 
-def _dense_blocks(rank: int, src: int, seqlen: int, causal: bool, layout: str, scale: float) -> list[Block]:
+def _dense_blocks(rank: int, src: int, seqlen: int, causal: bool, layout: str, scale: float,
+                  softcap: float) -> list[Block]:
     """What rank's queries attend to in src's K/V shard of a (batch, seqlen_local) sharding."""
     everything = slice(0, seqlen)
     # Causal blocks are the square diagonal blocks: top-left aligned, row i sees keys j <= i.
-    full, diagonal = AttentionParams(scale), AttentionParams(scale, window_right=0, bottom_right=False)
+    full = AttentionParams(scale, softcap=softcap)
+    diagonal = AttentionParams(scale, window_right=0, bottom_right=False, softcap=softcap)
     if not causal:
         return [(everything, everything, full)]
     if src == rank:
@@ -121,7 +123,7 @@ def _packed_span(bounds: list[int], rank: int, src: int, share: int, causal: boo
 
 
 def _packed_steps(bounds: list[int], rank: int, size: int, share: int, causal: bool, scale: float,
-                  device: torch.device) -> list[list[Block]]:
+                  device: torch.device, softcap: float = 0.0) -> list[list[Block]]:
     """rank's blocks at each step of the ring over a packed batch, up to the last step at which any
     rank has a block: documents shorter than a share meet few shards, and later steps would only
     move K/V and dK/dV around."""
@@ -134,7 +136,7 @@ def _packed_steps(bounds: list[int], rank: int, size: int, share: int, causal: b
             continue
         cu_q, cu_k, start = span
         params = AttentionParams(
-            scale, window_right=0 if causal and s == 0 else -1,
+            scale, window_right=0 if causal and s == 0 else -1, softcap=softcap,
             cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
             cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
             max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
@@ -236,7 +238,7 @@ class _RingFlashAttn(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, layout="contiguous"):
+def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, layout="contiguous", softcap=0.0):
     """Exact attention over a sequence sharded across the ranks of `group` (default: the world).
 
     Args:
@@ -247,6 +249,7 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
         causal: causal mask over the global positions.
         layout: how the sequence was cut: "contiguous" (rank r holds chunk r) or "zigzag"
             (see zigzag_shard; balances the causal work).
+        softcap: as flash_attn_func (0: off).
     Returns:
         this rank's shard of the output, (batch, seqlen_local, nheads, headdim).
     """
@@ -254,19 +257,21 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
     check_attention_inputs(q, k, v)
     ops.backend_name(q.device, q.dtype)
     check_shards(q, k, group, layout)
-    scale = resolve_scale(softmax_scale, q.shape[-1])
+    scale, softcap = resolve_scale(softmax_scale, q.shape[-1]), check_softcap(softcap)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    steps = [_dense_blocks(rank, (rank - s) % size, q.shape[1], bool(causal), layout, scale) for s in range(size)]
+    steps = [_dense_blocks(rank, (rank - s) % size, q.shape[1], bool(causal), layout, scale, softcap)
+             for s in range(size)]
     return _RingFlashAttn.apply(q, k, v, steps, False, group)
 
 
-def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, softmax_scale=None, causal=False):
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, softmax_scale=None, causal=False,
+                                softcap=0.0):
     """ring_flash_attn_func for a packed batch of documents (flash_attn_varlen_func's layout, self-
     attention): q (total / W, nheads, headdim) is this rank's contiguous share of the packed tokens,
     k and v (total / W, nheads_k, headdim) of the same tokens' keys and values (pad the packed batch
     to a multiple of W; documents may cross the shares' edges). cu_seqlens ((batch + 1,) int32) and
-    max_seqlen describe the whole batch, the same on every rank; causal masks within each document.
-    Returns this rank's share of the output, (total / W, nheads, headdim)."""
+    max_seqlen describe the whole batch, the same on every rank; causal masks within each document;
+    softcap as flash_attn_varlen_func. Returns this rank's share of the output, (total / W, nheads, headdim)."""
     require_process_group("ring_flash_attn_varlen_func", "contiguous")
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 3, "(total / world_size, heads, headdim)")
@@ -278,6 +283,6 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, sof
     check_cu_seqlens("cu_seqlens", cu_seqlens, "max_seqlen", max_seqlen, share * size,
                      f"the packed batch ({share} tokens on each of {size} ranks: pad it to a multiple of {size})",
                      q.device)
-    scale = resolve_scale(softmax_scale, q.shape[-1])
-    steps = _packed_steps(cu_seqlens.tolist(), rank, size, share, bool(causal), scale, q.device)
+    scale, softcap = resolve_scale(softmax_scale, q.shape[-1]), check_softcap(softcap)
+    steps = _packed_steps(cu_seqlens.tolist(), rank, size, share, bool(causal), scale, q.device, softcap)
     return _RingFlashAttn.apply(q[None], k[None], v[None], steps, True, group)[0]

@@ -12,8 +12,14 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ErrorCode, fail
+from ..memo import remember
 
 LAYOUTS = ("contiguous", "zigzag")
+# The calls check_shards has checked, by what its check reads (the group, the local q and k shapes,
+# the options): its all-gather, and the host read of the gathered shapes, run once per entry instead
+# of in every layer (a sync, which a CUDA graph cannot hold either). The oldest entries go first.
+CHECKED_SHARDS: dict[tuple, bool] = {}
+MAX_CHECKED_SHARDS = 256
 
 
 def zigzag_shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
@@ -60,8 +66,15 @@ def check_shards(q, k, group, layout: str, same_positions: bool = True) -> None:
     """Every rank must hold shards of the same shape; all ranks see the same gathered shapes and
     so raise together, instead of one rank raising and the others hanging in a collective.
     same_positions: q and k shards cover the same positions (not for a packed batch whose key count
-    differs from its query count)."""
+    differs from its query count).
+
+    Checked once per (group, shapes, options) (CHECKED_SHARDS): ranks that have passed the same
+    checks, in the same order, skip the gather together. A rank whose shapes change while the
+    others repeat checked ones gathers alone, and waits for them until the group's timeout."""
     size = dist.get_world_size(group)
+    key = (group, size, tuple(q.shape), tuple(k.shape), layout, same_positions)
+    if key in CHECKED_SHARDS:
+        return
     mine = torch.tensor(list(q.shape) + list(k.shape), dtype=torch.int64,
                         device=q.device if dist.get_backend(group) == "nccl" else "cpu")
     gathered = [torch.empty_like(mine) for _ in range(size)]
@@ -76,3 +89,4 @@ def check_shards(q, k, group, layout: str, same_positions: bool = True) -> None:
              f"{k.shape[1]})")
     if layout == "zigzag" and q.shape[1] % 2 != 0:
         fail(ErrorCode.SHAPE_MISMATCH, f"a zigzag shard holds two equal chunks; its seqlen {q.shape[1]} is odd")
+    remember(CHECKED_SHARDS, key, True, MAX_CHECKED_SHARDS)

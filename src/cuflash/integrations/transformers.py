@@ -19,6 +19,7 @@ import os
 import torch
 
 from ..bert_padding import pad_input, unpad_input
+from ..errors import ErrorCode, fail
 from ..interface import flash_attn_func, flash_attn_varlen_func
 
 NAME = "cuflash"
@@ -56,6 +57,34 @@ def _serve_flash_imports(name: str) -> None:
     fa_utils._lazy_imports = _lazy_imports
 
 
+def _flash_options(module: torch.nn.Module, scaling: float | None, sliding_window: int | None, softcap: float | None,
+                   is_causal: bool | None) -> dict:
+    """transformers' attention options as flash-attn's, mapped as transformers' flash-attn path maps
+    them: sliding_window w lets a query see w - 1 keys on either side of its own (under the causal
+    mask, the w keys up to itself); is_causal from the call, else from the module."""
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    return dict(softmax_scale=scaling, causal=causal,
+                window_size=(sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1),
+                softcap=softcap or 0.0)
+
+
+PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _packed(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """transformers' padding-free kwargs (sequences packed in one row, described by prefix sums) as
+    flash_attn_varlen_func's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); None without
+    cu_seq_lens_q."""
+    if kwargs.get("cu_seq_lens_q") is None:
+        return None
+    missing = [name for name in PACKED_KWARGS if kwargs.get(name) is None]
+    if missing:
+        fail(ErrorCode.INVALID_ARGUMENT, f"packed sequences (cu_seq_lens_q) take all of {', '.join(PACKED_KWARGS)}; "
+             f"missing: {', '.join(missing)}")
+    cu_q, cu_k, max_q, max_k = (kwargs[name] for name in PACKED_KWARGS)
+    return cu_q.int(), cu_k.int(), int(max_q), int(max_k)
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
@@ -64,20 +93,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     attention_mask None or a (B, Lk') bool padding mask (True = token); returns (out (B, Lq, H, D),
     None). Causal attention aligns to the bottom-right corner, so decoding with a KV cache works."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # flash layout views
-    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     deterministic = kwargs.get("deterministic")
     if deterministic is None:
         deterministic = (os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
                          or torch.are_deterministic_algorithms_enabled())
-    options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal,
-                   window_size=(sliding_window - 1, -1) if sliding_window else (-1, -1), softcap=softcap or 0.0,
+    options = dict(_flash_options(module, scaling, sliding_window, softcap, is_causal), dropout_p=dropout,
                    deterministic=deterministic)
-    cu_seqlens_q = kwargs.get("cu_seq_lens_q")
-    if cu_seqlens_q is not None and attention_mask is None:
-        # Padding-free training: sequences packed in one row, described by transformers' prefix sums.
-        out = flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q.int(), kwargs["cu_seq_lens_k"].int(),
-                                     int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), **options)
-        return out[None], None
+    packed = _packed(kwargs)
+    if packed is not None and attention_mask is None:  # padding-free training
+        return flash_attn_varlen_func(q[0], k[0], v[0], *packed, **options)[None], None
     if attention_mask is None:
         return flash_attn_func(q, k, v, **options), None
     batch, seqlen_q = q.shape[:2]
@@ -95,21 +119,36 @@ def register_context_parallel(mesh, name: str = "cuflash_cp", layout: str = "con
     """Registers `name` as an attention implementation that attends across the context-parallel
     DeviceMesh `mesh` (cuflash.distributed.context_parallel_attn_func): each rank runs the model on
     its shard of the sequence (cuflash.distributed.context_parallel_shard of the input ids and of the
-    global position ids), causal over the global positions. No padding mask (train on packed or
-    full-length sequences)."""
+    global position ids), causal over the global positions. sliding_window and softcap as
+    attention_forward; a sliding window runs through the all-to-all only (mode "ulysses", or "auto"
+    on a 1-D mesh whose ranks divide the head counts). Packed sequences (transformers' cu_seq_lens_q,
+    cu_seq_lens_k, max_length_q, max_length_k of the whole packed row, the same on every rank) need
+    the contiguous layout and a 1-D mesh (context_parallel_attn_varlen_func). No padding mask (train
+    on packed or full-length sequences) and no attention dropout. What the attention cannot do raises
+    FlashAttentionError naming it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-    from ..distributed import context_parallel_attn_func
+    from ..distributed import context_parallel_attn_func, context_parallel_attn_varlen_func
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                  sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
                   **kwargs):
         if attention_mask is not None:
-            raise ValueError(f"{name}: context parallelism takes no padding mask; pass full-length sequences")
+            fail(ErrorCode.UNSUPPORTED_FEATURE, f"{name}: context parallelism takes no padding mask (attention_mask); "
+                 "pass full-length or packed sequences")
+        if dropout:
+            fail(ErrorCode.UNSUPPORTED_FEATURE, f"{name}: dropout={dropout}: context-parallel attention has no "
+                 "attention dropout (set the model's attention_dropout to 0)")
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        causal = bool(getattr(module, "is_causal", True))
-        return context_parallel_attn_func(q, k, v, mesh, softmax_scale=scaling, causal=causal, layout=layout,
-                                          mode=mode), None
+        options = _flash_options(module, scaling, sliding_window, softcap, is_causal)
+        packed = _packed(kwargs)
+        if packed is None:
+            return context_parallel_attn_func(q, k, v, mesh, layout=layout, mode=mode, **options), None
+        if layout != "contiguous":
+            fail(ErrorCode.UNSUPPORTED_FEATURE, f"{name}: packed sequences (cu_seq_lens_q) need each rank to hold a "
+                 f"contiguous share of the packed row: layout='contiguous', got layout={layout!r}")
+        return context_parallel_attn_varlen_func(q[0], k[0], v[0], *packed, mesh, mode=mode, **options)[None], None
 
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, flash_attention_mask)
