@@ -672,6 +672,18 @@ def test_layout_checks_run_once_per_signature(monkeypatch):
         step()
 
 
+@pytest.mark.parametrize("flag", ["causal", "rotary_interleaved"])
+def test_flags_are_bools(flag):
+    """causal="yes" or rotary_interleaved=1 raise naming the flag, before the cache is touched."""
+    k_cache, v_cache = (torch.zeros(1, 8, 1, 16) for _ in range(2))
+    cos = torch.ones(8, 4)
+    with pytest.raises(cuflash.FlashAttentionError, match=f"{flag} must be a bool"):
+        cuflash.flash_attn_with_kvcache(torch.randn(1, 1, 1, 16), k_cache, v_cache, torch.ones(1, 1, 1, 16),
+                                        torch.ones(1, 1, 1, 16), rotary_cos=cos, rotary_sin=cos * 0,
+                                        cache_seqlens=2, **{flag: "yes" if flag == "causal" else 1})
+    assert not k_cache.any()
+
+
 def test_outgrowing_the_block_table_raises_runtime_error_naming_it():
     """flash-attn's paged-cache test expects a RuntimeError matching "block_table" when a sequence
     outgrows its block table; code written for it catches that."""

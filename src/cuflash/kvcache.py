@@ -15,8 +15,8 @@ import torch
 
 from . import ops
 from .cache import IndexKind, index_error, index_violation
-from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_softcap, check_tensor, check_window, fail,
-                     resolve_scale)
+from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_bool, check_softcap, check_tensor,
+                     check_window, fail, resolve_scale)
 from .memo import plain_flash_options, remembered, signature
 from .params import AttentionParams, per_sequence
 from .rotary import check_cos_sin, rotate
@@ -57,7 +57,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_leftpad: (batch,) int32: each sequence's keys start at this position (contiguous cache).
         block_table: (batch, max_blocks_per_seq) int32: the cache pages of each sequence, in order;
             any page_block_size (the kernel reads the page of each key).
-        causal, window_size, softcap, alibi_slopes, softmax_scale: as flash_attn_func, aligned to
+        causal, window_size, softcap, alibi_slopes, softmax_scale: as flash_attn_func (causal and
+            rotary_interleaved are bools: errors.check_bool), aligned to
             the bottom-right corner of each sequence (query i sits at key position
             cache_seqlens + seqlen_new - seqlen_q + i).
         num_splits: how many parts the decode kernel splits each sequence's keys into (0: enough
@@ -76,6 +77,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     error, naming the step, is raised by the next deferred step on the device or by
     cuflash.raise_decode_errors() (cache.py).
     """
+    rotary_interleaved = check_bool("rotary_interleaved", rotary_interleaved)
     call = _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                      block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
     q, k = _rotate(call, q, k, rotary_cos, rotary_sin, rotary_interleaved)
@@ -180,6 +182,7 @@ def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
             fail(ErrorCode.SHAPE_MISMATCH, f"k {tuple(k.shape)} {k.dtype} does not fit k_cache "
                  f"{tuple(k_cache.shape)} {k_cache.dtype}")
         seqlen_new = k.shape[1]
+    causal = check_bool("causal", causal)
     left, right = check_window(window_size)
     params = AttentionParams(resolve_scale(softmax_scale, head_dim), left, 0 if causal else right,
                              softcap=check_softcap(softcap),
