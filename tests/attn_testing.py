@@ -22,6 +22,21 @@ GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 CPU_DTYPES = [torch.float32, torch.float16]  # (the interpreter has no bf16 dot: bf16 runs in the gpu tests)
 
 
+def dtype_cases(values: list, fp32_values: list, unpack: bool = False) -> list[tuple]:
+    """GPU_DTYPES x values as (dtype, value) parameter tuples ((dtype, *value) with unpack), fp32 with
+    fp32_values only: fp32 kernels (IEEE or tf32x3 dots) compile 2-3 times slower than 16-bit ones,
+    and each new shape compiles a variant of its own, so the gpu suite takes fp32 on a few odd shapes
+    of each test (cold, with 15 workers, it runs in under 5 minutes on an H100)."""
+    assert all(v in values for v in fp32_values)
+    return [(dtype, *v) if unpack else (dtype, v)
+            for dtype in GPU_DTYPES for v in (fp32_values if dtype == torch.float32 else values)]
+
+
+def case_id(value) -> str:
+    """A test id for a dtype, a number or a shape tuple (2x17x300)."""
+    return "x".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 def flash_fn(causal: bool):
     """flash_attn_func with this causality, as check_against_oracle takes it."""
     import cuflash

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import BOUNDS, GPU_DTYPES, check_against_oracle, flash_fn, make_qkv, \
+from attn_testing import BOUNDS, GPU_DTYPES, check_against_oracle, dtype_cases, flash_fn, make_qkv, \
     rel_err, run_and_grad, seed_of, varlen_batch, varlen_reference
 from cuflash.params import AttentionParams
 from cuflash.reference import attention_reference
@@ -405,10 +405,9 @@ SEQLENS = [1, 17, 128, 1000, 4096]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seqlen", SEQLENS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype,seqlen", dtype_cases(SEQLENS, [17, 1000]), ids=str)
 def test_against_oracle(dtype, causal, head_dim, seqlen):
     torch.manual_seed(seqlen * 1000 + head_dim)
     batch, nheads = (1, 2) if seqlen >= 1000 else (2, 4)
@@ -447,11 +446,11 @@ def test_explicit_block_sizes_on_gpu(dtype, head_dim, blocks):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1000), (17, 128), (1000, 17), (128, 4096), (4096, 1000)])
 @pytest.mark.parametrize("nheads,nheads_k", [(8, 2), (6, 1)])
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype,seqlen_q,seqlen_k", dtype_cases(
+    [(1, 1000), (17, 128), (1000, 17), (128, 4096), (4096, 1000)], [(1, 1000), (1000, 17)], unpack=True), ids=str)
 def test_gqa_and_unequal_seqlens(dtype, causal, head_dim, nheads, nheads_k, seqlen_q, seqlen_k):
     torch.manual_seed(seqlen_q + seqlen_k + nheads + head_dim)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, "cuda")
