@@ -273,14 +273,17 @@ def test_user_tiles_that_overflow_shared_memory_are_refused_before_compiling(mon
     monkeypatch.setattr(plan, "max_shared_memory", lambda device: 64 * 1024)  # bytes
     q = torch.randn(1, 64, 2, 256)  # fp32 D=256: a 32-row tile is 32 KiB
     ok = AttentionParams(0.1, block_m=64, block_n=32)
-    assert select(problem(q, q, q, ok), ok).forward == Tiles(64, 32, 4, 2)  # 2 x 32 KiB: fits
+    # 2 x 32 KiB: fits; 8 warps for the 64 x (256 + 32) fp32 accumulators (plan._user_warps)
+    assert select(problem(q, q, q, ok), ok).forward == Tiles(64, 32, 8, 2)
     with pytest.raises(cuflash.FlashAttentionError, match=r"block_m=64, block_n=32 .*128 KiB.*smaller blocks"):
         select(problem(q, q, q, ok, q), ok)  # the backward's two 64-row tiles do not
     wide = AttentionParams(0.1, block_m=16, block_n=64)
     with pytest.raises(cuflash.FlashAttentionError, match="block_n=64"):
         select(problem(q, q, q, wide), wide)
     half = q.half()
-    assert select(problem(half, half, half, ok, half), ok).dkdv == Tiles(64, 32, 4, 2)  # 2 x 32 KiB in fp16
+    assert select(problem(half, half, half, ok, half), ok).dkdv == Tiles(64, 32, 8, 2)  # 2 x 32 KiB in fp16
+    small = AttentionParams(0.1, block_m=16, block_n=16)  # 16 x (256 + 16) and 2 x 16 x 256 accumulators: 4 warps
+    assert select(problem(half, half, half, small, half), small).dkdv == Tiles(16, 16, 4, 2)
 
 
 @interpret
