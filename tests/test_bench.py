@@ -5,7 +5,12 @@ import time
 import pytest
 import torch
 
-from cuflash.bench.__main__ import main
+from cuflash.cli import main as cli_main
+
+
+def main(argv):
+    """`cuflash bench argv`: its exit status."""
+    return cli_main(["bench", *argv])
 
 
 def test_cpu_bench_writes_csv_table_and_plot(tmp_path, capsys):
@@ -79,9 +84,9 @@ def test_fa4_provider(monkeypatch, capsys):
     harness.fa4_version.cache_clear()
 
 
-def test_unknown_provider_is_refused():
-    with pytest.raises(SystemExit):
-        main(["--device", "cpu", "--providers", "cuflash,fastest"])
+def test_unknown_provider_is_refused(capsys):
+    assert main(["--device", "cpu", "--providers", "cuflash,fastest"]) == 2
+    assert "argument --providers: 'fastest' is not one of" in capsys.readouterr().err
 
 
 def test_methods_side_by_side_on_cpu(tmp_path):

@@ -75,10 +75,9 @@ def test_run_refuses_bad_folders_and_writes_nothing(problem, damage, word, capsy
     assert {p.name: p.stat().st_mtime_ns for p in problem.iterdir()} == before
 
 
-def test_run_unknown_method_exits_2(problem):
-    with pytest.raises(SystemExit) as info:
-        main(["run", "--compute", "fa3", "--data", str(problem)])
-    assert info.value.code == 2
+def test_run_unknown_method_exits_2(problem, capsys):
+    assert main(["run", "--compute", "fa3", "--data", str(problem)]) == 2
+    assert "argument --compute: invalid choice: 'fa3'" in capsys.readouterr().err
 
 
 def test_run_missing_folder(tmp_path, capsys):
@@ -160,6 +159,9 @@ def test_check_tolerance_and_stop_on_failure(capsys):
     assert main(["check", "--tolerance", "1e-12"]) == 1
     out = capsys.readouterr().out
     assert out.count("FAILED") == 1 and "stopped at the first failure (3 cases run" in out
+    # the number judged (||err||/||ref||) is in the table beside its bound, as the failure quotes it
+    judged = out.split("^ FAILED: ||err||/||ref|| = ")[1].split()[0]
+    assert f" {judged}  >  1e-12\n" in out and "||err||/||ref||  bound" in out
     assert main(["check", "--tolerance", "1e-12", "--no-stop-on-failure"]) == 1
     out = capsys.readouterr().out
     assert out.count("^ FAILED") == 8 and "2 of 10 cases within --tolerance; 8 FAILED" in out

@@ -1,8 +1,7 @@
-"""python -m cuflash.bench: a side-by-side sweep of cuflash and torch SDPA, printed as a table and
-written as CSV/markdown."""
+"""cuflash bench (also python -m cuflash.bench): a side-by-side sweep of cuflash and torch SDPA,
+printed as a table and written as CSV/markdown."""
 from __future__ import annotations
 
-import argparse
 import datetime
 import platform
 import sys
@@ -10,74 +9,75 @@ from pathlib import Path
 
 import torch
 
+from ..cli import MODES, CommandError, Parser, Progress, integer, integers, names, out_folder, run_guarded
 from ..dtypes import DTYPES, dtype_name
-from ..ops import triton_version
+from ..errors import MAX_HEAD_DIM
+from ..ops import backend_name, triton_version
 from .harness import CUDA_ONLY, PROVIDERS, VARIANTS, Case, fa4_version, run_case, write_csv
 
 
-
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m cuflash.bench") -> int:
+    """The sweep (`--decode`: the decode sweep); `prog` names the command in its help and errors.
+    Bad arguments exit through argparse (SystemExit 2); run_guarded turns the rest into one line."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--decode" in argv:  # the decode sweep has its own options: `cuflash bench --decode -h`
         from .decode import main as decode_main
-        return decode_main([a for a in argv if a != "--decode"])
-    p = argparse.ArgumentParser(prog="python -m cuflash.bench", description=__doc__,
-                                epilog="--decode: the KV-cache decode sweep (see --decode -h)")
-    p.add_argument("--providers", default="cuflash,sdpa-cudnn,sdpa-flash", help=f"from {','.join(PROVIDERS)}")
+        return decode_main([a for a in argv if a != "--decode"], prog=f"{prog} --decode")
+    p = Parser(prog=prog, description=__doc__, epilog="--decode: the KV-cache decode sweep (see --decode -h)")
+    p.add_argument("--providers", type=names(PROVIDERS), default="cuflash,sdpa-cudnn,sdpa-flash",
+                   help=f"from {','.join(PROVIDERS)}")
     p.add_argument("--quick", action="store_true",
                    help="a few minutes' subset: seqlens 2048,8192, head dims 64,128, fwd and bwd")
-    p.add_argument("--seqlens", default=None, help="default 512,1024,2048,4096,8192,16384")
-    p.add_argument("--hdims", default=None, help="default 64,128,256")
-    p.add_argument("--dtype", default=None, type=dtype_name, help="fp16, bf16 or fp32 (default bf16; fp32 on the CPU)")
+    p.add_argument("--seqlens", type=integers(1), default=None,
+                   help="(default: 512,1024,2048,4096,8192,16384; 256,1024,4096 on the CPU)")
+    p.add_argument("--hdims", type=integers(1, MAX_HEAD_DIM), default=None, help="(default: 64,128,256; 64 on the CPU)")
+    p.add_argument("--dtype", default=None, type=dtype_name, help="fp16, bf16 or fp32 (default: bf16; fp32 on the CPU)")
     p.add_argument("--causal", default="both", choices=["both", "true", "false"])
-    p.add_argument("--modes", default=None, help="from fwd,bwd,fwd+bwd (default all)")
-    p.add_argument("--variants", default="none",
+    p.add_argument("--modes", type=names(MODES), default=None,
+                   help=f"from {','.join(MODES)} (default: all; fwd,fwd+bwd on the CPU)")
+    p.add_argument("--variants", type=names(VARIANTS), default="none",
                    help=f"from {','.join(VARIANTS)}: options timed against SDPA computing the same thing")
-    p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen (the papers' setting)")
-    p.add_argument("--hidden", type=int, default=2048, help="nheads * head_dim")
-    p.add_argument("--batch", type=int, default=None, help="fixed batch (overrides --tokens)")
-    p.add_argument("--nheads", type=int, default=None, help="fixed nheads (overrides --hidden)")
+    p.add_argument("--tokens", type=integer(1), default=16384, help="batch * seqlen (the papers' setting)")
+    p.add_argument("--hidden", type=integer(1), default=2048, help="nheads * head_dim")
+    p.add_argument("--batch", type=integer(1), default=None, help="fixed batch (overrides --tokens)")
+    p.add_argument("--nheads", type=integer(1), default=None, help="fixed nheads (overrides --hidden)")
     p.add_argument("--device", default=None, choices=["cuda", "cpu"],
                    help="default: cuda where there is a GPU, else cpu with a one-minute default sweep")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per case (default 30, 3 on the CPU)")
-    p.add_argument("--out", default=None, help="folder for results.csv and results.md")
+    p.add_argument("--iters", type=integer(1), default=None, help="timed calls per case (default: 30; 3 on the CPU)")
+    p.add_argument("--out", type=out_folder, default=None, help="folder for results.csv and results.md")
     args = p.parse_args(argv)
-    defaults = ("2048,8192", "64,128", "fwd,bwd") if args.quick else \
-        ("512,1024,2048,4096,8192,16384", "64,128,256", "fwd,bwd,fwd+bwd")
+    defaults: tuple[list, list, list] = ([2048, 8192], [64, 128], ["fwd", "bwd"]) if args.quick else \
+        ([512, 1024, 2048, 4096, 8192, 16384], [64, 128, 256], list(MODES))
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.device == "cpu":  # a sweep that finishes in about a minute on a few cores
-            defaults = ("256,1024,4096", "64", "fwd,fwd+bwd")
+            defaults = ([256, 1024, 4096], [64], ["fwd", "fwd+bwd"])
             args.batch, args.nheads = args.batch or 1, args.nheads or 8
     elif args.device == "cuda" and not torch.cuda.is_available():
-        print("cuflash bench: error: --device cuda, but torch sees no CUDA GPU here (use --device cpu)",
-              file=sys.stderr)
-        return 2
+        raise CommandError("--device cuda, but torch sees no CUDA GPU here (use --device cpu)")
     chosen: dict[str, object] = {}
-    for name, given, default in zip(("seqlens", "hdims", "modes"), (args.seqlens, args.hdims, args.modes), defaults):
-        setattr(args, name, given or default)
-        if not given:
-            chosen[name] = default
+    for name, default in zip(("seqlens", "hdims", "modes"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+            chosen[name] = ",".join(map(str, default))
+    if args.nheads is None and args.hidden < max(args.hdims):
+        p.error(f"argument --hidden: {args.hidden} leaves no head at head dim {max(args.hdims)}; "
+                f"accepted: --hidden >= the largest of --hdims (or --nheads)")
     if args.dtype is None:
         args.dtype = chosen["dtype"] = "fp32" if args.device == "cpu" else "bf16"
     if args.iters is None:
         args.iters = chosen["iters"] = 3 if args.device == "cpu" else 30
-    providers = args.providers.split(",")
-    for name in providers:
-        if name not in PROVIDERS:
-            p.error(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
+    providers = args.providers
     if args.device == "cpu":
-        providers = _cpu_providers(args, providers, p.get_default("providers"))
+        providers = _cpu_providers(providers, ",".join(providers) == p.get_default("providers"))
         if not providers:
-            print("cuflash bench: error: none of the providers runs on the CPU", file=sys.stderr)
-            return 2
+            raise CommandError("none of the providers runs on the CPU")
         chosen["providers"] = ",".join(providers)
     if chosen:
         print(f"cuflash bench on {args.device}: " + "; ".join(f"{k} {v}" for k, v in chosen.items())
               + (f"; batch {args.batch}, {args.nheads} heads" if args.device == "cpu" else ""), file=sys.stderr)
-    for name in args.variants.split(","):
-        if name not in VARIANTS:
-            p.error(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    if "cuflash" in providers:  # (a bad CUFLASH_BACKEND is one error here, not a failed row per case)
+        backend_name(torch.device(args.device), DTYPES[args.dtype])
     return _sweep(args, providers)
 
 
@@ -86,17 +86,17 @@ def _sweep(args, providers: list[str]) -> int:
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     cases = [Case(args.batch or max(1, args.tokens // n), n, args.nheads or args.hidden // d, d, c,
                   DTYPES[args.dtype], m, variant)
-             for variant in args.variants.split(",") for d in map(int, args.hdims.split(",")) for c in causals
-             for m in args.modes.split(",") for n in map(int, args.seqlens.split(","))]
+             for variant in args.variants for d in args.hdims for c in causals for m in args.modes
+             for n in args.seqlens]
     rows = []
     total = len(cases) * len(providers)
-    for i, case in enumerate(cases):
-        for j, provider in enumerate(providers):
-            print(f"\r[{i * len(providers) + j + 1}/{total}] {provider} {case.variant} {case.mode} "
-                  f"D={case.head_dim} N={case.seqlen} causal={case.causal}    ", end="", file=sys.stderr, flush=True)
-            rows.append(run_case(provider, case, args.device, iters=args.iters,
-                                 warmup=2 if args.device == "cpu" else 5))
-    print(file=sys.stderr)
+    with Progress(after_s=0) as progress:
+        for i, case in enumerate(cases):
+            for j, provider in enumerate(providers):
+                progress(f"[{i * len(providers) + j + 1}/{total}] {provider} {case.variant} {case.mode} "
+                         f"D={case.head_dim} N={case.seqlen} causal={case.causal}")
+                rows.append(run_case(provider, case, args.device, iters=args.iters,
+                                     warmup=2 if args.device == "cpu" else 5))
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     header = (f"{device} | torch {torch.__version__} | triton "
               f"{triton_version() or 'none'} | cuDNN {torch.backends.cudnn.version()} | "
@@ -118,12 +118,12 @@ def _sweep(args, providers: list[str]) -> int:
     return 0
 
 
-def _cpu_providers(args, providers: list[str], default: str) -> list[str]:
+def _cpu_providers(providers: list[str], default: bool) -> list[str]:
     """The providers that run on the CPU: the CUDA-only ones left out (with a note when the user named
     them), torch's own choice (its CPU flash kernel) added to the default list."""
     dropped = [name for name in providers if name in CUDA_ONLY]
     providers = [name for name in providers if name not in CUDA_ONLY]
-    if args.providers == default:
+    if default:
         providers.append("sdpa")
     elif dropped:
         print(f"cuflash bench: {', '.join(dropped)} run on CUDA only: left out", file=sys.stderr)
@@ -163,4 +163,4 @@ def _markdown(rows, providers, header, unit) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_guarded("python -m cuflash.bench", main))

@@ -28,7 +28,9 @@ import torch.nn.functional as F
 
 import cuflash
 
+from ..cli import CommandError, Parser, Progress, integer, integers, names, out_folder, run_guarded
 from ..dtypes import DTYPES, dtype_name
+from ..errors import MAX_HEAD_DIM
 from .harness import _SDPA_BACKENDS, _median_ms
 
 GRAPH_BYTES = 2**30
@@ -126,42 +128,53 @@ def run_case(batch, seqlen_q, cache_len, layout, nheads, nheads_k, head_dim, dty
     return rows
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="cuflash bench --decode", description=__doc__)
-    p.add_argument("--providers", default="cuflash,sdpa-cudnn,sdpa-flash,sdpa-efficient")
+def layouts(text: str) -> list[str]:
+    """An argparse type: cache layouts, contiguous or paged<page size>, separated by commas."""
+    items = text.split(",")
+    for item in items:
+        if item != "contiguous" and not (item.startswith("paged") and item[5:].isdigit() and int(item[5:]) >= 1):
+            raise argparse.ArgumentTypeError(f"{item!r} is not a layout; accepted: contiguous, paged<page size> "
+                                             f"(paged256, paged16, ...), separated by commas")
+    return items
+
+
+def main(argv=None, prog: str = "python -m cuflash.bench.decode") -> int:
+    p = Parser(prog=prog, description=__doc__)
+    p.add_argument("--providers", type=names(("cuflash",) + tuple(_SDPA_BACKENDS)),
+                   default="cuflash,sdpa-cudnn,sdpa-flash,sdpa-efficient")
     p.add_argument("--quick", action="store_true", help="batch 1,8; cache 4k,32k; seqlen_q 1; contiguous, paged256")
-    p.add_argument("--batches", default=None, help="default 1,8,64")
-    p.add_argument("--cache-lens", default=None, help="default 4096,32768,131072")
-    p.add_argument("--seqlen-q", default=None, help="default 1,4")
-    p.add_argument("--layouts", default=None, help="from contiguous,paged256,paged16 (default all)")
-    p.add_argument("--nheads", type=int, default=32)
-    p.add_argument("--nheads-k", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batches", type=integers(1), default=None, help="(default: 1,8,64)")
+    p.add_argument("--cache-lens", type=integers(1), default=None, help="(default: 4096,32768,131072)")
+    p.add_argument("--seqlen-q", type=integers(1), default=None, help="(default: 1,4)")
+    p.add_argument("--layouts", type=layouts, default=None,
+                   help="contiguous, paged<page size> (default: contiguous,paged256,paged16)")
+    p.add_argument("--nheads", type=integer(1), default=32)
+    p.add_argument("--nheads-k", type=integer(1), default=8)
+    p.add_argument("--head-dim", type=integer(1, MAX_HEAD_DIM), default=128)
     p.add_argument("--dtype", default="bf16", type=dtype_name, help="fp16, bf16 or fp32")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--out", default=None, help="folder for decode.csv and decode.md")
+    p.add_argument("--iters", type=integer(1), default=30)
+    p.add_argument("--out", type=out_folder, default=None, help="folder for decode.csv and decode.md")
     args = p.parse_args(argv)
-    defaults = ("1,8", "4096,32768", "1", "contiguous,paged256") if args.quick else \
-        ("1,8,64", "4096,32768,131072", "1,4", "contiguous,paged256,paged16")
-    batches, cache_lens, seqlens_q, layouts = (
-        given or default for given, default in zip((args.batches, args.cache_lens, args.seqlen_q, args.layouts),
-                                                   defaults))
+    if args.nheads % args.nheads_k:
+        p.error(f"argument --nheads-k: {args.nheads_k} does not divide --nheads {args.nheads}")
+    defaults: tuple[list, list, list, list] = (
+        ([1, 8], [4096, 32768], [1], ["contiguous", "paged256"]) if args.quick else
+        ([1, 8, 64], [4096, 32768, 131072], [1, 4], ["contiguous", "paged256", "paged16"]))
+    batches, cache_lens = args.batches or defaults[0], args.cache_lens or defaults[1]
+    seqlens_q, layout_names = args.seqlen_q or defaults[2], args.layouts or defaults[3]
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA GPU here; pass --device cpu to time the CPU path", file=sys.stderr)
-        return 2
+        raise CommandError("--device cuda, but torch sees no CUDA GPU here (use --device cpu to time the CPU path)")
     device = torch.device(args.device)
     copy_gbps = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**26, args.iters)
     rows = []
-    cases = [(b, sq, n, layout) for b in map(int, batches.split(",")) for sq in map(int, seqlens_q.split(","))
-             for n in map(int, cache_lens.split(",")) for layout in layouts.split(",")]
-    for i, (b, sq, n, layout) in enumerate(cases):
-        print(f"\r[{i + 1}/{len(cases)}] batch {b} seqlen_q {sq} cache {n} {layout}    ", end="", file=sys.stderr,
-              flush=True)
-        providers = args.providers.split(",") if layout == "contiguous" else ["cuflash"]
-        rows += run_case(b, sq, n, layout, args.nheads, args.nheads_k, args.head_dim, DTYPES[args.dtype], device,
-                         providers, args.iters)
-    print(file=sys.stderr)
+    cases = [(b, sq, n, layout) for b in batches for sq in seqlens_q for n in cache_lens for layout in layout_names]
+    with Progress(after_s=0) as progress:
+        for i, (b, sq, n, layout) in enumerate(cases):
+            progress(f"[{i + 1}/{len(cases)}] batch {b} seqlen_q {sq} cache {n} {layout}")
+            providers = args.providers if layout == "contiguous" else ["cuflash"]
+            rows += run_case(b, sq, n, layout, args.nheads, args.nheads_k, args.head_dim, DTYPES[args.dtype],
+                             device, providers, args.iters)
     lines = [f"decode on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}: copy bandwidth "
              f"{copy_gbps:.0f} GB/s (read + written)", "",
              "| batch | seqlen_q | cache | layout | KV MB | cuflash ms | eager ms | GB/s | of copy | best SDPA | "
@@ -194,4 +207,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_guarded("python -m cuflash.bench.decode", main))
