@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cuflash import cli, datafiles, methods
+from cuflash import cli, commandline, datafiles, methods
 from cuflash.bench import harness
 from cuflash.cli import main
 from cuflash.datafiles import DERIVED, read_tensor
@@ -156,7 +156,7 @@ def test_run_reference_holds_a_block_of_query_rows_at_a_time(tmp_path, capsys, m
     it reports stay at fp32 rounding: the blocks add up to the whole."""
     assert main(["generate", "--num-heads", "2", "--seq-len", "64", "--head-dim", "4",
                  "--output-dir", str(tmp_path)]) == 0
-    monkeypatch.setattr(cli, "SCORES_BUDGET", 2 * 64 * 3, raising=False)
+    monkeypatch.setattr(cli, "SCORES_BUDGET", 2 * 64 * 3)
     sizes = _product_sizes(monkeypatch)
     rc, out, err = _cli(["run", "--compute", "fa2", "--mode", "both", "--causal",
                          "--data", str(tmp_path / "B1_H2_S64_D4")], capsys)
@@ -207,7 +207,7 @@ def test_run_samples_heads_then_rows_past_the_reference_budget(small, capsys, mo
 
 
 def test_run_prints_progress_on_stderr_past_a_few_seconds(small, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "PROGRESS_AFTER_S", 0.0, raising=False)
+    monkeypatch.setattr(commandline, "PROGRESS_AFTER_S", 0.0)
     rc, out, err = _cli(["run", "--compute", "fa2", "--mode", "both", "--data", str(small)], capsys)
     assert rc == 0 and "float64 reference" in err and "fa2 backward" in err and "Traceback" not in err
 
@@ -403,7 +403,7 @@ class _ClosedPipe:
 def test_a_closed_pipe_ends_every_command_quietly(argv, small, capsys, monkeypatch):
     argv = argv + (["--data", str(small)] if argv[0] == "run" else [])
     argv = argv + (["--output-dir", str(small.parent)] if argv[0] == "generate" else [])
-    monkeypatch.setattr(cli, "PROGRESS_AFTER_S", 1e9)  # (no progress line on stderr, however slow the machine)
+    monkeypatch.setattr(commandline, "PROGRESS_AFTER_S", 1e9)  # (no progress line on stderr, however slow the machine)
     monkeypatch.setattr(sys, "stdout", _ClosedPipe())
     rc, out, err = _cli(argv, capsys)
     assert rc == 141 and err == ""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import MODES, CommandError, Parser, Progress, integer, integers, names, out_folder, run_guarded
+from ..commandline import MODES, CommandError, Parser, Progress, integer, integers, names, out_folder, run_guarded
 from ..dtypes import DTYPES, dtype_name
 from ..errors import MAX_HEAD_DIM
 from ..ops import backend_name, triton_version

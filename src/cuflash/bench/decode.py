@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import cuflash
 
-from ..cli import CommandError, Parser, Progress, integer, integers, names, out_folder, run_guarded
+from ..commandline import CommandError, Parser, Progress, integer, integers, names, out_folder, run_guarded
 from ..dtypes import DTYPES, dtype_name
 from ..errors import MAX_HEAD_DIM
 from .harness import _SDPA_BACKENDS, _median_ms
