@@ -17,7 +17,7 @@ in a record of pinned host memory. Who raises it depends on the mode (set_decode
 A step captured in a CUDA graph (no host read is possible there) always defers: a serving loop that
 replays graphs calls raise_decode_errors() itself, e.g. after it reads a step's outputs. A call with
 valid inputs never raises another step's error: the steps that raise have records of their own
-(one per thread) that only they write.
+(one per thread and device) that only they write.
 """
 from __future__ import annotations
 
@@ -167,15 +167,16 @@ class _Record:
              f"read or written through the value: {index_error(kind, (packed >> 32) - 1, value, bound)}")
 
 
-# Per (device, owner): the deferred steps' record (owner "defer"), and one per thread for the steps
-# that raise their own errors.
-_records: dict[tuple[torch.device, object], _Record] = {}
+# The deferred steps' records, per device; and per thread, per device, the records of the steps that
+# raise their own errors (a thread's go with it).
+_deferred: dict[torch.device, _Record] = {}
+_per_thread = threading.local()
 
 
-def _record(device: torch.device, owner: object) -> _Record:
-    found = _records.get((device, owner))
+def _record(records: dict, device: torch.device) -> _Record:
+    found = records.get(device)
     if found is None:
-        found = _records[(device, owner)] = _Record(device)
+        found = records[device] = _Record(device)
     return found
 
 
@@ -184,7 +185,7 @@ class DecodeStep:
     and its number (`step`), taken before the launch; `done()` after it raises what the step found
     where the step raises its own errors. indexed: the step passes the kernel an index tensor (else
     the kernel has no value to check, and the step never waits)."""
-    __slots__ = ("record", "step", "_own")
+    __slots__ = ("record", "step", "_raised_from")
 
     def __init__(self, device: torch.device, indexed: bool, launch_blocking: bool = False):
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -193,21 +194,22 @@ class DecodeStep:
         if capturing:
             _captured.add(self.step)
         deferred = _mode == "defer" or capturing
-        own = None if deferred or not indexed else _record(device, threading.get_ident())
-        shared = _record(device, "defer")
+        own = None if deferred or not indexed else _record(_per_thread.__dict__, device)
+        shared = _record(_deferred, device)
         if deferred and not capturing:  # the next deferred step raises what earlier ones found
             shared.raise_found()
         # Under CUDA_LAUNCH_BLOCKING=1 the launch returns with the kernel done: a deferred step raises
         # its own errors at once too.
-        self._own = own if own is not None else (shared if indexed and launch_blocking and not capturing else None)
+        blocking = indexed and launch_blocking and not capturing
+        self._raised_from = own if own is not None else (shared if blocking else None)
         self.record = (own or shared).tensor
 
     def done(self) -> None:
-        if self._own is None:
+        if self._raised_from is None:
             return
-        if self._own.device.type == "cuda":
-            torch.cuda.current_stream(self._own.device).synchronize()
-        self._own.raise_found()
+        if self._raised_from.device.type == "cuda":
+            torch.cuda.current_stream(self._raised_from.device).synchronize()
+        self._raised_from.raise_found()
 
 
 def last_decode_step() -> int:
@@ -224,6 +226,6 @@ def raise_decode_errors(device: torch.device | str | None = None) -> None:
     what the GPU has written by then: call it after the step's outputs are read (or after a
     synchronize)."""
     wanted = None if device is None else torch.device(device)
-    for (where, _), record in list(_records.items()):
+    for where, record in list(_deferred.items()):
         if wanted is None or (where.type == wanted.type and wanted.index in (None, where.index)):
             record.raise_found()
