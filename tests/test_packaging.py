@@ -61,10 +61,11 @@ def test_sdist_carries_the_tests_their_helpers_the_docs_and_the_metadata(tmp_pat
     documents = ["README.md"]
     for document in documents:  # the README, and every document it links to, grows as links are found
         for target in re.findall(r"\]\(([^)#\s]+)", (ROOT / document).read_text()):
-            if "://" not in target:
-                wanted.add(target)
-                if target.endswith(".md") and target not in documents:
-                    documents.append(target)
+            if "://" not in target:  # a relative link, from the document's own folder
+                path = os.path.relpath(os.path.normpath(ROOT / os.path.dirname(document) / target), ROOT)
+                wanted.add(path)
+                if path.endswith(".md") and path not in documents:
+                    documents.append(path)
     wanted |= {str(path.relative_to(ROOT)) for path in ROOT.glob("docs/*.md")}
     assert not sorted(wanted - names)
     assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
