@@ -76,7 +76,7 @@ def info(args) -> int:
         name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
         hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0) and gluon_kernels()
         devices.append(f"{device}: {name}; backend: {backend_name(torch.device(device), torch.float32)}"
-                       + ("; long 16-bit attention at head dim 64/128: the Gluon kernels for Hopper (README: Backends)"
+                       + ("; long 16-bit attention at head dim 64/128: the Gluon kernels for Hopper (docs/backends.md)"
                           if hopper else ""))
     print(f"cuflash {package_version()}, python {platform.python_version()}, torch {torch.__version__}")
     print(f"triton {triton_version()}" if triton_version() else "triton not installed: the CPU path only")
