@@ -26,12 +26,13 @@ import triton.language as tl
 
 from ...cache import RECORD_WORDS, DecodeStep, IndexKind
 from ...params import AttentionParams
+from ..constants import LOG2E, NO_MASK
 from ..device import cdiv, next_power_of_2, num_sms, padded_head_dim
 from ..launch import keep, kept, launch, open_key, workspace
 from ..plan import decode_tiles
 from ..variant import logit_scales
 from . import Tiles
-from .common import LN2, LOG2E, NO_MASK, logits, mma, score_tile, softmax_step
+from .common import LN2, logits, mma, score_tile, softmax_step
 
 MAX_SPLITS = 64  # the combine kernel holds one row of every split in registers
 # The split heuristic's bar (even_splits): the fewest splits whose key tiles load every SM within 10%
