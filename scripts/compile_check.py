@@ -47,10 +47,8 @@ attention.launch = _compile_only
 from cuflash.kernels import plan  # noqa: E402
 from cuflash.kernels.device import padded_head_dim  # noqa: E402
 from cuflash.kernels.plan import Length, entry  # noqa: E402
-from cuflash.kernels.triton import decode  # noqa: E402
 from cuflash.params import AttentionParams  # noqa: E402
 
-decode.launch = _compile_only
 plan.arch = lambda device: 90  # the decode tiles of Hopper for the CPU tensors below
 
 # (seqlen_q, seqlen_k, nheads, nheads_k): ones that Triton turns into constants, GQA, MQA, ragged.
@@ -102,8 +100,8 @@ def compile_decode(dtype, d, paged: bool, tensor_seqlens: bool) -> str | None:
     table = torch.arange(8, dtype=torch.int32).view(2, 4) if paged else None
     seqlens = torch.tensor([5, 100], dtype=torch.int32) if tensor_seqlens else 100
     try:
-        decode.decode_forward(q, k_cache, v_cache, seqlens, 2, None, None, table, AttentionParams(d ** -0.5,
-                              window_right=0), 0, k_new, v_new)
+        attention.decode_forward(q, k_cache, v_cache, seqlens, 2, None, None, table, AttentionParams(d ** -0.5,
+                                 window_right=0), 0, k_new, v_new)
     except Exception as exc:  # a compiler pass or ptxas failing
         lines = str(exc).strip().splitlines() or [""]
         return f"decode: {type(exc).__name__}: {lines[-1][:120]}"

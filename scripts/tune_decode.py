@@ -1,8 +1,7 @@
 """Sweeps the decode kernel's launch (key tile, warps, stages) and split count on the GPU at hand:
 GB/s of the cached K/V read per call, replayed from a CUDA graph, against the device copy
 bandwidth, and the default launch's figure beside the best SDPA backend's (contiguous cache). Fills
-decode_tiles (kernels/plan.py) and even_splits (kernels/triton/decode.py). Run from the source
-tree:
+decode_tiles and even_splits (kernels/plan.py). Run from the source tree:
 
     PYTHONPATH=src python3 scripts/tune_decode.py [--batches 1,8 --caches 32768 --layouts contiguous,paged256
                                                    --configs 64x4x3,128x4x3 --all] [--profile]
@@ -15,8 +14,9 @@ import torch
 
 from cuflash.bench.decode import GRAPH_BYTES, _sdpa, _time, copy_bandwidth
 from cuflash.kernels.device import num_sms
+from cuflash.kernels import decode_forward
+from cuflash.kernels.plan import MAX_SPLITS
 from cuflash.kernels.triton import Tiles
-from cuflash.kernels.triton.decode import MAX_SPLITS, decode_forward
 from cuflash.params import AttentionParams
 
 CONFIGS = "64x4x3,64x4x2,128x4x2,128x4x3,128x8x3"

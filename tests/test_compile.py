@@ -186,11 +186,11 @@ def test_compiling_warns_of_no_cache_wrapper(monkeypatch):
 
 def test_backend_choice_queries_the_driver_once(monkeypatch):
     """Outside compiled code the backend choice is kept: the driver is asked once per device."""
-    from cuflash import ops
+    from cuflash.backend import backend_name
     queries = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: queries.append(device) or (9, 0))
     monkeypatch.setenv("CUFLASH_BACKEND", "auto")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     device = torch.device("cuda", 7)  # (a device no other test asks about)
-    assert [ops.backend_name(device, torch.float16) for _ in range(3)] == ["triton"] * 3
+    assert [backend_name(device, torch.float16) for _ in range(3)] == ["triton"] * 3
     assert queries == [device]

@@ -7,7 +7,7 @@ import torch
 
 import cuflash
 from cuflash import ErrorCode, FlashAttentionError
-from cuflash import ops
+from cuflash.backend import backend_name
 from cuflash.reference import attention_reference
 
 
@@ -216,13 +216,13 @@ def test_cuda_tensor_on_a_gpu_too_old(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with raises(ErrorCode.UNSUPPORTED_DEVICE, "Tesla V100", "7.0", "8.0"):
-        ops.backend_name(torch.device("cuda"), torch.float16)
+        backend_name(torch.device("cuda"), torch.float16)
 
 
 def test_cuda_tensor_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with raises(ErrorCode.UNSUPPORTED_DEVICE, "TRITON_INTERPRET", "cuda"):
-        ops.backend_name(torch.device("cuda"), torch.float16)
+        backend_name(torch.device("cuda"), torch.float16)
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):

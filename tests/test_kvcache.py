@@ -302,9 +302,9 @@ def test_decode_steps_launch_their_signature_plans_directly(monkeypatch):
     call signature: a later step launches them without launch()'s lookup and still appends and
     attends right, on new data and new lengths, with the splits' partial results made anew; a query
     off 16-byte alignment or an int cache_seqlens (an argument of its own plans) looks them up."""
-    from cuflash.kernels.triton import decode
+    from cuflash.kernels import attention
 
-    looked_up = count_plan_lookups(monkeypatch, decode)
+    looked_up = count_plan_lookups(monkeypatch, attention)
     torch.manual_seed(27)
     k_cache, v_cache = (torch.randn(9, 8, 2, 16) for _ in range(2))
     table = torch.tensor([[4, 0, 7, 1], [2, 8, 5, 3]], dtype=torch.int32)
@@ -617,8 +617,8 @@ def test_a_step_raises_its_own_bad_value_by_default():
 def test_index_errors_at_once_under_cuda_launch_blocking(monkeypatch, deferred):
     """Deferred, with CUDA_LAUNCH_BLOCKING=1 (the kernel done when its launch returns) the step
     raises its own bad value."""
-    from cuflash.kernels.triton import decode
-    monkeypatch.setattr(decode, "LAUNCH_BLOCKING", True)
+    from cuflash.kernels import attention
+    monkeypatch.setattr(attention, "LAUNCH_BLOCKING", True)
     bad, _ = _bad_then_good_steps("cpu", torch.float32)
     with pytest.raises(cuflash.FlashAttentionError, match=r"cache_seqlens\[1\] = 9"):
         bad()
@@ -726,7 +726,7 @@ def test_split_heuristic_loads_the_sms_evenly(sms, tiles):
     """The split count the decode launch takes unasked: with programs fewer than two an SM, the busiest
     SM reads within 1 / WAVE_EFFICIENCY of an even share of the tiles, or as little as any split count
     gets it to; the count never exceeds MAX_SPLITS or the tiles, and a GPU full of programs reads unsplit."""
-    from cuflash.kernels.triton.decode import MAX_SPLITS, WAVE_EFFICIENCY, even_splits
+    from cuflash.kernels.plan import MAX_SPLITS, WAVE_EFFICIENCY, even_splits
     for programs in [*range(1, 40), *range(40, 2 * sms + 40, 5)]:
         splits = even_splits(programs, tiles, sms)
         assert 1 <= splits <= min(MAX_SPLITS, tiles)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .backend import backend_name, triton_version
 from .commandline import (MODES, CommandError, Parser, Progress, integer, integers, names, out_folder,
                           positive_number, run_guarded)
 from .datafiles import SEEDS, check_room
@@ -41,7 +42,6 @@ def demo(args) -> int:
     """Computes attention on the best device present, checks it against the float64 oracle and
     torch SDPA, and prints error and speed side by side."""
     from .bench.harness import Case, run_case
-    from .ops import backend_name
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -69,12 +69,19 @@ def demo(args) -> int:
     return 0 if ok else 1
 
 
+def gluon_available() -> bool:
+    """Whether the installed Triton runs the Gluon kernels for Hopper (kernels/compat.py)."""
+    if triton_version() is None:
+        return False
+    from .kernels.compat import GLUON_TRITON
+    return GLUON_TRITON
+
+
 def info(args) -> int:
-    from .ops import backend_name, gluon_kernels, triton_version
     devices = []  # (found before anything is printed: a bad CUFLASH_BACKEND is the one line then)
     for device in (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]:
         name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-        hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0) and gluon_kernels()
+        hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0) and gluon_available()
         devices.append(f"{device}: {name}; backend: {backend_name(torch.device(device), torch.float32)}"
                        + ("; long 16-bit attention at head dim 64/128: the Gluon kernels for Hopper (docs/backends.md)"
                           if hopper else ""))
@@ -364,7 +371,6 @@ def experiment(args) -> int:
     there is one: time and error per sequence length into one table, CSV and plot."""
     from .bench.harness import Case, run_case, write_csv
     from .dtypes import DTYPES
-    from .ops import backend_name
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:  # (a bad CUFLASH_BACKEND is one error here, not a failed row per case)
         backend_name(torch.device(device), DTYPES[args.dtype])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from .backend import backend_name
 from .dropout import draw_seed, head_ids, keep_mask
 from .errors import (ErrorCode, FlashAttentionError, check_alibi, check_attention_inputs, check_attn_mask,
                      check_block_table, check_blocks, check_bool, check_cu_seqlens, check_dropout, check_same,
@@ -45,7 +46,7 @@ def _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_sl
 
 
 def _check_device(q: torch.Tensor) -> None:
-    ops.backend_name(q.device, q.dtype)  # raises if no backend can run here
+    backend_name(q.device, q.dtype)  # raises if no backend can run here
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_batch: int = 0) -> torch.Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ops
+from .backend import backend_name
 from .cache import IndexKind, index_error, index_violation
 from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_bool, check_softcap, check_tensor,
                      check_window, fail, resolve_scale)
@@ -147,7 +148,7 @@ def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         check_tensor(name, t, 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or paged "
                      "(num_blocks, page_block_size, nheads_k, headdim)")
     check_attention_inputs(q[:1, :1], k_cache[:1, :1], v_cache[:1, :1], ("q", "k_cache", "v_cache"))
-    backend = ops.backend_name(q.device, q.dtype)  # raises where no backend runs
+    backend = backend_name(q.device, q.dtype)  # raises where no backend runs
     batch, seqlen_q, nheads, head_dim = q.shape
     if k_cache.shape != v_cache.shape:
         fail(ErrorCode.SHAPE_MISMATCH, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")

@@ -14,7 +14,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from .ops import backend_settings
+from .backend import backend_settings
 
 V = TypeVar("V")
 

@@ -1,5 +1,5 @@
 """The custom ops (forward, backward, decode), their fake implementations for torch.compile, the
-autograd registration, and the single place that picks a backend.
+autograd registration, and the dispatch of each call to the backend module that backend.py names.
 
 forward() and backward() go through the custom ops wherever PyTorch needs to see them (under
 torch.compile, a dispatch mode such as FakeTensorMode, torch.func transforms, tensor subclasses,
@@ -8,89 +8,19 @@ through a plain autograd.Function where a graph is built (none without grad): on
 (scripts/overhead.py) the custom op's dispatch costs ~50 us per forward call, ~170 us with inputs
 requiring grad, the Function ~25 us; a whole forward kernel of a short sequence takes about as long.
 
-Backends: the Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1) and the
-blocked PyTorch implementation in cpu.py (CPU tensors). CUFLASH_BACKEND=triton|cpu forces one.
+Backends (backend.py chooses): the Triton kernels (kernels/) and the blocked PyTorch implementation
+in cpu.py.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
+from .backend import backend_name
 from .cache import append_to_cache
 from .errors import ErrorCode, fail, lse_dtype
 from .params import FIELD_NAMES, AttentionParams
-
-BACKENDS = ("auto", "triton", "cpu")
-
-
-def triton_version() -> str | None:
-    """The installed Triton's version, or None without Triton."""
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
-
-
-def gluon_kernels() -> bool:
-    """Whether the installed Triton runs the Gluon kernels for Hopper (kernels/compat.py)."""
-    if triton_version() is None:
-        return False
-    from .kernels.compat import GLUON_TRITON
-    return GLUON_TRITON
-
-
-def backend_settings() -> tuple[str, str | None]:
-    """What the environment says of the backend: CUFLASH_BACKEND (default auto) and TRITON_INTERPRET."""
-    return os.environ.get("CUFLASH_BACKEND", "auto"), os.environ.get("TRITON_INTERPRET")
-
-
-_BACKEND_NAMES: dict[tuple, str] = {}  # (backend settings, device, dtype) -> backend_name's answer
-
-
-def backend_name(device: torch.device, dtype: torch.dtype) -> str:
-    """The backend that will run for tensors on `device`; raises FlashAttentionError when none can.
-    Answers are kept (the choice queries the driver), errors are not. torch.compile traces the choice
-    itself, not the table: the graph holds no check, and a table read in it would be guarded on the
-    table's entries, recompiling when eager calls add one (a functools.lru_cache, Dynamo ignores,
-    warning that this may be silently wrong)."""
-    key = (*backend_settings(), device, dtype)
-    if torch.compiler.is_compiling():
-        return _choose_backend(*key)
-    name = _BACKEND_NAMES.get(key)
-    if name is None:
-        name = _BACKEND_NAMES[key] = _choose_backend(*key)
-    return name
-
-
-def _choose_backend(choice: str, interpret: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    choice = choice.lower()
-    if choice not in BACKENDS:
-        fail(ErrorCode.INVALID_ARGUMENT, f"CUFLASH_BACKEND={choice!r}; accepted: {', '.join(BACKENDS)}")
-    if choice == "auto":
-        choice = "triton" if device.type == "cuda" else "cpu"
-    if choice == "triton":
-        if dtype == torch.float64:
-            fail(ErrorCode.UNSUPPORTED_DTYPE, "the Triton kernels take float16, bfloat16 and float32, got float64")
-        if triton_version() is None:
-            fail(ErrorCode.UNSUPPORTED_DEVICE, "the Triton kernels need the `triton` package, which is not installed")
-        if device.type == "cuda":
-            if interpret == "1":
-                fail(ErrorCode.UNSUPPORTED_DEVICE,
-                     "TRITON_INTERPRET=1 runs the kernels on CPU tensors only; got tensors on cuda")
-            major, minor = torch.cuda.get_device_capability(device)
-            if major < 8:
-                fail(ErrorCode.UNSUPPORTED_DEVICE,
-                     f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; "
-                     f"the kernels need 8.0 (Ampere) or newer")
-        elif device.type == "cpu" and interpret != "1":
-            fail(ErrorCode.UNSUPPORTED_DEVICE,
-                 "CUFLASH_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 set before cuflash is imported")
-        elif device.type not in ("cuda", "cpu"):
-            fail(ErrorCode.UNSUPPORTED_DEVICE, f"no kernel runs on {device.type} tensors; accepted: cuda, cpu")
-    return choice
 
 
 def _backend(device: torch.device, dtype: torch.dtype):

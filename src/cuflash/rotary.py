@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from .backend import backend_name
 from .errors import KERNEL_DTYPES, ErrorCode, FlashAttentionError, check_bool, check_cu_seqlens, check_tensor, fail
 
 
@@ -48,7 +48,7 @@ def _kernel(x: torch.Tensor) -> bool:
     if torch.compiler.is_compiling() or x.dim() > 4 or x.dtype not in KERNEL_DTYPES:
         return False
     try:
-        return ops.backend_name(x.device, x.dtype) == "triton"
+        return backend_name(x.device, x.dtype) == "triton"
     except FlashAttentionError:  # no Triton here: the torch ops compute it
         return False
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from ..backend import backend_name
 from ..errors import check_attention_inputs, check_cu_seqlens, check_softcap, check_tensor, lse_dtype, resolve_scale
 from ..params import AttentionParams
 from .shards import check_shards, require_process_group
@@ -255,7 +256,7 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
     """
     require_process_group("ring_flash_attn_func", layout)
     check_attention_inputs(q, k, v)
-    ops.backend_name(q.device, q.dtype)
+    backend_name(q.device, q.dtype)
     check_shards(q, k, group, layout)
     scale, softcap = resolve_scale(softmax_scale, q.shape[-1]), check_softcap(softcap)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -276,7 +277,7 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, sof
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 3, "(total / world_size, heads, headdim)")
     check_attention_inputs(q[None], k[None], v[None])
-    ops.backend_name(q.device, q.dtype)
+    backend_name(q.device, q.dtype)
     check_shards(q[None], k[None], group, "contiguous")
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     share = q.shape[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import ops
+from ..backend import backend_name
 from ..errors import ErrorCode, check_attention_inputs, fail
 from ..interface import flash_attn_func, flash_attn_varlen_func
 from .ring import ring_flash_attn_func
@@ -110,7 +110,7 @@ def ulysses_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
 def _exchanged(q, k, v, group, layout: str, attend, same_positions: bool = True):
     """attend(q, k, v) on the whole sequence of this rank's heads, between the two all-to-alls."""
     check_attention_inputs(q, k, v)
-    ops.backend_name(q.device, q.dtype)
+    backend_name(q.device, q.dtype)
     check_shards(q, k, group, layout, same_positions)
     _check_heads(q, k, group)
     q, k, v = (_Exchange.apply(t, group, layout, True) for t in (q, k, v))

@@ -1,22 +1,27 @@
-"""The Triton backend's forward and backward: allocate the outputs, ask kernels/plan.py which
+"""The Triton backend's forward, backward and decode: allocate the outputs, ask kernels/plan.py which
 kernels run, and launch them through kernels/launch.py (whose per-signature cache makes the plan
 and the launch arguments once per shape)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
+from ..cache import DecodeStep
 from ..params import AttentionParams
 from .compat import gluon_kernels
 from .device import tf32
 from .launch import keep, kept, launch, open_key, workspace
-from .plan import Entry, select, user_tiles_checked
+from .plan import Entry, select, select_decode, user_tiles_checked
 from .triton import Tiles
 from .triton import backward as triton_backward
+from .triton import decode as triton_decode
 from .triton import forward as triton_forward
 from .variant import problem, variant_tensors
 
 gluon_forward = gluon_kernels("forward")  # None where Triton has not its Gluon dialect
 gluon_backward = gluon_kernels("backward")
+LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"  # a deferred step's own errors are raised at once
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams,
@@ -128,3 +133,46 @@ def _backward(t: dict, params: AttentionParams, entry: Entry | None) -> list[tup
     else:
         launches.append(gluon_backward.dq_launch(t, prob, params, plan.dq))
     return launches
+
+
+def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | int,
+                   seqlen_new: int, leftpad: torch.Tensor | None, cache_rows: torch.Tensor | None,
+                   block_table: torch.Tensor | None, params: AttentionParams, num_splits: int = 0,
+                   k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, tiles: Tiles | None = None,
+                   plans: dict | None = None, rotary_end: int | None = None):
+    """q (B, Sq, H, D) attending to the keys leftpad[b] .. cache_seqlens[b] + seqlen_new - 1 of
+    sequence b of the cache (cache_seqlens an int: the same for every sequence; leftpad None: 0):
+    k_cache, v_cache (rows, rows_per_seq, Hk, D), any strides but the last dim's, sequence b in row
+    cache_rows[b] (default b), or pages of rows_per_seq keys listed by block_table (B, pages).
+    k_new, v_new (B, seqlen_new, Hk, D): written into the cache at positions cache_seqlens[b] .. by
+    the decode kernel before it reads them (else the cache holds them already). tiles: the decode
+    kernel's instead of the table's (tuning). plans: as attention_forward's, from
+    flash_attn_with_kvcache's call signature (whose options hold no tensor). rotary_end: the
+    largest cache_seqlens the caller's rotary tables cover (None: no rotary).
+    The index tensors' values are checked by the kernel (kernels/triton/decode.py's doc): a bad one
+    is raised by this call once the GPU has run it, or, deferred, by a later step (cache.DecodeStep).
+    Returns out (B, Sq, H, D) and softmax_lse (B, H, Sq) fp32."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    given = isinstance(cache_seqlens, torch.Tensor)
+    optional = (cache_seqlens if given else None, leftpad, cache_rows, block_table, params.alibi_slopes, k_new, v_new)
+    report = DecodeStep(q.device, any(t is not None for t in optional[:4]), LAUNCH_BLOCKING)
+    inputs = (q, k_cache, v_cache, *(t for t in optional if isinstance(t, torch.Tensor)))
+    tensors: dict[str, torch.Tensor | int] = dict(Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse, Errors=report.record,
+                                                  step=report.step)
+    tensors.update({name: t for name, t in zip(triton_decode.OPTIONAL_TENSORS, optional) if t is not None})
+    # An int cache_seqlens is an argument of the plan like the tensors (the kernels do not specialize
+    # on it, only on its width), so that a decode loop stepping through positions keeps one plan.
+    tensors["cache_seqlen"] = seqlen = 0 if given else cache_seqlens
+    key = None if tiles is not None else open_key(plans, "decode", inputs, -2**31 <= seqlen < 2**31)
+    plan = kept(plans, key)
+    if plan is not None:
+        plan(tensors)
+    else:
+        cfg = select_decode(q, k_cache, block_table, num_splits, tiles)
+        plan = launch((decode_forward, params.key(), cfg, seqlen_new, rotary_end), tensors,
+                      lambda: triton_decode.launches(tensors, params, cfg, seqlen_new, rotary_end))
+        keep(plans, key, plan)
+    report.done()
+    return out, lse

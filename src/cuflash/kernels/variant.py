@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from ..params import AttentionParams
+from .constants import ADDITIVE_MASK, BOOL_MASK, LOG2E, NO_MASK
 from .device import padded_head_dim
-from .triton.common import ADDITIVE_MASK, BOOL_MASK, LOG2E, NO_MASK
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from ..backend import backend_name
 from ..errors import ErrorCode, check_attention_inputs, check_blocks, fail, resolve_scale
 from ..params import AttentionParams
 
@@ -27,7 +28,7 @@ def _implementation(method: str, device: torch.device):
         fail(ErrorCode.INVALID_ARGUMENT, f"method {method!r} is unknown; choose from {', '.join(METHODS)}")
     if method == "fa2":
         return None
-    if ops.backend_name(device, torch.float32) == "triton":
+    if backend_name(device, torch.float32) == "triton":
         from . import fa1_triton, naive_triton
         return {"naive": naive_triton, "fa1": fa1_triton}[method]
     from . import fa1, naive

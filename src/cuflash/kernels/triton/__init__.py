@@ -1,6 +1,7 @@
 """The Triton kernels: every input the API accepts, on every GPU from Ampere on and, through
 Triton's interpreter, on the CPU. Their launch configuration is `Tiles`; the Triton family takes
-every call, so a table entry's candidates end with Tiles (kernels/plan.py)."""
+every call, so a table entry's candidates end with Tiles (kernels/plan.py). The decode kernel's is
+`DecodeLaunch` (plan.select_decode)."""
 from __future__ import annotations
 
 import dataclasses
@@ -54,3 +55,18 @@ class OneLaunch:
     def takes(self, seqlen_k: int, batch: int, nheads: int, nheads_k: int, sms: int) -> bool:
         waves = -(-batch * nheads_k // sms)
         return seqlen_k <= self.tiles.block_n and nheads // nheads_k * waves <= self.MAX_HEADS_PER_SM
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """The decode kernel's launch (kernels/triton/decode.py): `tiles`, of which a program takes
+    block_m query rows (tokens x the query heads of one KV head), m_tiles programs covering them;
+    each sequence's keys in `splits` splits, merged by the combine kernel where more than one, a
+    split's keys spanning at most share_pages page-table entries (0: no page table); prefetch_pages:
+    the page of each key read a tile ahead."""
+    tiles: Tiles
+    block_m: int
+    m_tiles: int
+    splits: int
+    share_pages: int
+    prefetch_pages: bool

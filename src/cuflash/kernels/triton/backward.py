@@ -22,11 +22,12 @@ import triton
 import triton.language as tl
 
 from ...params import AttentionParams
+from ..constants import LOG2E
 from ..device import cdiv
 from ..launch import workspace
 from ..variant import Problem, lse_strides, variant_args, variant_tensors
 from . import Tiles
-from .common import LOG2E, advance, band, dropout_keep, head_options, load_pair, load_tile, logits, mma, \
+from .common import advance, band, dropout_keep, head_options, load_pair, load_tile, logits, mma, \
     query_program, read_tile, row_source, score_tile, sequence, softcap_grad, store_tile, tile_aranges, tile_ptrs
 
 ROWS_PER_PROGRAM = 64  # query rows per program of the delta and cast kernels (the Gluon kernels' tile)

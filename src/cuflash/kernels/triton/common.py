@@ -3,14 +3,9 @@ ALiBi, masks, sliding window), the band of tiles a window leaves, varlen offsets
 import triton
 import triton.language as tl
 
-# exp(x) == exp2(x * LOG2E): the kernels fold LOG2E into the softmax scale and use exp2.
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+from ..constants import BOOL_MASK, LOG2E, NO_MASK
 
-# attn_mask kinds (constexpr MASK_KIND)
-NO_MASK = tl.constexpr(0)
-BOOL_MASK = tl.constexpr(1)
-ADDITIVE_MASK = tl.constexpr(2)
+LN2 = tl.constexpr(0.6931471805599453)  # log(x) == log2(x) * LN2
 
 
 @triton.jit

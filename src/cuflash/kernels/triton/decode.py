@@ -7,6 +7,8 @@ one tile, so a K/V tile is loaded once for the whole group), and one split of th
 Splits write their normalized output and log-sum-exp to fp32 partial buffers that a small combine
 kernel merges; with one split the kernel writes the result directly. A step's new keys and values
 are written into the cache by the programs that read them, before their loop (one launch less).
+The launch (tiles, split count, page prefetch) is plan.py's select_decode; attention.py's
+decode_forward allocates the outputs and launches launches().
 
 Keys are addressed by position, through the page table of a paged cache or the cache row of the
 sequence, so nothing is gathered or copied before the kernel, and no value (sequence lengths,
@@ -18,36 +20,22 @@ step's record (cache.DecodeStep, pinned host memory), which the step itself or a
 (cache.py says which).
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ...cache import RECORD_WORDS, DecodeStep, IndexKind
+from ...cache import RECORD_WORDS, IndexKind
 from ...params import AttentionParams
-from ..device import cdiv, next_power_of_2, num_sms, padded_head_dim
-from ..launch import keep, kept, launch, open_key, workspace
-from ..plan import decode_tiles
+from ..constants import LOG2E, NO_MASK
+from ..device import cdiv, next_power_of_2, padded_head_dim
+from ..launch import workspace
 from ..variant import logit_scales
-from . import Tiles
-from .common import LN2, LOG2E, NO_MASK, logits, mma, score_tile, softmax_step
+from . import DecodeLaunch
+from .common import LN2, logits, mma, score_tile, softmax_step
 
-MAX_SPLITS = 64  # the combine kernel holds one row of every split in registers
-# The split heuristic's bar (even_splits): the fewest splits whose key tiles load every SM within 10%
-# of evenly (the SM with most tiles ends last).
-WAVE_EFFICIENCY = 0.9
-# Programs an SM from which the grid fills the GPU alone: each sequence is read unsplit (even_splits)
-# and without the page prefetch (docs/tuning.md).
-FULL = 2
-# The most page-table entries a split's keys span where MAX_SPLITS allows: the kernel's check of a
-# share's pages before its loop cost nothing measurable up to 2048 entries, 15% at 8192 (batch 64,
-# 128k keys in 16-key pages; docs/tuning.md).
-MAX_SHARE_PAGES = 2048
 # The decode kernel's optional tensor arguments (the index tensors first, then ALiBi's slopes and the
 # new keys and values to append), in the launch's tensors only when given.
-_OPTIONAL = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes", "KNew", "VNew")
-LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"  # a deferred step's own errors are raised at once
+OPTIONAL_TENSORS = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes", "KNew", "VNew")
 # errors.IndexKind, as the kernel names them
 _SEQLENS, _LEFTPAD, _ROWS, _REPEATED, _ROTARY, _PAGES = (tl.constexpr(int(kind)) for kind in IndexKind)
 
@@ -272,120 +260,24 @@ def _decode_combine(OutPart, LsePart, Out, Lse, nheads, seqlen_q, head_dim, num_
     tl.store(Lse + (b * nheads + h) * seqlen_q + i, tl.where(total == 0.0, float("inf"), m + tl.log(total_safe)))
 
 
-def num_splits_for(programs: int, capacity: int, block_n: int, device: torch.device, requested: int = 0,
-                   pages: int = 0) -> int:
-    """How many splits of each sequence's keys: `requested`, or (0) even_splits, never more than
-    MAX_SPLITS or than the cache has key tiles; with a page table of `pages` entries per sequence, at
-    least as many as keep a split's keys within MAX_SHARE_PAGES of them (as far as MAX_SPLITS allows)."""
-    tiles = cdiv(capacity, block_n)
-    fewest = 1
-    while pages and fewest < MAX_SPLITS and _share_pages(pages, capacity, fewest, block_n) > MAX_SHARE_PAGES:
-        fewest += 1
-    if requested:
-        return max(fewest, min(requested, MAX_SPLITS, tiles))
-    return even_splits(programs, tiles, num_sms(device), fewest)
-
-
-def even_splits(programs: int, tiles: int, sms: int, fewest: int = 1) -> int:
-    """The fewest splits (from `fewest`) of `programs` alike programs reading `tiles` key tiles each
-    that load `sms` SMs within WAVE_EFFICIENCY of evenly (the tiles over sms x the most tiles an SM
-    reads), else the most even up to MAX_SPLITS; unsplit from FULL programs an SM. Measured on an
-    H100 (132 SMs, 8 KV heads, batch 1-32): 128 programs read 3-10% faster than 264 or 320, and a
-    split whose tiles do not divide evenly ends last (docs/tuning.md)."""
-    if programs >= FULL * sms:
-        return fewest
-
-    def evenness(splits: int) -> float:
-        per_split = cdiv(tiles, splits)
-        return programs * tiles / (sms * per_split * cdiv(programs * cdiv(tiles, per_split), sms))
-    candidates = range(fewest, max(fewest, min(MAX_SPLITS, tiles)) + 1)
-    return next((s for s in candidates if evenness(s) >= WAVE_EFFICIENCY), max(candidates, key=evenness))
-
-
-def _share_pages(pages: int, capacity: int, splits: int, block_n: int) -> int:
-    """The most page-table entries a split's keys span (one more where they straddle a page)."""
-    return min(pages, cdiv(cdiv(cdiv(capacity, splits), block_n) * block_n, capacity // pages) + 1)
-
-
-def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | int,
-                   seqlen_new: int, leftpad: torch.Tensor | None, cache_rows: torch.Tensor | None,
-                   block_table: torch.Tensor | None, params: AttentionParams, num_splits: int = 0,
-                   k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, tiles: Tiles | None = None,
-                   plans: dict | None = None, rotary_end: int | None = None):
-    """q (B, Sq, H, D) attending to the keys leftpad[b] .. cache_seqlens[b] + seqlen_new - 1 of
-    sequence b of the cache (cache_seqlens an int: the same for every sequence; leftpad None: 0):
-    k_cache, v_cache (rows, rows_per_seq, Hk, D), any strides but the last dim's, sequence b in row
-    cache_rows[b] (default b), or pages of rows_per_seq keys listed by block_table (B, pages).
-    k_new, v_new (B, seqlen_new, Hk, D): written into the cache at positions cache_seqlens[b] .. by
-    the decode kernel before it reads them (else the cache holds them already). tiles: the decode
-    kernel's instead of the table's (tuning). plans: as kernels.attention_forward's, from
-    flash_attn_with_kvcache's call signature (whose options hold no tensor). rotary_end: the
-    largest cache_seqlens the caller's rotary tables cover (None: no rotary).
-    The index tensors' values are checked by the kernel (see the module's doc): a bad one is raised
-    by this call once the GPU has run it, or, deferred, by a later step (cache.DecodeStep).
-    Returns out (B, Sq, H, D) and softmax_lse (B, H, Sq) fp32."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    given = isinstance(cache_seqlens, torch.Tensor)
-    optional = (cache_seqlens if given else None, leftpad, cache_rows, block_table, params.alibi_slopes, k_new, v_new)
-    report = DecodeStep(q.device, any(t is not None for t in optional[:4]), LAUNCH_BLOCKING)
-    inputs = (q, k_cache, v_cache, *(t for t in optional if isinstance(t, torch.Tensor)))
-    tensors: dict[str, torch.Tensor | int] = dict(Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse, Errors=report.record,
-                                                  step=report.step)
-    tensors.update({name: t for name, t in zip(_OPTIONAL, optional) if t is not None})
-    # An int cache_seqlens is an argument of the plan like the tensors (the kernels do not specialize
-    # on it, only on its width), so that a decode loop stepping through positions keeps one plan.
-    tensors["cache_seqlen"] = seqlen = 0 if given else cache_seqlens
-    key = None if tiles is not None else open_key(plans, "decode", inputs, -2**31 <= seqlen < 2**31)
-    plan = kept(plans, key)
-    if plan is not None:
-        plan(tensors)
-    else:
-        _plan(tensors, params, num_splits, seqlen_new, tiles, plans, key, rotary_end)
-    report.done()
-    return out, lse
-
-
-def _plan(tensors: dict, params: AttentionParams, num_splits: int, seqlen_new: int, tiles: Tiles | None,
-          plans: dict | None, key, rotary_end: int | None) -> None:
-    """decode_forward's launches for a call that has no kept plan, kept for the next."""
-    q, k_cache, block_table = tensors["Q"], tensors["K"], tensors.get("BlockTable")
-    batch, seqlen_q, nheads, head_dim = q.shape
-    nheads_k, rows_per_seq = k_cache.shape[2], k_cache.shape[1]
-    block_d = padded_head_dim(head_dim)
-    paged = block_table is not None
-    cfg = tiles or decode_tiles(q, block_d, paged, split=True)
-    rows = seqlen_q * nheads // nheads_k
-    block_m = min(cfg.block_m, max(16, next_power_of_2(rows)))
-    m_tiles = cdiv(rows, block_m)
-    programs = batch * nheads_k * m_tiles
-    pages = block_table.shape[1] if block_table is not None else 0
-    capacity = rows_per_seq * (pages or 1)
-    splits = num_splits_for(programs, capacity, cfg.block_n, q.device, num_splits, pages)
-    if tiles is None and splits == 1:  # whole sequences: the table's unsplit launch (same block_m)
-        cfg = decode_tiles(q, block_d, paged, split=False)
-    prefetch = programs < FULL * num_sms(q.device)  # the page of each key read a tile ahead
-    keep(plans, key, launch((decode_forward, params.key(), cfg, block_m, splits, seqlen_new, rotary_end), tensors,
-                            lambda: _launches(tensors, params, cfg, block_m, m_tiles, splits, seqlen_new,
-                                              prefetch, rotary_end)))
-
-
-def _page_chunks(block_table: torch.Tensor | None, capacity: int, splits: int, block_n: int) -> tuple[int, int]:
+def _page_chunks(share_pages: int) -> tuple[int, int]:
     """(BLOCK_P, PAGE_CHUNKS) of the decode kernel's page check: chunks of 128 to 1024 table entries
-    (more where 64 such chunks would not cover a share) that cover a split's share of the keys."""
-    if block_table is None:
+    (more where 64 such chunks would not cover a share) that cover a split's share_pages (0: no page
+    table, no check)."""
+    if not share_pages:
         return 1, 0
-    share = _share_pages(block_table.shape[1], capacity, splits, block_n)
-    block_p = max(128, min(1024, next_power_of_2(share)), next_power_of_2(cdiv(share, 64)))
-    return block_p, cdiv(share, block_p)
+    block_p = max(128, min(1024, next_power_of_2(share_pages)), next_power_of_2(cdiv(share_pages, 64)))
+    return block_p, cdiv(share_pages, block_p)
 
 
-def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tiles: int, splits: int,
-              seqlen_new: int, prefetch_pages: bool, rotary_end: int | None) -> list[tuple]:
-    """The decode kernel (appending the new tokens first, where given), then (with splits) the combine,
-    whose partial results are workspaces (uninitialized: each split writes every row of its part)."""
+def launches(t: dict, params: AttentionParams, cfg: DecodeLaunch, seqlen_new: int,
+             rotary_end: int | None) -> list[tuple]:
+    """The decode kernel on `t` (the tensors and index values by argument name) as `cfg` (plan.py's
+    select_decode) has it, appending the new tokens first where given, then (with splits) the combine,
+    whose partial results are workspaces (uninitialized: each split writes every row of its part).
+    rotary_end: as attention.decode_forward's."""
     q, k_cache, v_cache = t["Q"], t["K"], t["V"]
+    splits, tiles = cfg.splits, cfg.tiles
     batch, seqlen_q, nheads, head_dim = q.shape
     out_part, lse_part = t["Out"], t["Lse"]
     if splits > 1:
@@ -402,11 +294,11 @@ def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tile
     block_table, slopes, k_new, v_new = t.get("BlockTable"), params.alibi_slopes, t.get("KNew"), t.get("VNew")
     qk_scale, softcap = logit_scales(params)
     block_d = padded_head_dim(head_dim)
-    block_p, page_chunks = _page_chunks(block_table, capacity, splits, cfg.block_n)
+    block_p, page_chunks = _page_chunks(cfg.share_pages)
     repeats = "CacheRows" in t and k_new is not None  # the kernel looks for two sequences writing one row
-    decode = _decode_fwd, (splits, m_tiles, batch * nheads_k), dict(
-        Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part, **{name: t.get(name) for name in _OPTIONAL},
-        Errors=t["Errors"], step=t["step"],
+    decode = _decode_fwd, (splits, cfg.m_tiles, batch * nheads_k), dict(
+        Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part,
+        **{name: t.get(name) for name in OPTIONAL_TENSORS}, Errors=t["Errors"], step=t["step"],
         stride_q=q.stride()[:3], stride_k=k_cache.stride()[:3], stride_v=v_cache.stride()[:3],
         stride_o=out_strides, stride_l=lse_strides,
         stride_tb=0 if block_table is None else block_table.stride(0),
@@ -418,15 +310,15 @@ def _launches(t: dict, params: AttentionParams, cfg: Tiles, block_m: int, m_tile
         cache_seqlen=t["cache_seqlen"], seqlen_new=seqlen_new, seqlens_max=capacity - seqlen_new,
         rotary_end=0 if rotary_end is None else rotary_end,
         window_left=params.window_left, window_right=params.window_right, qk_scale=qk_scale, softcap=softcap,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_P=block_p, PAGE_CHUNKS=page_chunks,
+        BLOCK_M=cfg.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d, BLOCK_P=block_p, PAGE_CHUNKS=page_chunks,
         # (constant unless used: each value is a kernel of its own)
         BLOCK_B=min(1024, max(16, next_power_of_2(batch))) if repeats else 16, BATCH_CHUNKS=cdiv(batch, 1024) * repeats,
         SEQLENS="CacheSeqlens" in t,
         PAGED=block_table is not None, LEFTPAD="Leftpad" in t, BATCH_IDX="CacheRows" in t,
         HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0, SOFTCAP=params.softcap > 0,
-        ALIBI=slopes is not None, SPLIT=splits > 1, PREFETCH_PAGES=prefetch_pages, APPEND=k_new is not None,
+        ALIBI=slopes is not None, SPLIT=splits > 1, PREFETCH_PAGES=cfg.prefetch_pages, APPEND=k_new is not None,
         ROTARY=rotary_end is not None and "CacheSeqlens" in t,
-        INPUT_PRECISION=cfg.input_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INPUT_PRECISION=tiles.input_precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     launches: list[tuple] = [decode]
     if splits == 1:
