@@ -144,7 +144,7 @@ def test_hopper_backward(fused, dtype, head_dim, causal, seqlen_q, seqlen_k, lay
     check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal, deterministic=not fused),
                          q, k, v, causal)
     if fused:
-        assert any("DQAcc" in plan.workspaces for plan in launch._plans.values())
+        assert any("DQAcc" in plan.workspaces for plan in launch.PLANS.values())
 
 
 @pytest.mark.gpu
@@ -165,7 +165,7 @@ def test_hopper_backward_persistent(head_dim, causal, fused, monkeypatch):
     q, k, v = make_qkv(2, 1000, 1100, 4, 2, head_dim, torch.bfloat16, "cuda")
     check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal, deterministic=not fused),
                          q, k, v, causal)
-    assert any("DQAcc" in plan.workspaces for plan in launch._plans.values()) == fused
+    assert any("DQAcc" in plan.workspaces for plan in launch.PLANS.values()) == fused
 
 
 @pytest.mark.gpu

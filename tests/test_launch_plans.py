@@ -34,25 +34,25 @@ def test_launch_plans_are_reused_per_signature_and_hold_no_tensors():
         for got, want in zip(ours(q, k, v), ref):
             assert rel_err(got, want) < 1e-5
 
-    launch._plans.clear()
+    launch.PLANS.clear()
     torch.manual_seed(5)
     first = make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu")
     check(*first, True)
-    assert len(launch._plans) == 2  # forward, backward
+    assert len(launch.PLANS) == 2  # forward, backward
     watch = weakref.ref(first[0])
     del first
     gc.collect()
     assert watch() is None
     check(*make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu"), True)  # new data: the same plans
-    assert len(launch._plans) == 2
+    assert len(launch.PLANS) == 2
     check(*make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu"), False)  # another option
-    assert len(launch._plans) == 4
+    assert len(launch.PLANS) == 4
     check(*make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu", layout="bhnd"), True)  # other strides
-    assert len(launch._plans) == 6
+    assert len(launch.PLANS) == 6
     q, k, v = make_qkv(2, 17, 23, 4, 2, 40, torch.float32, "cpu")
     shifted = torch.empty(q.numel() + 1)[1:].view(q.shape).copy_(q)  # base 4 bytes past 16-byte alignment
     check(shifted, k, v, True)
-    assert len(launch._plans) == 8
+    assert len(launch.PLANS) == 8
 
 
 @interpret
@@ -333,14 +333,14 @@ def test_launch_plans_on_gpu(head_dim):
         return True
 
     step(1)
-    plans = len(launch._plans)
+    plans = len(launch.PLANS)
     step(2)
     done = []
     worker = threading.Thread(target=lambda: done.append(step(3)))
     worker.start()
     worker.join()
     assert done == [True], "the step in another thread failed (its traceback is printed above)"
-    assert len(launch._plans) == plans  # the later steps reused the first one's plans
+    assert len(launch.PLANS) == plans  # the later steps reused the first one's plans
 
 
 @pytest.mark.gpu

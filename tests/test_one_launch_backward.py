@@ -70,7 +70,7 @@ def check_one_launch_backward(case, device, dtype, head_dim, monkeypatch):
     from cuflash import memo
     from cuflash.kernels import attention, launch
     monkeypatch.setenv("CUFLASH_BACKEND", "triton")
-    monkeypatch.setattr(launch, "_plans", {})
+    monkeypatch.setattr(launch, "PLANS", {})
     monkeypatch.setattr(memo, "CHECKED", {})
 
     class Poisoned:  # attention.py's torch, whose empty_like fills with NaN
@@ -119,5 +119,5 @@ def check_one_launch_backward(case, device, dtype, head_dim, monkeypatch):
         slopes = torch.rand(2, device=device)
         check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, softcap=5.0, alibi_slopes=slopes),
                              q, k, v, False, with_sdpa=False, softcap=5.0, alibi_slopes=slopes)
-    backward = [p for key, p in launch._plans.items() if key[0][0] is attention.attention_backward]
+    backward = [p for key, p in launch.PLANS.items() if key[0][0] is attention.attention_backward]
     assert backward and all(len(p.launches) == 1 and not p.workspaces for p in backward)
