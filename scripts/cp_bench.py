@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import cuflash
 from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_varlen_func
-from cuflash.distributed.ring import _packed_steps
+from cuflash.distributed.ring import packed_steps
 
 FIELDS = ["world_size", "tokens", "tokens_per_gpu", "mode", "layout", "fwd_ms", "fwdbwd_ms", "tflops_per_gpu_fwd",
           "tflops_per_gpu_fwdbwd", "one_gpu_tflops_fwd", "one_gpu_tflops_fwdbwd", "efficiency_fwd",
@@ -69,7 +69,7 @@ def setup(mesh, mode, tokens, args, device):
     lengths = [min(args.doc_tokens, tokens - start) for start in range(0, tokens, args.doc_tokens)]
     cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
     longest = max(lengths)
-    steps = len(_packed_steps(cu.tolist(), rank, world, tokens // world, True, 1.0, torch.device("cpu")))
+    steps = len(packed_steps(cu.tolist(), rank, world, tokens // world, True, 1.0, torch.device("cpu")))
     return (lambda t: t.chunk(world)[rank],
             lambda a, b, c: ring_flash_attn_varlen_func(a, b, c, cu, longest, group=mesh.get_group(0), causal=True),
             lambda a, b, c: cuflash.flash_attn_varlen_func(a, b, c, cu, cu, longest, longest, causal=True),

@@ -1,7 +1,7 @@
 """The one-launch backward (Triton dK/dV computing delta and dQ, kernels/triton/backward.py) against
 the three-launch one (delta, Gluon dK/dV, dQ) at up to 128 keys, bf16, over batch sizes: GPU time per
 backward (20 calls replayed from a CUDA graph) and time per call of 20 calls made eagerly (the larger
-of host and GPU time), as `cuflash bench --decode` times (bench.decode._time), to find where each
+of host and GPU time), as `cuflash bench --decode` times (bench.decode.time_calls), to find where each
 wins (plan.OneLaunch). Usage, on a Hopper GPU:
 PYTHONPATH=src python3 scripts/short_backward.py [--tiles 64x128x8x2,32x128x4x2]"""
 import argparse
@@ -9,7 +9,7 @@ import argparse
 import torch
 import triton
 
-from cuflash.bench.decode import _time
+from cuflash.bench.decode import time_calls
 from cuflash.kernels import attention, gluon
 from cuflash.kernels.plan import Entry, Length, entry
 from cuflash.kernels.triton import OneLaunch, Tiles
@@ -42,7 +42,7 @@ def main():
                     out, lse = attention.attention_forward(q, k, v, params)
                     row = []
                     for e in (three, *ones):
-                        graph_ms, eager_ms = _time([lambda e=e: attention.attention_backward(
+                        graph_ms, eager_ms = time_calls([lambda e=e: attention.attention_backward(
                             dout, q, k, v, out, lse, params, e)], 20, 10, q.device)
                         row.append(f"{graph_ms * 1e3:7.1f}/{eager_ms * 1e3:7.1f}")
                     print(f"{d:3d} {n:4d} {causal!s:6s} {batch:4d}  " + "  ".join(row), flush=True)

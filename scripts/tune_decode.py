@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from cuflash.bench.decode import GRAPH_BYTES, _sdpa, _time, copy_bandwidth
+from cuflash.bench.decode import GRAPH_BYTES, copy_bandwidth, sdpa_call, time_calls
 from cuflash.kernels.device import num_sms
 from cuflash.kernels import decode_forward
 from cuflash.kernels.plan import MAX_SPLITS
@@ -34,10 +34,10 @@ def profile(batch: int, n: int, nheads: int, nheads_k: int, d: int, dtype) -> No
     v = torch.randn_like(k)
     tiny = torch.zeros(1, device="cuda")
     steps = {"cuflash": lambda: cuflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=n, causal=True),
-             "sdpa-cudnn": _sdpa("sdpa-cudnn", q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
+             "sdpa-cudnn": sdpa_call("sdpa-cudnn", q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
              "one tiny kernel": lambda: tiny.add_(1)}
     for name, step in steps.items():
-        graph_ms, eager_ms = _time([step], 1, 30, torch.device("cuda"))
+        graph_ms, eager_ms = time_calls([step], 1, 30, torch.device("cuda"))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
                 step()
@@ -84,13 +84,13 @@ def main():
         results = []
         default = lambda: decode_forward(q, k, v, seqlens, 0, None, None, table, params)  # noqa: E731
         default()
-        default_ms, _ = _time([default], per_graph, 20, q.device)
+        default_ms, _ = time_calls([default], per_graph, 20, q.device)
         for cfg in configs:
             for splits in (s for s in SPLITS if s <= MAX_SPLITS and s * batch * nheads_k <= 16 * num_sms(q.device)):
                 fn = lambda: decode_forward(q, k, v, seqlens, 0, None, None, table, params, splits, tiles=cfg)  # noqa: E731
                 try:
                     fn()
-                    ms, _ = _time([fn], per_graph, 20, q.device)
+                    ms, _ = time_calls([fn], per_graph, 20, q.device)
                 except Exception as exc:  # out of shared memory and the like
                     print(f"  {cfg} {splits} splits: {type(exc).__name__}")
                     continue
@@ -99,8 +99,8 @@ def main():
             results.sort(key=lambda r: -r[0])
         sdpa = ""
         if not page:
-            best = min((_time([_sdpa(name, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))], per_graph, 20,
-                              q.device)[0], name) for name in ("sdpa-cudnn", "sdpa-flash"))
+            best = min((time_calls([sdpa_call(name, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))],
+                                   per_graph, 20, q.device)[0], name) for name in ("sdpa-cudnn", "sdpa-flash"))
             sdpa = f"; best SDPA {best[1]} {nbytes / best[0] / 1e6:.0f} GB/s"
         print(f"batch {batch} cache {n} {'paged' + str(page) if page else 'contiguous'} ({nbytes / 1e6:.0f} MB): "
               f"default {nbytes / default_ms / 1e6:.0f} GB/s{sdpa}")

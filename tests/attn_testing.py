@@ -58,7 +58,7 @@ def force_candidates(monkeypatch, **passes):
     from cuflash.kernels import launch, plan
     table = plan.table_entry
     monkeypatch.setattr(plan, "table_entry", lambda prob, params: dataclasses.replace(table(prob, params), **passes))
-    monkeypatch.setattr(launch, "_plans", {})
+    monkeypatch.setattr(launch, "PLANS", {})
     monkeypatch.setattr(memo, "CHECKED", {})
 
 

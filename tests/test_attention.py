@@ -220,12 +220,12 @@ def _tiles_used(backend, monkeypatch) -> list[tuple[int, int]]:
     seen = []
     if backend == "cpu":
         from cuflash import cpu
-        scores = cpu._Tiles.scores
+        scores = cpu.ScoreTiles.scores
 
         def spy(self, x, m0, m1, n0, n1, masked):
             seen.append((m1 - m0, n1 - n0))
             return scores(self, x, m0, m1, n0, n1, masked)
-        monkeypatch.setattr(cpu._Tiles, "scores", spy)
+        monkeypatch.setattr(cpu.ScoreTiles, "scores", spy)
     else:
         from cuflash.kernels import attention
 

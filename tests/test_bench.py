@@ -146,13 +146,13 @@ def test_bench_without_a_gpu_picks_the_cpu_and_says_so(monkeypatch, capsys, tmp_
 def test_bench_times_the_device_not_the_host():
     """A call whose host work (3 ms) outlasts its kernel: the bench's device time is the kernel's,
     its host time the 3 ms; timed with events around each call as it runs, it would read ~3 ms."""
-    from cuflash.bench.harness import _device_ms_host_us, _median_ms
+    from cuflash.bench.harness import device_ms_host_us, median_ms
     x = torch.randn(1 << 20, device="cuda")
 
     def step(i):
         time.sleep(0.003)
         x.mul_(1.0)
 
-    ms, host_us = _device_ms_host_us(step, 10, 2, torch.device("cuda"))
+    ms, host_us = device_ms_host_us(step, 10, 2, torch.device("cuda"))
     assert ms < 0.5 and host_us > 2900, (ms, host_us)
-    assert _median_ms(step, 10, 2, torch.device("cuda")) > 2.5  # what the events alone would say
+    assert median_ms(step, 10, 2, torch.device("cuda")) > 2.5  # what the events alone would say

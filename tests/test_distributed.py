@@ -19,7 +19,7 @@ from cuflash.distributed import context_parallel_attn_func, context_parallel_att
     zigzag_shard, zigzag_unshard
 from cuflash.distributed.mesh import ULYSSES_MAX_TOKENS, auto_mode
 from cuflash.distributed import ring, shards
-from cuflash.distributed.ring import _packed_steps
+from cuflash.distributed.ring import packed_steps
 from cuflash.distributed.shards import join_sequence
 
 DEADLINE_S = 120
@@ -466,8 +466,8 @@ def test_ring_gathers_at_most_an_eighth_of_a_gpus_memory(monkeypatch):
     eighth of its memory (a 16 GB GPU gathers 2 GiB at most; an 80 GB one the whole 8 GiB)."""
     for total, budget in ((16 << 30, 2 << 30), (80 << 30, ring.KV_PREFETCH_BYTES)):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
-        assert ring._prefetch_budget(torch.device("cuda", 0)) == budget
-    assert ring._prefetch_budget(torch.device("cpu")) == ring.KV_PREFETCH_BYTES
+        assert ring.prefetch_budget(torch.device("cuda", 0)) == budget
+    assert ring.prefetch_budget(torch.device("cpu")) == ring.KV_PREFETCH_BYTES
 
 
 @pytest.mark.parametrize("lens,size,causal,steps", [
@@ -479,7 +479,7 @@ def test_packed_ring_stops_after_the_last_step_with_work(lens, size, causal, ste
     every rank), not one per rank."""
     bounds = [0, *itertools.accumulate(lens)]
     for rank in range(size):
-        blocks = _packed_steps(bounds, rank, size, sum(lens) // size, causal, 1.0, torch.device("cpu"))
+        blocks = packed_steps(bounds, rank, size, sum(lens) // size, causal, 1.0, torch.device("cpu"))
         assert len(blocks) == steps
 
 

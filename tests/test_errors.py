@@ -391,8 +391,8 @@ def test_sdpa_checks_each_signature_once(monkeypatch):
 
     memo.CHECKED.clear()
     checked = []
-    real = interface._sdpa_params
-    monkeypatch.setattr(interface, "_sdpa_params", lambda *a: checked.append(1) or real(*a))
+    real = interface.check_attention_inputs
+    monkeypatch.setattr(interface, "check_attention_inputs", lambda *a, **kw: checked.append(1) or real(*a, **kw))
     for _ in range(2):
         q, k, v = (t.transpose(1, 2) for t in qkv(h=4, hk=2))  # (B, H, N, D)
         ref, _ = attention_reference(*(t.transpose(1, 2).double() for t in (q, k, v)), causal=True)

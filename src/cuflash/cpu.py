@@ -34,7 +34,7 @@ def _rows(x: torch.Tensor, m0: int, m1: int) -> torch.Tensor:
     return blk.reshape(blk.shape[0], blk.shape[1], -1, *blk.shape[4:])
 
 
-class _Tiles:
+class ScoreTiles:
     """The score tiles of one dense problem: which key tiles a query tile visits, and the logits
     of a tile with softcap, ALiBi, attn_mask, window/causal mask and the dropout pattern. Tiles are
     handled as (B, Hk, G, bm, bn) views of the (B, Hk, G*bm, bn) matmul results."""
@@ -154,7 +154,7 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, plans: 
 
 def _forward(q, k, v, p: AttentionParams, first_batch: int = 0):
     batch, seqlen_q, nheads, head_dim = q.shape
-    tiles = _Tiles(q, k, p, first_batch)
+    tiles = ScoreTiles(q, k, p, first_batch)
     nheads_k, group, dtype = tiles.nheads_k, tiles.group, tiles.dtype
     qg = _grouped(q, nheads_k, dtype)
     kg = k.to(dtype).transpose(1, 2).contiguous()  # (B, Hk, Nk, D): matmuls on strided K run slower
@@ -190,7 +190,7 @@ def _forward(q, k, v, p: AttentionParams, first_batch: int = 0):
 
 def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0):
     batch, seqlen_q, nheads, head_dim = q.shape
-    tiles = _Tiles(q, k, p, first_batch)
+    tiles = ScoreTiles(q, k, p, first_batch)
     nheads_k, group, dtype, seqlen_k = tiles.nheads_k, tiles.group, tiles.dtype, tiles.seqlen_k
     qg = _grouped(q, nheads_k, dtype)
     dog = _grouped(dout, nheads_k, dtype)

@@ -36,13 +36,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     negative one (the callers refuse such positions where they can read them: see the module
     docstring). inplace: into x.
     With the Triton backend (x on the GPU) one kernel rotates; otherwise torch ops do."""
-    if _kernel(x):
+    if kernel_rotates(x):
         return _Rotate.apply(x, cos, sin, positions, interleaved, inplace)
     out = _rotated(x, cos, sin, positions, interleaved)
     return x.copy_(out) if inplace else out
 
 
-def _kernel(x: torch.Tensor) -> bool:
+def kernel_rotates(x: torch.Tensor) -> bool:
     """Whether the Triton kernel rotates x: the Triton backend runs its dtype and device (not under
     torch.compile, which traces the torch ops) and x is at most 4-D."""
     if torch.compiler.is_compiling() or x.dim() > 4 or x.dtype not in KERNEL_DTYPES:

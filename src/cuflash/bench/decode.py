@@ -31,7 +31,7 @@ import cuflash
 from ..commandline import CommandError, Parser, Progress, integer, integers, names, out_folder, run_guarded
 from ..dtypes import DTYPES, dtype_name
 from ..errors import MAX_HEAD_DIM
-from .harness import _SDPA_BACKENDS, _median_ms
+from .harness import SDPA_BACKENDS, median_ms
 
 GRAPH_BYTES = 2**30
 
@@ -40,15 +40,15 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
     """GB/s of a device-to-device copy (bytes read + written over time)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
-    ms = _median_ms(lambda i: dst.copy_(src), iters, 3, device)
+    ms = median_ms(lambda i: dst.copy_(src), iters, 3, device)
     return 2 * nbytes / ms / 1e6
 
 
-def _sdpa(name: str, q, k, v):
+def sdpa_call(name: str, q, k, v):
     """A call of SDPA on (B, H, Sq, D) q and (B, Hk, N, D) k, v under backend `name`, GQA through
     enable_gqa; a backend that refuses it gets K/V expanded to every query head."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    backend = _SDPA_BACKENDS[name]
+    backend = SDPA_BACKENDS[name]
 
     def call(k, v, gqa):
         with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
@@ -67,14 +67,14 @@ def _sdpa(name: str, q, k, v):
     return lambda: call(k, v, False)
 
 
-def _time(calls, per_step: int, iters: int, device: torch.device) -> tuple[float, float | None]:
+def time_calls(calls, per_step: int, iters: int, device: torch.device) -> tuple[float, float | None]:
     """(ms per call replayed from a CUDA graph of per_step calls cycling through `calls`, ms per call
     made eagerly); on the CPU (eager, None)."""
     def step(_):
         for i in range(per_step):
             calls[i % len(calls)]()
     with torch.no_grad():
-        eager = _median_ms(step, iters, 3, device) / per_step
+        eager = median_ms(step, iters, 3, device) / per_step
         if device.type != "cuda":
             return eager, None
         graph = torch.cuda.CUDAGraph()
@@ -83,7 +83,7 @@ def _time(calls, per_step: int, iters: int, device: torch.device) -> tuple[float
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
             step(0)
         torch.cuda.current_stream().wait_stream(stream)
-        replay = _median_ms(lambda i: graph.replay(), iters, 3, device) / per_step
+        replay = median_ms(lambda i: graph.replay(), iters, 3, device) / per_step
     return replay, eager
 
 
@@ -117,8 +117,9 @@ def run_case(batch, seqlen_q, cache_len, layout, nheads, nheads_k, head_dim, dty
                     calls.append(lambda kc=k_cache, vc=v_cache, t=table: cuflash.flash_attn_with_kvcache(
                         q, kc, vc, cache_seqlens=cache_len, block_table=t, causal=True))
                 else:
-                    calls.append(_sdpa(provider, q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)))
-            ms, eager_ms = _time(calls, calls_per_graph, iters, device)
+                    calls.append(sdpa_call(provider, q.transpose(1, 2), k_cache.transpose(1, 2),
+                                           v_cache.transpose(1, 2)))
+            ms, eager_ms = time_calls(calls, calls_per_graph, iters, device)
             rows.append({**row, "ms": ms, "eager_ms": eager_ms, "gbps": kv_bytes / ms / 1e6, "note": ""})
         except Exception as exc:  # a backend that refuses the case (or runs out of memory) says why
             rows.append({**row, "note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"})
@@ -140,7 +141,7 @@ def layouts(text: str) -> list[str]:
 
 def main(argv=None, prog: str = "python -m cuflash.bench.decode") -> int:
     p = Parser(prog=prog, description=__doc__)
-    p.add_argument("--providers", type=names(("cuflash",) + tuple(_SDPA_BACKENDS)),
+    p.add_argument("--providers", type=names(("cuflash",) + tuple(SDPA_BACKENDS)),
                    default="cuflash,sdpa-cudnn,sdpa-flash,sdpa-efficient")
     p.add_argument("--quick", action="store_true", help="batch 1,8; cache 4k,32k; seqlen_q 1; contiguous, paged256")
     p.add_argument("--batches", type=integers(1), default=None, help="(default: 1,8,64)")

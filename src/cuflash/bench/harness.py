@@ -24,7 +24,7 @@ import cuflash
 from cuflash import methods
 from cuflash.reference import attention_reference
 
-_SDPA_BACKENDS = {
+SDPA_BACKENDS = {
     "sdpa": None,  # torch's own choice (on the CPU, its flash kernel)
     "sdpa-cudnn": "CUDNN_ATTENTION",
     "sdpa-flash": "FLASH_ATTENTION",
@@ -33,7 +33,7 @@ _SDPA_BACKENDS = {
 }
 # naive and fa1 (cuflash.methods) time the algorithms FlashAttention-2 replaced; plain attention only.
 # fa4: FlashAttention-4 (flash-attn-4's CuTe-DSL kernels), where `flash_attn.cute` imports.
-PROVIDERS = ("cuflash", "naive", "fa1", "fa4") + tuple(_SDPA_BACKENDS)
+PROVIDERS = ("cuflash", "naive", "fa1", "fa4") + tuple(SDPA_BACKENDS)
 CUDA_ONLY = ("fa4", "sdpa-cudnn", "sdpa-efficient")  # no CPU kernel of these
 
 
@@ -158,7 +158,7 @@ def _attention_fn(provider: str, case: Case, batch: int, seqlen: int, device):
     if theirs is None:
         return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    name = _SDPA_BACKENDS[provider]
+    name = SDPA_BACKENDS[provider]
 
     def fn(q, k, v):
         with sdpa_kernel(getattr(SDPBackend, name)) if name else contextlib.nullcontext():
@@ -172,7 +172,10 @@ def _inputs(case: Case, device, requires_grad: bool, sets: int):
              for _ in range(4)] for _ in range(sets)]
 
 
-def _median_ms(step, iters: int, warmup: int, device: torch.device) -> float:
+def median_ms(step, iters: int, warmup: int, device: torch.device) -> float:
+    """The median time of step(i) in ms over `iters` calls after `warmup` untimed ones: between CUDA
+    events on a GPU (which time the host too where its work outlasts the kernels: device_ms_host_us),
+    the wall time on the CPU."""
     for i in range(warmup):
         step(i)
     if device.type != "cuda":
@@ -207,14 +210,14 @@ def _sleep_cycles_per_ms(device: torch.device) -> float:
         return 20_000_000 / start.elapsed_time(end)
 
 
-def _device_ms_host_us(step, iters: int, warmup: int, device: torch.device) -> tuple[float, float | None]:
+def device_ms_host_us(step, iters: int, warmup: int, device: torch.device) -> tuple[float, float | None]:
     """(median device time of step(i) in ms, median host time to enqueue it in us). On CUDA the stream
     sleeps first (twice the host time of an untimed pass, plus a millisecond) while the host enqueues
     the timed calls, each between two events, so the events time the device only; the host time is
     taken in that loop, with nothing holding the host back. On the CPU the time is the wall time and
     the host's time None."""
     if device.type != "cuda":
-        return _median_ms(step, iters, warmup, device), None
+        return median_ms(step, iters, warmup, device), None
     for i in range(warmup):
         step(i)
     torch.cuda.synchronize()
@@ -277,14 +280,14 @@ def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: 
             torch.cuda.reset_peak_memory_stats(device)
         if case.mode == "fwd":
             with torch.no_grad():
-                ms, host_us = _device_ms_host_us(lambda i: fn(*data[i % sets][:3]), iters, warmup, device)
+                ms, host_us = device_ms_host_us(lambda i: fn(*data[i % sets][:3]), iters, warmup, device)
         elif case.mode == "bwd":
             outs = [fn(*d[:3]) for d in data]
-            ms, host_us = _device_ms_host_us(
+            ms, host_us = device_ms_host_us(
                 lambda i: torch.autograd.grad(outs[i % sets], data[i % sets][:3], data[i % sets][3], retain_graph=True),
                 iters, warmup, device)
         else:
-            ms, host_us = _device_ms_host_us(
+            ms, host_us = device_ms_host_us(
                 lambda i: torch.autograd.grad(fn(*data[i % sets][:3]), data[i % sets][:3], data[i % sets][3]),
                 iters, warmup, device)
         peak = torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None

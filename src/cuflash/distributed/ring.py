@@ -21,7 +21,8 @@ from .shards import check_shards, require_process_group
 KV_PREFETCH_BYTES = 8 << 30
 
 
-def _prefetch_budget(device: torch.device) -> int:
+def prefetch_budget(device: torch.device) -> int:
+    """The most bytes of other ranks' K/V shards a rank on `device` gathers before its first step."""
     if device.type == "cuda":
         return min(KV_PREFETCH_BYTES, torch.cuda.get_device_properties(device).total_memory // 8)
     return KV_PREFETCH_BYTES
@@ -60,13 +61,13 @@ class _Ring:
 
     def shards(self, kv: list[torch.Tensor], steps: int) -> Iterator[list[torch.Tensor]]:
         """The K/V shard of each of `steps` steps: this rank's own, then at step s rank (rank - s)'s,
-        sent straight from its owner. Where the other shards fit in _prefetch_budget, all of them
+        sent straight from its owner. Where the other shards fit in prefetch_budget, all of them
         arrive before the first step computes: NCCL's copy kernels running beside the attention kernels
         slow them far more than the transfers take alone (4 H100s, 128k tokens per GPU: the forward
         took 1.04-1.08 s with each transfer beside a step, 0.89-0.92 s after all of them, whose 3 hops
         take ~2 ms each; docs/tuning.md). Otherwise each shard is sent a step ahead of its use, its
         transfer beside the step before."""
-        if (steps - 1) * sum(t.numel() * t.element_size() for t in kv) <= _prefetch_budget(kv[0].device):
+        if (steps - 1) * sum(t.numel() * t.element_size() for t in kv) <= prefetch_budget(kv[0].device):
             exchanges = [self.start(kv, hops) for hops in range(1, steps)]
             received = [self.wait(exchange) for exchange in exchanges]
             yield kv
@@ -123,7 +124,7 @@ def _packed_span(bounds: list[int], rank: int, src: int, share: int, causal: boo
     return None if cu_k[-1] == 0 else (cu_q, cu_k, first - k_lo)  # None: no key of src's share in them
 
 
-def _packed_steps(bounds: list[int], rank: int, size: int, share: int, causal: bool, scale: float,
+def packed_steps(bounds: list[int], rank: int, size: int, share: int, causal: bool, scale: float,
                   device: torch.device, softcap: float = 0.0) -> list[list[Block]]:
     """rank's blocks at each step of the ring over a packed batch, up to the last step at which any
     rank has a block: documents shorter than a share meet few shards, and later steps would only
@@ -285,5 +286,5 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, sof
                      f"the packed batch ({share} tokens on each of {size} ranks: pad it to a multiple of {size})",
                      q.device)
     scale, softcap = resolve_scale(softmax_scale, q.shape[-1]), check_softcap(softcap)
-    steps = _packed_steps(cu_seqlens.tolist(), rank, size, share, bool(causal), scale, q.device, softcap)
+    steps = packed_steps(cu_seqlens.tolist(), rank, size, share, bool(causal), scale, q.device, softcap)
     return _RingFlashAttn.apply(q[None], k[None], v[None], steps, True, group)[0]

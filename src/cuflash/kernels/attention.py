@@ -44,7 +44,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
         tensors["BlockTable"] = params.block_table
     with user_tiles_checked(params, q.shape[-1], q.dtype):
         plan = launch((attention_forward, params.key(), entry, tf32(q)), tensors,
-                      lambda: [_forward(tensors, params, entry)])
+                      lambda: [forward_launch(tensors, params, entry)])
     keep(plans, key, plan)
     return out, lse
 
@@ -78,7 +78,9 @@ def _open_key(plans: dict | None, params: AttentionParams, entry: Entry | None, 
     return open_key(plans, pass_, inputs, *extra)
 
 
-def _forward(t: dict, params: AttentionParams, entry: Entry | None) -> tuple:
+def forward_launch(t: dict, params: AttentionParams, entry: Entry | None) -> tuple:
+    """(kernel, grid, keyword arguments) of the forward's launch on the tensors `t` (Q, K, V, Out, Lse
+    and the variant's), with the candidate select() takes."""
     prob = problem(t["Q"], t["K"], t["V"], params)
     cfg = select(prob, params, entry).forward
     if isinstance(cfg, Tiles):

@@ -30,7 +30,7 @@ from .device import on_device, scratch, tf32
 # One plan per signature; a workload with endlessly new shapes (varlen batches with a new longest
 # sequence each step) drops the oldest plans past this many.
 MAX_PLANS = 4096
-_plans: dict[tuple, Plan] = {}
+PLANS: dict[tuple, Plan] = {}  # (launch()'s key, the tensors' names, their signature) -> its plan
 _uninitialized: set[int] = set()  # ids of the workspaces build() asked for uninitialized
 # Triton's interpreter keeps the running program's grid index and its patches of triton.language in
 # globals: two interpreted launches at once (from two threads) read each other's.
@@ -149,7 +149,7 @@ def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[
     the plan, which a caller that finds it again by what a call signature leaves open (open_key) may
     call directly."""
     full_key = (key, tuple(tensors), signature(tensors.values()))
-    plan = _plans.get(full_key)
+    plan = PLANS.get(full_key)
     if plan is None:
         given = set(tensors)
         with on_device(next(iter(tensors.values()))):  # type: ignore[arg-type]
@@ -159,7 +159,7 @@ def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[
                           for name, t in tensors.items() if name not in given and isinstance(t, torch.Tensor)}
             _uninitialized.clear()
             plan = Plan(workspaces, [_Launch(kernel, grid, kwargs, tensors) for kernel, grid, kwargs in described])
-        return remember(_plans, full_key, plan, MAX_PLANS)
+        return remember(PLANS, full_key, plan, MAX_PLANS)
     plan(tensors)
     return plan
 

@@ -1,0 +1,168 @@
+"""Kernel choice: the launch table's candidates and what each kernel family accepts, select()'s
+fall-backs and its refusal of tiles that do not fit; on the GPU the table's launches of every length
+class."""
+import pytest
+import torch
+
+import cuflash
+from attn_testing import check_against_oracle, flash_fn, make_qkv, seed_of
+from cuflash.kernels.plan import Plan
+from cuflash.kernels.triton import OneLaunch, Tiles
+from cuflash.kernels.variant import problem
+from cuflash.params import AttentionParams
+
+
+LENGTH_CLASS_KEYS = (128, 256, 512, 1024, 2048, 4096)  # the longest (or a long) sequence of each class
+
+
+@pytest.mark.parametrize("arch", [80, 90, 100])
+def test_every_table_launch_is_accepted_by_its_kernel(arch):
+    """Every candidate of the table (each head dim class, length class, causal or not, dtype) is one
+    its kernel takes: Triton tiles last (they take every call), power-of-two tiles of 16 to 256 rows,
+    1-8 warps, warp specialization only with tensor descriptors; Gluon candidates only on Hopper for
+    16-bit inputs at D=64/128/256 (what the Gluon kernels take), with key tiles and buffers that fit
+    their shared memory (launch_args validates them). Which candidate wins where is measured, not
+    restated here (docs/tuning.md); that each compiles and computes the right thing is
+    test_every_length_class_on_gpu below."""
+    from cuflash.kernels import gluon
+    from cuflash.kernels.gluon import forward as gluon_forward
+    from cuflash.kernels.plan import Length, entry
+    from cuflash.kernels.variant import problem
+
+    causal, plain = AttentionParams(0.1, window_right=0), AttentionParams(0.1)
+    for block_d in (16, 32, 64, 128, 256):
+        for fp32 in (False, True):
+            for length, keys in zip(Length, LENGTH_CLASS_KEYS):
+                assert Length.of(keys) == length
+                for banded in (False, True):
+                    cell = entry(arch, block_d, fp32, False, length, banded)
+                    for candidates in (cell.forward, cell.dkdv, cell.dq):
+                        *first, last = candidates
+                        assert isinstance(last, Tiles) and not any(isinstance(c, Tiles) for c in first), cell
+                        for tile in (last.block_m, last.block_n):
+                            assert 16 <= tile <= 256 and tile & (tile - 1) == 0, cell
+                        assert last.num_warps in (1, 2, 4, 8) and last.num_stages >= 1, cell
+                        assert not last.warp_specialize or last.tma, cell
+                    # The one-launch backward comes first, on valid tiles that hold the class's keys.
+                    assert not any(isinstance(c, OneLaunch) for c in cell.forward + cell.dkdv[1:] + cell.dq), cell
+                    if isinstance(cell.dkdv[0], OneLaunch):
+                        one = cell.dkdv[0].tiles
+                        assert one.block_n >= keys and one.block_m in (16, 32, 64, 128) and not one.tma, cell
+                    if not any(isinstance(c, (gluon.Forward, gluon.Dkdv, gluon.Dq))
+                               for c in cell.forward + cell.dkdv + cell.dq):
+                        continue
+                    # (a Gluon kernel is a candidate where it measured faster; it runs only where it
+                    # accepts the call, and the Triton tiles after it elsewhere)
+                    assert arch == 90 and not fp32, (block_d, length, banded)
+                    if block_d not in (64, 128, 256):
+                        continue
+                    q = torch.randn(1, keys, 2, block_d, dtype=torch.bfloat16)
+                    params = causal if banded else plain
+                    if len(cell.forward) > 1:
+                        prob = problem(q, q, q, params)
+                        assert gluon.accepts(prob, params)
+                        gluon_forward.launch_args(dict(Q=q, K=q, V=q, Out=q, Lse=q), prob, params, cell.forward[0])
+                    if len(cell.dkdv) + len(cell.dq) > 2:
+                        assert gluon.accepts(problem(q, q, q, params, q), params), (block_d, length, banded)
+
+
+def test_gluon_kernels_accept_only_what_they_implement(monkeypatch):
+    """The Gluon kernels accept only the plain 16-bit attention they implement (the rest takes the
+    Triton kernels) and refuse configurations that do not fit them (the kernels run on the GPU only:
+    the gpu tests of test_hopper_kernels.py)."""
+    from cuflash.kernels import gluon
+    from cuflash.kernels.gluon import forward as gluon_forward
+    from cuflash.kernels.variant import problem
+
+    q, k = (torch.randn(2, 600, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+    causal = AttentionParams(128 ** -0.5, window_right=0)
+    assert gluon.accepts(problem(q, k, k, causal), causal)
+    assert gluon.accepts(problem(q[..., :64], k[..., :64], k[..., :64], causal), causal)
+    for kwargs, match in ((dict(consumers=4), "2 or 3 consumer"), (dict(block_n=16), "32-, 64- or 128-key tiles")):
+        with pytest.raises(ValueError, match=match):
+            gluon.Forward(**kwargs)
+    with pytest.raises(ValueError, match="fewer than 7"):
+        gluon_forward.launch_args(dict(Q=q, K=k, V=k, Out=q), problem(q, k, k, causal), causal,
+                                  gluon.Forward(2, 64, 7))
+    with pytest.raises(ValueError, match="early_k"):  # (D=128, 128-key tiles: O leaves through a K tile)
+        gluon_forward.launch_args(dict(Q=q, K=k, V=k, Out=q), problem(q, k, k, causal), causal,
+                                  gluon.Forward(2, 128, 3, early_k=True))
+    wide = torch.randn(2, 600, 4, 256, dtype=torch.bfloat16)  # D=256: one Q buffer, at most 2 K/V buffers of 64 keys
+    assert gluon.accepts(problem(wide, wide, wide, causal), causal)
+    assert gluon.accepts(problem(wide, wide, wide, causal, wide), causal)  # (dK/dV; dQ stays Triton at D=256)
+    with pytest.raises(ValueError, match="fewer than 3"):
+        gluon_forward.launch_args(dict(Q=wide, K=wide, V=wide, Out=wide), problem(wide, wide, wide, causal), causal,
+                                  gluon.Forward(2, 64, 3))
+    for params in (AttentionParams(0.1, window_left=64, window_right=0), AttentionParams(0.1, softcap=30.0),
+                   AttentionParams(0.1, dropout_p=0.1), AttentionParams(0.1, alibi_slopes=torch.ones(4)),
+                   AttentionParams(0.0)):
+        assert not gluon.accepts(problem(q, k, k, params), params)
+    buf = torch.randn(q.numel() + 4, dtype=torch.bfloat16)
+    for other in (q.float(), q[..., :96], buf[4:].view(q.shape)):  # fp32, D=96, a base 8 bytes off
+        assert not gluon.accepts(problem(other, k, k, causal), causal)
+    cu = torch.tensor([0, 600, 1200], dtype=torch.int32)
+    varlen = AttentionParams(0.1, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=600, max_seqlen_k=600)
+    flat = q.reshape(1200, 4, 128)
+    assert not gluon.accepts(problem(flat, flat, flat, varlen), varlen)
+    assert gluon.accepts(problem(q, k, k, causal, q.transpose(1, 2).contiguous().transpose(1, 2)), causal)
+    assert not gluon.accepts(problem(q, k, k, causal, buf[4:].view(q.shape)), causal)
+    monkeypatch.setattr(gluon, "GLUON_TRITON", False)  # a Triton older than 3.6
+    assert not gluon.accepts(problem(q, k, k, causal), causal)
+    assert not gluon.accepts(problem(q, k, k, causal, q), causal)
+
+
+def test_select_falls_back_and_keeps_determinism():
+    """select() takes each pass's first candidate whose kernel accepts the call: Gluon where it does,
+    the Triton tiles otherwise; a deterministic backward unfuses dQ from the Gluon dK/dV kernel."""
+    from cuflash.kernels import gluon
+    from cuflash.kernels.plan import Entry, select
+    from cuflash.kernels.variant import problem
+
+    q = torch.randn(1, 300, 2, 64, dtype=torch.bfloat16)
+    tiles = Tiles(64, 64, 4, 3)
+    cell = Entry((gluon.Forward(3, 64, 6), tiles), (gluon.Dkdv(fuse_dq=True), tiles), (gluon.Dq(), tiles))
+    plain, softcap = AttentionParams(0.1), AttentionParams(0.1, softcap=5.0)
+    assert select(problem(q, q, q, plain), plain, cell) == Plan(gluon.Forward(3, 64, 6))
+    assert select(problem(q, q, q, plain, q), plain, cell) == Plan(gluon.Forward(3, 64, 6), gluon.Dkdv(True), None)
+    exact = AttentionParams(0.1, deterministic=True)
+    assert select(problem(q, q, q, exact, q), exact, cell) == Plan(gluon.Forward(3, 64, 6), gluon.Dkdv(False),
+                                                                   gluon.Dq())
+    assert select(problem(q, q, q, softcap, q), softcap, cell) == Plan(tiles, tiles, tiles)
+    asked = AttentionParams(0.1, block_m=32, block_n=16)
+    assert select(problem(q, q, q, asked, q), asked) == Plan(*(Tiles(32, 16, 4, 2),) * 3)
+
+
+def test_user_tiles_that_overflow_shared_memory_are_refused_before_compiling(monkeypatch):
+    """Tiles a call asks for whose streamed tiles alone exceed the GPU's shared memory raise a
+    FlashAttentionError naming them at planning (a compile of them can run for minutes); the forward
+    streams block_n-row key and value tiles, the backward also block_m-row query and dO tiles."""
+    from cuflash.kernels import plan
+    from cuflash.kernels.plan import select
+
+    monkeypatch.setattr(plan, "max_shared_memory", lambda device: 64 * 1024)  # bytes
+    q = torch.randn(1, 64, 2, 256)  # fp32 D=256: a 32-row tile is 32 KiB
+    ok = AttentionParams(0.1, block_m=64, block_n=32)
+    # 2 x 32 KiB: fits; 8 warps for the 64 x (256 + 32) fp32 accumulators (plan._user_warps)
+    assert select(problem(q, q, q, ok), ok).forward == Tiles(64, 32, 8, 2)
+    with pytest.raises(cuflash.FlashAttentionError, match=r"block_m=64, block_n=32 .*128 KiB.*smaller blocks"):
+        select(problem(q, q, q, ok, q), ok)  # the backward's two 64-row tiles do not
+    wide = AttentionParams(0.1, block_m=16, block_n=64)
+    with pytest.raises(cuflash.FlashAttentionError, match="block_n=64"):
+        select(problem(q, q, q, wide), wide)
+    half = q.half()
+    assert select(problem(half, half, half, ok, half), ok).dkdv == Tiles(64, 32, 8, 2)  # 2 x 32 KiB in fp16
+    small = AttentionParams(0.1, block_m=16, block_n=16)  # 16 x (256 + 16) and 2 x 16 x 256 accumulators: 4 warps
+    assert select(problem(half, half, half, small, half), small).dkdv == Tiles(16, 16, 4, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen", [256, 512, 1024, 2048])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_length_class_on_gpu(causal, head_dim, seqlen):
+    """The table's launches of the length classes test_against_oracle's lengths leave out (129-256,
+    257-512, 513-1024, 1025-2048 keys; Gluon or Triton, as the table picks on this GPU) compile and
+    match the oracle, forward and backward, in bf16."""
+    torch.manual_seed(seed_of(causal, head_dim, seqlen))
+    q, k, v = make_qkv(1, seqlen, seqlen, 2, 2, head_dim, torch.bfloat16, "cuda")
+    check_against_oracle(flash_fn(causal), q, k, v, causal)
