@@ -532,6 +532,7 @@ def check_kernel_index_checks(case: str, device: str, dtype: torch.dtype, num_sp
         message = str(raised.value)
         assert any(index_error(kind, b, value, bound) in message for b, value in pairs), message
         assert message.startswith("[INVALID_ARGUMENT] decode step ") and f" on {device}" in message, message
+        assert ("output and softmax_lse are NaN" in message) == (mode == "defer"), message  # (raise: no output)
     cuflash.raise_decode_errors()  # nothing left
     if mode == "raise" and expected:
         return

@@ -144,10 +144,10 @@ class _Record:
     """Where the decode kernels of one device leave bad index values: RECORD_WORDS int64 per
     IndexKind. On the GPU pinned host memory, which the kernel writes over the bus and the host reads
     through a ctypes view without waiting for the GPU."""
-    __slots__ = ("tensor", "words", "device")
+    __slots__ = ("tensor", "words", "device", "deferred")
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, deferred: bool):
+        self.device, self.deferred = device, deferred
         self.tensor = torch.zeros(RECORD_WORDS * len(IndexKind), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.words = (ctypes.c_int64 * self.tensor.numel()).from_address(self.tensor.data_ptr())
 
@@ -162,9 +162,11 @@ class _Record:
         value -= value >> 31 << 32  # (int32)
         ctypes.memset(words, 0, ctypes.sizeof(words))
         where = f"decode step {step} on {self.device}" + (" (replayed from a CUDA graph)" if step in _captured else "")
+        # (a step that raises its own errors returns no output; a deferred one returned the sequence's as NaN)
+        outputs = "that sequence's output and softmax_lse are NaN, and " if self.deferred else ""
         fail(ErrorCode.INVALID_ARGUMENT,
-             f"{where} read a bad index value; that sequence's output and softmax_lse are NaN, and nothing was "
-             f"read or written through the value: {index_error(kind, (packed >> 32) - 1, value, bound)}")
+             f"{where} read a bad index value; {outputs}nothing was read or written through the value: "
+             f"{index_error(kind, (packed >> 32) - 1, value, bound)}")
 
 
 # The deferred steps' records, per device; and per thread, per device, the records of the steps that
@@ -176,7 +178,7 @@ _per_thread = threading.local()
 def _record(records: dict, device: torch.device) -> _Record:
     found = records.get(device)
     if found is None:
-        found = records[device] = _Record(device)
+        found = records[device] = _Record(device, records is _deferred)
     return found
 
 
