@@ -156,7 +156,7 @@ def _pieces() -> dict:
             *grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args),
         "Triton's runner (compiled[grid](*args))": lambda: compiled[grid3](*args),
         "our launcher (compat.compiled_launcher)": lambda: one.run(*args),
-        "launch()'s signature": lambda: launch.signature(values),
+        "launch()'s tensor_signature": lambda: launch.tensor_signature(values),
         "params.key()": p.key,
         "out + lse allocation": lambda: (torch.empty_like(q, memory_format=torch.contiguous_format),
                                          torch.empty(p.lse_shape(q), dtype=torch.float32, device="cuda")),

@@ -30,7 +30,7 @@ from .device import on_device, scratch, tf32
 # One plan per signature; a workload with endlessly new shapes (varlen batches with a new longest
 # sequence each step) drops the oldest plans past this many.
 MAX_PLANS = 4096
-PLANS: dict[tuple, Plan] = {}  # (launch()'s key, the tensors' names, their signature) -> its plan
+PLANS: dict[tuple, LaunchPlan] = {}  # (launch()'s key, the tensors' names, their signature) -> its plan
 _uninitialized: set[int] = set()  # ids of the workspaces build() asked for uninitialized
 # Triton's interpreter keeps the running program's grid index and its patches of triton.language in
 # globals: two interpreted launches at once (from two threads) read each other's.
@@ -58,7 +58,7 @@ def workspace(shape: tuple, dtype: torch.dtype, device: torch.device, zeroed: bo
     return t
 
 
-class Plan:
+class LaunchPlan:
     """The launches of one signature, and the workspaces they need, made anew on every call:
     (shape, dtype, device, zero-filled) by name."""
     __slots__ = ("workspaces", "launches")
@@ -132,13 +132,15 @@ def _unspecialized(kernel) -> set[str]:
     return {kernel.arg_names[n] if isinstance(n, int) else n for n in kernel.kwargs.get("do_not_specialize") or ()}
 
 
-def signature(values) -> tuple:
-    # An int's type is all an unspecialized argument compiles from: 32 or 64 bits.
+def tensor_signature(values) -> tuple:
+    """What Triton compiles a launch's arguments into (memo.signature is a public call's): each tensor's
+    shape, strides, dtype, device and 16-byte alignment; of an int, whether it fits 32 bits (an
+    unspecialized argument compiles from its width alone)."""
     return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor)
                  else -2**31 <= t < 2**31 for t in values)
 
 
-def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[], list[tuple]]) -> Plan:
+def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[], list[tuple]]) -> LaunchPlan:
     """Runs the launches build() describes, [(kernel, grid, keyword arguments with num_warps,
     num_stages or maxnreg)], on `tensors`: every tensor argument of those kernels (found there by
     identity, under any name; the first value is a tensor on the launches' device), and by argument
@@ -148,7 +150,7 @@ def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[
     add workspaces (workspace()) to `tensors`; later calls of the signature get fresh ones. Returns
     the plan, which a caller that finds it again by what a call signature leaves open (open_key) may
     call directly."""
-    full_key = (key, tuple(tensors), signature(tensors.values()))
+    full_key = (key, tuple(tensors), tensor_signature(tensors.values()))
     plan = PLANS.get(full_key)
     if plan is None:
         given = set(tensors)
@@ -158,7 +160,8 @@ def launch(key: tuple, tensors: dict[str, torch.Tensor | int], build: Callable[[
             workspaces = {name: (t.shape, t.dtype, t.device, id(t) not in _uninitialized)
                           for name, t in tensors.items() if name not in given and isinstance(t, torch.Tensor)}
             _uninitialized.clear()
-            plan = Plan(workspaces, [_Launch(kernel, grid, kwargs, tensors) for kernel, grid, kwargs in described])
+            plan = LaunchPlan(workspaces, [_Launch(kernel, grid, kwargs, tensors)
+                                           for kernel, grid, kwargs in described])
         return remember(PLANS, full_key, plan, MAX_PLANS)
     plan(tensors)
     return plan
@@ -176,12 +179,12 @@ def open_key(plans: dict | None, pass_: str, inputs: tuple[torch.Tensor, ...], *
     return pass_, tf32(inputs[0]), *(t.data_ptr() % 16 == 0 for t in inputs), *extra
 
 
-def kept(plans: dict | None, key: tuple | None) -> Plan | None:
+def kept(plans: dict | None, key: tuple | None) -> LaunchPlan | None:
     """The plan keep() put in `plans` under `key`, if any."""
     return None if key is None or plans is None else plans.get(key)
 
 
-def keep(plans: dict | None, key: tuple | None, plan: Plan) -> None:
+def keep(plans: dict | None, key: tuple | None, plan: LaunchPlan) -> None:
     # A handful of plans per signature at most (a backward's dO strides vary only by caller).
     if key is not None and plans is not None and len(plans) < 16:
         plans[key] = plan
