@@ -42,7 +42,12 @@ def index_put_first_axis(values, indices, first_axis_dim):
     """A zero (first_axis_dim, ...) tensor with values (n, ...) at rows `indices` ((n,) int64 or
     int32, each in [0, first_axis_dim))."""
     _check_rows("values", values, indices, first_axis_dim, "first_axis_dim")
-    return values.new_zeros((first_axis_dim, *values.shape[1:])).index_put((indices,), values)
+    return _scatter(values, indices, first_axis_dim)
+
+
+def _scatter(values, indices, rows: int):
+    """index_put_first_axis of checked indices."""
+    return values.new_zeros((rows, *values.shape[1:])).index_put((indices,), values)
 
 
 def _check_rows(name: str, values, indices, rows: int, rows_name: str) -> None:
@@ -93,7 +98,7 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     seqlens = keep.sum(dim=-1, dtype=torch.int32)
     indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
     cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
-    tokens = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
+    tokens = hidden_states.reshape(-1, *hidden_states.shape[2:])[indices]  # (nonzero's rows: in range)
     return tokens, indices, cu_seqlens, int(seqlens.max()), used_seqlens
 
 
@@ -119,7 +124,7 @@ def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_leng
     seqlens = lengths.flatten()[lengths.flatten() != 0].to(torch.int32)
     indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
     cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
-    tokens = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
+    tokens = hidden_states.reshape(-1, *hidden_states.shape[2:])[indices]  # (nonzero's rows: in range)
     return tokens, indices, cu_seqlens, int(seqlens.max())
 
 
@@ -129,4 +134,4 @@ def pad_input(hidden_states, indices, batch, seqlen):
     checked with one host read of their extremes (on the GPU a wait for the GPU, once per batch:
     pad_input is not on a decode step's path)."""
     _check_rows("hidden_states", hidden_states, indices, batch * seqlen, "the (batch * seqlen) output")
-    return index_put_first_axis(hidden_states, indices, batch * seqlen).view(batch, seqlen, *hidden_states.shape[1:])
+    return _scatter(hidden_states, indices, batch * seqlen).view(batch, seqlen, *hidden_states.shape[1:])
