@@ -6,8 +6,12 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .mods import Mods
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,9 @@ class AttentionParams:
 
     block_m, block_n: the tiles of query rows and keys (the seed's Br and Bc) the call asks for,
     honoured by the CPU path and the Triton kernels; 0: the tuned table's.
+
+    mods: a score_mod, a mask_mod and a block mask (cuflash.mods.Mods), on top of the rest; the score
+    the score_mod sees is scale * q.k (after softcap, before ALiBi and attn_mask), as FlexAttention's.
     """
 
     softmax_scale: float
@@ -57,6 +64,7 @@ class AttentionParams:
     block_table: torch.Tensor | None = None
     block_m: int = 0
     block_n: int = 0
+    mods: Mods | None = None
 
     @property
     def varlen(self) -> bool:
