@@ -315,6 +315,30 @@ def test_launch_plan_arguments_are_found_by_identity():
             (copy_add_specialized, (1,), dict(Src=tensors["In"], Dst=tensors["Out"], add=0, N=8))])
 
 
+def test_launch_plan_tuple_arguments_take_each_calls_tensors():
+    """A tuple argument (a mod's captures: tensors and numbers) is made anew on every call of a plan
+    with that call's tensors in their places; a tensor in it that is not one of the launch's raises."""
+    import triton
+    import triton.language as tl
+
+    from cuflash.kernels import launch
+
+    @triton.jit
+    def gather_add(Dst, args, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(Dst + offs, tl.load(args[0] + offs * args[1]) + args[2])
+
+    for scale in (1.0, 3.0):  # the second call: the first call's plan, new tensors in the tuple
+        src = torch.arange(16.0) * scale
+        tensors = dict(Out=torch.empty(8), **{"mod 0": src})
+        launch.launch(("tuple test",), tensors, lambda: [
+            (gather_add, (1,), dict(Dst=tensors["Out"], args=(src, 2, 0.5), N=8))])
+        assert torch.equal(tensors["Out"], torch.arange(0.0, 16.0, 2.0) * scale + 0.5)
+    with pytest.raises(TypeError, match="args holds a tensor that is not one of the launch's tensors"):
+        launch.launch(("tuple view test",), tensors, lambda: [
+            (gather_add, (1,), dict(Dst=tensors["Out"], args=(src[::2], 1, 0.5), N=8))])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_launch_plans_on_gpu(head_dim):

@@ -71,9 +71,9 @@ def attention_forward_kept(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
 def _open_key(plans: dict | None, params: AttentionParams, entry: Entry | None, pass_: str,
               inputs: tuple[torch.Tensor, ...], *extra) -> tuple | None:
     """launch.open_key, with `extra` in a backward dO's strides and dtype (autograd passes any); None
-    with candidates (entry) or tensor fields in params (their tensors would be launch arguments that
-    no key holds)."""
-    if entry is not None or params.holds_tensors:
+    with candidates (entry), tensor fields in params or mods (their tensors would be launch arguments
+    that no key holds)."""
+    if entry is not None or params.holds_tensors or params.mods is not None:
         return None
     return open_key(plans, pass_, inputs, *extra)
 

@@ -80,7 +80,7 @@ class LaunchPlan:
 class _Launch:
     """One kernel launch of a plan: the compiled kernel's launcher for its grid and its arguments,
     with the tensors' places left empty (a plan holds no tensor)."""
-    __slots__ = ("run", "args", "slots", "scratch")
+    __slots__ = ("run", "args", "slots", "tuples", "scratch")
 
     def __init__(self, kernel, grid: tuple, kwargs: dict, tensors: dict[str, torch.Tensor | int]):
         options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in kwargs}
@@ -88,16 +88,26 @@ class _Launch:
         if kwargs:
             raise TypeError(f"{kernel.fn.__name__}: not kernel arguments: {sorted(kwargs)}")
         compiled = run_kernel(kernel, grid, *args, **options)  # this call's launch (compiles a new variant)
-        # A tensor argument takes the place of the same tensor among `tensors`, an int the place of its name.
+        # A tensor argument takes the place of the same tensor among `tensors`, an int the place of its name;
+        # a tuple argument (a mod's captures) is made anew with its tensors' places filled.
         places = {id(t): j for j, t in enumerate(tensors.values()) if isinstance(t, torch.Tensor)}
         names = tuple(tensors)
-        slots = []
+        slots: list[tuple] = []
+        tuples: list[tuple] = []
         for i, (name, arg) in enumerate(zip(kernel.arg_names, args)):
-            if isinstance(arg, torch.Tensor):
-                if id(arg) not in places:
-                    raise TypeError(f"{kernel.fn.__name__}: {name} is not one of the launch's tensors and "
-                                    "would be frozen into its plan")
-                slots.append((i, places[id(arg)]))
+            if isinstance(arg, torch.Tensor) or isinstance(arg, tuple) and any(isinstance(a, torch.Tensor)
+                                                                                for a in arg):
+                held = (arg,) if isinstance(arg, torch.Tensor) else arg
+                missing = [k for k, a in enumerate(held) if isinstance(a, torch.Tensor) and id(a) not in places]
+                if missing:
+                    what = "is" if isinstance(arg, torch.Tensor) else "holds a tensor that is"
+                    raise TypeError(f"{kernel.fn.__name__}: {name} {what} not one of the launch's tensors and would "
+                                    "be frozen into its plan")
+                if isinstance(arg, torch.Tensor):
+                    slots.append((i, places[id(arg)]))
+                else:
+                    tuples.append((i, arg, tuple((k, places[id(a)]) for k, a in enumerate(arg)
+                                                 if isinstance(a, torch.Tensor))))
             elif isinstance(arg, int) and name in tensors:  # (not a None standing for an absent tensor)
                 if name not in _unspecialized(kernel):
                     raise TypeError(f"{kernel.fn.__name__}: {name} may change between calls of a plan, but the "
@@ -106,6 +116,9 @@ class _Launch:
         for i, _ in slots:
             args[i] = None
         self.slots = tuple(slots)
+        # (a plan holds no tensor: the tuples' tensor places are filled on every call)
+        self.tuples = tuple((i, [None if isinstance(a, torch.Tensor) else a for a in arg], places)
+                            for i, arg, places in tuples)
         self.args = args
         if compiled is None:  # the interpreter
             self.run, self.scratch = lambda *a: run_kernel(kernel, grid, *a, **options), False
@@ -119,6 +132,11 @@ class _Launch:
         args = self.args.copy()
         for i, j in self.slots:
             args[i] = tensors[j]
+        for i, held, places in self.tuples:
+            filled = held.copy()
+            for k, j in places:
+                filled[k] = tensors[j]
+            args[i] = tuple(filled)
         if self.scratch:
             triton.set_allocator(scratch)
         self.run(*args)

@@ -68,6 +68,8 @@ def select(prob: Problem, params: AttentionParams, entry: Entry | None = None) -
     """The plan for a call: the entry's (by default the table's, or the tiles the call asks for)
     first candidate of each pass that its kernel family accepts."""
     entry = entry or table_entry(prob, params)
+    if params.mods is not None:
+        entry = _within_blocks(entry, params)
     seqlens = (prob.seqlen_q, prob.seqlen_k)
     plain = gluon.accepts(prob, params)
     streamed = () if params.block_table is not None else (prob.k, prob.v)
@@ -82,6 +84,21 @@ def select(prob: Problem, params: AttentionParams, entry: Entry | None = None) -
             return Plan(forward, dkdv, None)
         dkdv = dataclasses.replace(dkdv, fuse_dq=False)
     return Plan(forward, dkdv, _first(entry.dq, plain, seqlens, (prob.k, prob.v), prob))
+
+
+def _within_blocks(entry: Entry, params: AttentionParams) -> Entry:
+    """The entry's Triton tiles (the kernels that compile mods), each pass's tiles within one block of the
+    call's block mask: a query tile inside one query block, a key tile inside one key block."""
+    blocks = params.mods.blocks if params.mods is not None else None
+
+    def fit(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
+        tiles = next(c for c in candidates if isinstance(c, Tiles))
+        if blocks is None:
+            return (tiles,)
+        block_m = min(tiles.block_m, blocks.q_block & -blocks.q_block)  # (the largest power of 2 dividing it)
+        block_n = min(tiles.block_n, blocks.kv_block & -blocks.kv_block)
+        return (dataclasses.replace(tiles, block_m=block_m, block_n=block_n, warp_specialize=False),)
+    return Entry(fit(entry.forward), fit(entry.dkdv), fit(entry.dq))
 
 
 def _first(candidates: tuple[Candidate, ...], gluon_accepts: bool, seqlens: tuple[int, int],

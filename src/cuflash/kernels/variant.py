@@ -70,10 +70,14 @@ def lse_strides(prob: Problem, p: AttentionParams) -> tuple[int, int]:
 
 def logit_scales(p: AttentionParams) -> tuple[float, float]:
     """(qk_scale, softcap) as the kernels' logits() takes them: logits in base 2; with softcap,
-    tanh takes scale / softcap and its result is scaled back by softcap * LOG2E."""
+    tanh takes scale / softcap and its result is scaled back by softcap * LOG2E. With a score_mod
+    the logits stay in natural units (the mod sees scale * q.k, as FlexAttention's), and score_tile
+    turns the mod's result into base 2."""
+    natural = p.mods is not None and p.mods.score is not None
+    to_base = 1.0 if natural else LOG2E.value
     if p.softcap > 0:
-        return p.softmax_scale / p.softcap, p.softcap * LOG2E.value
-    return p.softmax_scale * LOG2E.value, 0.0
+        return p.softmax_scale / p.softcap, p.softcap * to_base
+    return p.softmax_scale * to_base, 0.0
 
 
 def _tensor_fields(p: AttentionParams) -> dict:
@@ -83,8 +87,67 @@ def _tensor_fields(p: AttentionParams) -> dict:
 
 def variant_tensors(p: AttentionParams) -> dict:
     """The variant's tensors that this call has (varlen offsets, ALiBi slopes, attn_mask, dropout
-    seed), by their argument names in every kernel."""
-    return {name: t for name, t in _tensor_fields(p).items() if t is not None}
+    seed; a block mask's tile lists), by their argument names in every kernel, and the tensors its
+    mods capture (under names starting with MOD_TENSOR, which no kernel has: they reach the kernels
+    inside the mods' argument tuples, mod_args)."""
+    tensors = {name: t for name, t in _tensor_fields(p).items() if t is not None}
+    mods = p.mods
+    if mods is None:
+        return tensors
+    for part, mod in (("score", mods.score), ("mask", mods.mask)):
+        if mod is not None:
+            tensors.update({f"{MOD_TENSOR}{part} {i}": t for i, t in enumerate(mod.tensors)})
+    tensors.update({f"{MOD_TENSOR}grad {i}": t for i, t in enumerate(mods.grads or ())})
+    if mods.blocks is not None:
+        tensors.update({f"{MOD_TENSOR}{field}": getattr(mods.blocks, field) for field in _BLOCK_FIELDS.values()
+                        if getattr(mods.blocks, field) is not None})
+    return tensors
+
+
+MOD_TENSOR = "mod "
+_BLOCK_FIELDS = dict(KvNum="kv_num", KvIdx="kv_idx", FullKvNum="full_kv_num", FullKvIdx="full_kv_idx",
+                     QNum="q_num", QIdx="q_idx", FullQNum="full_q_num", FullQIdx="full_q_idx")
+
+
+def kernel_tensors(t: dict) -> dict:
+    """The tensors of a launch's `t` that are kernel arguments by name (not a mod's captures)."""
+    return {name: x for name, x in t.items() if not name.startswith(MOD_TENSOR)}
+
+
+def mod_args(p: AttentionParams, pass_: str) -> dict:
+    """The arguments of the mods and the block mask, by their names in the kernel of `pass_` ("fwd",
+    "dkdv", "dq"): SCORE_MOD / MASK_MOD (the mods' Triton functions, or None), their argument tuples,
+    in the backward SCORE_MOD_GRAD (the score_mod's gradient; in dkdv adding the captured tensors'
+    gradients into mods.grads, in dq without: each is added once), and the block mask: SPARSE, its
+    block sizes, its tile lists (by key block for dkdv, by query block otherwise) and their strides."""
+    from ..mods import triton as mod_code  # (the mods' code generator imports the kernels' helpers)
+
+    mods = p.mods
+    score = None if mods is None else mods.score
+    mask = None if mods is None else mods.mask
+    blocks = None if mods is None else mods.blocks
+    args: dict = dict(
+        SCORE_MOD=None if score is None else mod_code.forward_function(score.graph),
+        MASK_MOD=None if mask is None else mod_code.forward_function(mask.graph),
+        score_args=(0,) if score is None else mod_code.kernel_args(list(score.tensors), list(score.scalars)),
+        mask_args=(0,) if mask is None else mod_code.kernel_args(list(mask.tensors), list(mask.scalars)),
+    )
+    if pass_ != "fwd":
+        grads = pass_ == "dkdv" and mods is not None and mods.grads is not None
+        needed = () if score is None else score.requires_grad if grads else (False,) * len(score.tensors)
+        args["SCORE_MOD_GRAD"] = None if score is None else mod_code.backward_function(score.graph, needed)
+        args["score_grads"] = mod_code.grad_args(list(mods.grads) if grads and mods is not None and mods.grads
+                                                 else [])
+    by_key = pass_ == "dkdv"
+    names = ("QNum", "QIdx", "FullQNum", "FullQIdx") if by_key else ("KvNum", "KvIdx", "FullKvNum", "FullKvIdx")
+    lists = [None if blocks is None else getattr(blocks, _BLOCK_FIELDS[n]) for n in names]
+    args.update(dict(zip(("BlockNum", "BlockIdx", "FullNum", "FullIdx"), lists)))
+    args.update(
+        stride_blocks=tuple((0,) * (3 + i % 2) if t is None else t.stride() for i, t in enumerate(lists)),
+        SPARSE=blocks is not None, HAS_FULL=lists[2] is not None,
+        SPARSE_Q=0 if blocks is None else blocks.q_block, SPARSE_KV=0 if blocks is None else blocks.kv_block,
+    )
+    return args
 
 
 def variant_args(p: AttentionParams) -> dict:

@@ -280,10 +280,15 @@ class _Tracer:
         if op == "where" and nodes[0].dtype != torch.bool:
             self.refuse(f"calls where with a {nodes[0].dtype} condition: torch.where takes a bool one")
         try:
-            dtype = _TORCH[op](*examples).dtype
             compute = None
             if op in BINARY or op == "where":
-                compute = torch.result_type(*(examples[1:] if op == "where" else examples))
+                first = 1 if op == "where" else 0
+                compute = torch.result_type(*examples[first:])
+                # (some ops take no Python number: theirs become tensors of the promoted dtype)
+                examples[first:] = [x if isinstance(x, torch.Tensor) else torch.empty((), dtype=compute,
+                                                                                       device="meta")
+                                    for x in examples[first:]]
+            dtype = _TORCH[op](*examples).dtype
         except (RuntimeError, TypeError) as e:
             self.refuse(f"calls {name} on {[_describe(n) for n in nodes]}, which torch refuses: {e}")
         return Sym(self.add(Node(op, nodes, dtype, compute, weak)), self)

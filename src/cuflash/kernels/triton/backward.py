@@ -25,10 +25,10 @@ from ...params import AttentionParams
 from ..constants import LOG2E
 from ..device import cdiv
 from ..launch import workspace
-from ..variant import Problem, lse_strides, variant_args, variant_tensors
+from ..variant import Problem, kernel_tensors, lse_strides, mod_args, variant_args, variant_tensors
 from . import Tiles
-from .common import advance, band, dropout_keep, head_options, load_pair, load_tile, logits, mma, \
-    query_program, read_tile, row_source, score_tile, sequence, softcap_grad, store_tile, tile_aranges, tile_ptrs
+from .common import advance, band, dropout_keep, head_options, listed_blocks, load_pair, load_tile, logits, \
+    mma, query_program, read_tile, row_source, score_tile, sequence, softcap_grad, store_tile, tile_aranges, tile_ptrs
 
 ROWS_PER_PROGRAM = 64  # query rows per program of the delta and cast kernels (the Gluon kernels' tile)
 
@@ -76,12 +76,13 @@ def _attn_bwd_dq_cast(DQAcc, DQ, stride_a, stride_dq, nheads, seqlen_q, head_dim
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, offs, lo, hi, bounds, scores, drop,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, bounds, scores, drop,
                          BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                          HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                          MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-                         DQ_HERE: tl.constexpr):
+                         DQ_HERE: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
+                         SCORE_MOD_GRAD: tl.constexpr):
     """Query tiles [lo, hi) of one head into (dk, dv); MASKED applies the query bound and the band's
     edges. Works on transposed scores (keys along rows) so that dK, dV need no transposes. DQ_HERE
     (the tile holds every key): each row's delta from O and its whole dQ, stored, where dq_io is
@@ -109,7 +110,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, offs, lo, hi, bound
             delta = tl.load(delta_ptr + rows)
         x_t = logits(mma(k, tl.trans(q), None, INPUT_PRECISION), scores, SOFTCAP)
         s_t = score_tile(x_t, rows[None, :], offs_n[:, None], bounds, scores, mask, MASKED, HAS_LEFT, HAS_RIGHT,
-                         ALIBI, MASK_KIND)
+                         ALIBI, MASK_KIND, mods, SCORE_MOD, MASK_MOD)
         p_t = tl.math.exp2(s_t - lse[None, :] * LOG2E)  # 0 where s = -inf or lse = +inf
         # dV before dP: this order of the two dots measured 7% faster at D=128 on an H200.
         if DROPOUT:
@@ -120,6 +121,10 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, offs, lo, hi, bound
             dv = mma(p_t.to(do.dtype), do, dv, INPUT_PRECISION)
             dp_t = mma(v, tl.trans(do), None, INPUT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SCORE_MOD_GRAD is not None:  # (adds the captured tensors' gradients, mods[4])
+            # Keys past the end (a ragged last key tile) reach no stored dK row, but would reach those sums.
+            ds_t = tl.where(offs_n[:, None] < bounds[1], ds_t, 0.0)
+            ds_t = SCORE_MOD_GRAD(x_t, mods[0], mods[1], rows[None, :], offs_n[:, None], mods[2], ds_t, mods[4])
         if SOFTCAP:
             ds_t *= softcap_grad(x_t, scores[1])
         dk = mma(ds_t.to(q.dtype), q, dk, INPUT_PRECISION)
@@ -132,16 +137,53 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, offs, lo, hi, bound
 
 
 @triton.jit
+def _attn_bwd_dkdv_listed(dk, dv, k, v, rows_in, mask, mods, offs, bounds, scores, drop, lists, column,
+                          BLOCK_M: tl.constexpr, SPARSE_Q: tl.constexpr, FULL: tl.constexpr, SOFTCAP: tl.constexpr,
+                          ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                          INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, SCORE_MOD: tl.constexpr,
+                          MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
+    """The query blocks a block mask lists for key block `column` (lists as _attn_fwd_listed's, by key
+    block): those that partly see it, through the mask_mod, or (FULL) those that wholly see it."""
+    count, first, stride = listed_blocks(lists[2 * FULL], lists[2 * FULL + 1], lists[4], FULL, mods[0], mods[1],
+                                         column)
+    seqlen_q = bounds[0]
+    dq_io = (0, 0, 0, 0, 0)
+    for i in range(0, count):
+        lo = tl.load(first + i * stride) * SPARSE_Q
+        hi = tl.minimum(lo + SPARSE_Q, seqlen_q)
+        if FULL:
+            if hi - lo == SPARSE_Q:
+                dk, dv = _attn_bwd_dkdv_inner(
+                    dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_M, False,
+                    False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, False,
+                    SCORE_MOD, None, SCORE_MOD_GRAD)
+            else:
+                dk, dv = _attn_bwd_dkdv_inner(
+                    dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_M, True,
+                    False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, False,
+                    SCORE_MOD, None, SCORE_MOD_GRAD)
+        else:
+            dk, dv = _attn_bwd_dkdv_inner(
+                dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_M, True, False,
+                False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, False, SCORE_MOD,
+                MASK_MOD, SCORE_MOD_GRAD)
+    return dk, dv
+
+
+@triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
+                   BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args, score_grads,
                    stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_o, stride_dq, stride_l,
-                   stride_slope_b, stride_mask,
+                   stride_slope_b, stride_mask, stride_blocks,
                    nheads_k, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
                    softmax_scale, qk_scale, softcap, drop_threshold, drop_scale,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                    EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_GROUP_ACC: tl.constexpr,
-                   TMA: tl.constexpr, WS: tl.constexpr, DQ_HERE: tl.constexpr):
+                   TMA: tl.constexpr, WS: tl.constexpr, DQ_HERE: tl.constexpr, SCORE_MOD: tl.constexpr,
+                   MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr, SPARSE: tl.constexpr, HAS_FULL: tl.constexpr,
+                   SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
     """dK, dV of BLOCK_N keys of one KV head. DQ_HERE (the grid's one program per (batch, KV head)
     holds every key of its sequence): also delta and dQ of the group's query heads, the whole
     backward in one launch (Delta None; otherwise Out, DQ and their strides None)."""
@@ -210,11 +252,24 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
         mask = (mask_ptrs, stride_mask[2], stride_mask[3])
         scores = (qk_scale, softcap, slope)
         drop = (drop_key, drop_threshold, drop_scale)
-        for part in tl.static_range(1 - HAS_RIGHT, 3):
-            dk_head, dv_head = _attn_bwd_dkdv_inner(
-                dk_head, dv_head, k, v, rows_in, dq_io, mask, offs, edges[part], edges[part + 1], bounds, scores,
-                drop, BLOCK_M, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, WS & (part == 1), DQ_HERE)
+        mods = (off_b.to(tl.int32), off_h.to(tl.int32), score_args, mask_args, score_grads)
+        if SPARSE:  # the query blocks the block mask lists: partly seeing this key block, then wholly
+            lists = (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks)
+            dk_head, dv_head = _attn_bwd_dkdv_listed(
+                dk_head, dv_head, k, v, rows_in, mask, mods, offs, bounds, scores, drop, lists, start_n // SPARSE_KV,
+                BLOCK_M, SPARSE_Q, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
+                SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
+            if HAS_FULL:
+                dk_head, dv_head = _attn_bwd_dkdv_listed(
+                    dk_head, dv_head, k, v, rows_in, mask, mods, offs, bounds, scores, drop, lists,
+                    start_n // SPARSE_KV, BLOCK_M, SPARSE_Q, True, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+                    INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
+        else:
+            for part in tl.static_range(1 - HAS_RIGHT, 3):
+                dk_head, dv_head = _attn_bwd_dkdv_inner(
+                    dk_head, dv_head, k, v, rows_in, dq_io, mask, mods, offs, edges[part], edges[part + 1], bounds,
+                    scores, drop, BLOCK_M, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+                    INPUT_PRECISION, TMA, WS & (part == 1), DQ_HERE, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
         if SPLIT_GROUP_ACC:
             dk += dk_head
             dv += dv_head
@@ -231,11 +286,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, offs, lo, hi, bounds, scores, drop,
+def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, bounds, scores, drop,
                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                        HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                        MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-                       INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+                       INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+                       SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
     """K/V tiles [lo, hi) into dq; MASKED applies the key bound and the band's edges. The argument
     groups are _attn_bwd_dq's."""
     k_v, row_strides = kv
@@ -246,13 +302,15 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, offs, lo, hi, bounds, sc
         k, v = load_pair(k_v, start_n, cols, bounds[1], offs_d, bounds[2], MASKED, not EVEN_D, TMA)
         x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), scores, SOFTCAP)
         s = score_tile(x, offs_m[:, None], cols[None, :], bounds, scores, mask, MASKED, HAS_LEFT, HAS_RIGHT, ALIBI,
-                       MASK_KIND)
+                       MASK_KIND, mods, SCORE_MOD, MASK_MOD)
         p = tl.math.exp2(s - lse[:, None])
         dp = mma(do, tl.trans(v), None, INPUT_PRECISION)
         if DROPOUT:
             keep = dropout_keep(drop, offs_m[:, None], cols[None, :])
             dp = tl.where(keep, dp * drop[2], 0.0)
         ds = p * (dp - delta[:, None])
+        if SCORE_MOD_GRAD is not None:  # (this pass adds no captured tensor's gradient: mods[4] is empty)
+            ds = SCORE_MOD_GRAD(x, mods[0], mods[1], offs_m[:, None], cols[None, :], mods[2], ds, mods[4])
         if SOFTCAP:
             ds *= softcap_grad(x, scores[1])
         dq = mma(ds.to(k.dtype), k, dq, INPUT_PRECISION)
@@ -261,14 +319,46 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, offs, lo, hi, bounds, sc
 
 
 @triton.jit
+def _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, scores, drop, lists, row,
+                        BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, FULL: tl.constexpr, SOFTCAP: tl.constexpr,
+                        ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                        INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, SCORE_MOD: tl.constexpr,
+                        MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
+    """The key blocks a block mask lists for query block `row`, as _attn_fwd_listed visits them."""
+    count, first, stride = listed_blocks(lists[2 * FULL], lists[2 * FULL + 1], lists[4], FULL, mods[0], mods[1], row)
+    seqlen_k = bounds[1]
+    for i in range(0, count):
+        lo = tl.load(first + i * stride) * SPARSE_KV
+        hi = tl.minimum(lo + SPARSE_KV, seqlen_k)
+        if FULL:
+            if hi - lo == SPARSE_KV:
+                dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, bounds, scores, drop,
+                                        BLOCK_N, False, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+                                        INPUT_PRECISION, TMA, False, SCORE_MOD, None, SCORE_MOD_GRAD)
+            else:
+                dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, bounds, scores, drop,
+                                        BLOCK_N, True, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+                                        INPUT_PRECISION, TMA, False, SCORE_MOD, None, SCORE_MOD_GRAD)
+        else:
+            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_N,
+                                    True, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
+                                    TMA, False, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
+    return dq
+
+
+@triton.jit
 def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
+                 BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args, score_grads,
                  stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, stride_slope_b, stride_mask,
+                 stride_blocks,
                  nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
                  softmax_scale, qk_scale, softcap, drop_threshold, drop_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                 EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+                 EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+                 SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr, SPARSE: tl.constexpr,
+                 HAS_FULL: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
     start_m, off_bh, off_b, off_h, q_first, seqlen_q, k_first, seqlen_k = query_program(
         CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, nheads, BLOCK_M, HAS_RIGHT, VARLEN)
     off_hk = off_h // group_size
@@ -296,11 +386,24 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Ma
     mask = (mask_ptrs, stride_mask[2], stride_mask[3])
     bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right)
     drop = (drop_key, drop_threshold, drop_scale)
-    for part in tl.static_range(1 - HAS_LEFT, 3):
-        dq = _attn_bwd_dq_inner(
-            dq, q, do, lse, delta, kv, mask, (offs_m, offs_n, offs_d), edges[part], edges[part + 1], bounds,
-            (qk_scale, softcap, slope), drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND,
-            DROPOUT, EVEN_D, INPUT_PRECISION, TMA, WS & (part == 1))
+    scores = (qk_scale, softcap, slope)
+    offs = (offs_m, offs_n, offs_d)
+    mods = (off_b.to(tl.int32), off_h.to(tl.int32), score_args, mask_args, score_grads)
+    if SPARSE:  # the key blocks the block mask lists, as in the forward
+        lists = (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks)
+        dq = _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, scores, drop, lists,
+                                 start_m // SPARSE_Q, BLOCK_N, SPARSE_KV, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT,
+                                 EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
+        if HAS_FULL:
+            dq = _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, scores, drop, lists,
+                                     start_m // SPARSE_Q, BLOCK_N, SPARSE_KV, True, SOFTCAP, ALIBI, MASK_KIND, DROPOUT,
+                                     EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
+    else:
+        for part in tl.static_range(1 - HAS_LEFT, 3):
+            dq = _attn_bwd_dq_inner(
+                dq, q, do, lse, delta, kv, mask, mods, offs, edges[part], edges[part + 1], bounds, scores, drop,
+                BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
+                TMA, WS & (part == 1), SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
     dq_ptrs = tile_ptrs(DQ, stride_dq, off_b, off_h, q_first + start_m, rows, offs_d)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, not EVEN_D)
 
@@ -329,7 +432,8 @@ def _shared_args(t: dict, prob: Problem, params: AttentionParams) -> dict:
     q, k, v, dout = t["Q"], t["K"], t["V"], t["DO"]
     return dict(Q=q, K=k, V=v, DO=dout, Lse=t["Lse"], Delta=t.get("Delta"),
                 stride_q=prob.strides(q), stride_k=prob.strides(k), stride_v=prob.strides(v),
-                stride_do=prob.strides(dout), stride_l=lse_strides(prob, params), **variant_tensors(params),
+                stride_do=prob.strides(dout), stride_l=lse_strides(prob, params),
+                **kernel_tensors(variant_tensors(params)),
                 **variant_args(params), seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
                 group_size=prob.nheads // prob.nheads_k, softmax_scale=params.softmax_scale,
                 BLOCK_D=prob.block_d, EVEN_D=prob.head_dim == prob.block_d)
@@ -346,7 +450,8 @@ def dkdv_launch(t: dict, prob: Problem, params: AttentionParams, tiles: Tiles, d
         dq_io = dict.fromkeys(("Out", "DQ", "stride_o", "stride_dq"))
     return _attn_bwd_dkdv, grid, dict(
         DK=t["DK"], DV=t["DV"], stride_dk=prob.strides(t["DK"]), stride_dv=prob.strides(t["DV"]), **dq_io,
-        **_shared_args(t, prob, params), nheads_k=prob.nheads_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        **_shared_args(t, prob, params), **mod_args(params, "dkdv"), nheads_k=prob.nheads_k, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
         INPUT_PRECISION=tiles.input_precision, SPLIT_GROUP_ACC=prob.q.dtype == torch.float32, TMA=tiles.tma,
         WS=tiles.warp_specialize, DQ_HERE=dq_here, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -356,7 +461,8 @@ def dq_launch(t: dict, prob: Problem, params: AttentionParams, tiles: Tiles):
     """The dQ kernel: a program per tiles.block_m query rows of one (batch, head)."""
     grid = (cdiv(prob.seqlen_q, tiles.block_m), prob.batch * prob.nheads)
     return _attn_bwd_dq, grid, dict(
-        DQ=t["DQ"], stride_dq=prob.strides(t["DQ"]), **_shared_args(t, prob, params), nheads=prob.nheads,
+        DQ=t["DQ"], stride_dq=prob.strides(t["DQ"]), **_shared_args(t, prob, params), **mod_args(params, "dq"),
+        nheads=prob.nheads,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, INPUT_PRECISION=tiles.input_precision,
         TMA=tiles.tma, WS=tiles.warp_specialize, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

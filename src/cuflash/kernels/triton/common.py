@@ -220,17 +220,24 @@ def softmax_step(s, m_i, l_i, MAY_BE_EMPTY: tl.constexpr):
 
 @triton.jit
 def score_tile(x, rows, cols, bounds, scores, mask, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-               HAS_RIGHT: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr):
-    """Logits x (base 2) plus the ALiBi bias (scores[2], the slope pre-multiplied by LOG2E) and an
-    additive mask, -inf where a key is not visible. rows and cols broadcast against each other (the
-    dK/dV kernel passes them transposed). bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left,
-    window_right); mask = (attn_mask's pointer for this head, its row and column strides). Key j is
-    visible to query row i when i + offset - window_left <= j <= i + offset + window_right (causal:
-    window_right = 0); only MASKED tiles (the band's edges and ragged ends) check that."""
+               HAS_RIGHT: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, mods=None,
+               SCORE_MOD: tl.constexpr = None, MASK_MOD: tl.constexpr = None):
+    """Logits x (base 2; natural with a SCORE_MOD, whose result is taken to base 2) plus the ALiBi bias
+    (scores[2], the slope pre-multiplied by LOG2E) and an additive mask, -inf where a key is not
+    visible. rows and cols broadcast against each other (the dK/dV kernel passes them transposed).
+    bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right); mask = (attn_mask's
+    pointer for this head, its row and column strides); mods = (batch, head, the score_mod's and the
+    mask_mod's argument tuples), for SCORE_MOD and MASK_MOD (mods/triton.py; None: none, and for
+    tiles a block mask marks full). Key j is visible to query row i when
+    i + offset - window_left <= j <= i + offset + window_right (causal: window_right = 0) and the
+    mask_mod says so; only MASKED tiles (the band's edges and ragged ends) check the bounds."""
     seqlen_q, seqlen_k, _, offset, window_left, window_right = bounds
     mask_ptrs, stride_mask_m, stride_mask_n = mask
     slope = scores[2]
-    s = x
+    if SCORE_MOD is not None:
+        s = SCORE_MOD(x, mods[0], mods[1], rows, cols, mods[2]) * LOG2E
+    else:
+        s = x
     if ALIBI:
         s -= slope * tl.abs(rows + offset - cols).to(tl.float32)
     if MASK_KIND != NO_MASK:
@@ -241,6 +248,8 @@ def score_tile(x, rows, cols, bounds, scores, mask, MASKED: tl.constexpr, HAS_LE
             s = tl.where(m != 0, s, float("-inf"))
         else:
             s += m.to(tl.float32) * LOG2E
+    if MASK_MOD is not None:
+        s = tl.where(MASK_MOD(mods[0], mods[1], rows, cols, mods[3]), s, float("-inf"))
     if MASKED:
         ok = cols < seqlen_k
         if HAS_RIGHT:
@@ -249,6 +258,18 @@ def score_tile(x, rows, cols, bounds, scores, mask, MASKED: tl.constexpr, HAS_LE
             ok = ok & (cols >= rows + offset - window_left)
         s = tl.where(ok, s, float("-inf"))
     return s
+
+
+@triton.jit
+def listed_blocks(Num, Idx, strides, full: tl.constexpr, off_b, off_h, row):
+    """A block mask's list for block `row` of one (batch, head): (how many blocks, a pointer to the
+    first one's index, the indices' stride); the full blocks' list where full (strides: those of the
+    tile lists BlockNum, BlockIdx, FullNum, FullIdx in turn)."""
+    num_strides = strides[2 * full]
+    idx_strides = strides[2 * full + 1]
+    count = tl.load(Num + off_b * num_strides[0] + off_h * num_strides[1] + row * num_strides[2])
+    first = Idx + off_b * idx_strides[0] + off_h * idx_strides[1] + row * idx_strides[2]
+    return count, first, idx_strides[3]
 
 
 @triton.jit

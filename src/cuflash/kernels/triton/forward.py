@@ -12,20 +12,21 @@ import triton.language as tl
 from ...params import AttentionParams
 from ..constants import NO_MASK
 from ..device import cdiv
-from ..variant import Problem, lse_strides, variant_args
+from ..variant import Problem, kernel_tensors, lse_strides, mod_args, variant_args
 from . import Tiles
-from .common import LN2, advance, band, dropout_keep, head_options, load_rows, load_tile, logits, mma, \
-    query_program, read_tile, row_source, score_tile, softmax_step, store_tile, tile_aranges, tile_ptrs
+from .common import LN2, advance, band, dropout_keep, head_options, listed_blocks, load_rows, load_tile, logits, \
+    mma, query_program, read_tile, row_source, score_tile, softmax_step, store_tile, tile_aranges, tile_ptrs
 
 
 @triton.jit
-def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, offs, lo, hi, bounds, scores, drop,
+def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, bounds, scores, drop,
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, PAGED: tl.constexpr):
+                    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, PAGED: tl.constexpr,
+                    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
     """K/V tiles [lo, hi) into the running (acc, m_i, l_i); MASKED applies the key bound and the band's
-    edges (tiles wholly inside need neither). The argument groups are _attn_fwd's."""
+    edges (tiles wholly inside need neither), MASK_MOD the mask_mod. The argument groups are _attn_fwd's."""
     k_src, v_src, stride_kn, stride_vn = kv
     pages, page_size, stride_kpage, stride_vpage = paging
     offs_m, offs_n, offs_d = offs
@@ -43,8 +44,9 @@ def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, offs, lo, hi, bounds, sc
             k = load_rows(k_src, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
         x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), scores, SOFTCAP)
         s = score_tile(x, offs_m[:, None], cols[None, :], bounds, scores, mask, MASKED, HAS_LEFT, HAS_RIGHT, ALIBI,
-                       MASK_KIND)
-        m_new, p, alpha, l_i = softmax_step(s, m_i, l_i, MASKED or MASK_KIND != NO_MASK)
+                       MASK_KIND, mods, SCORE_MOD, MASK_MOD)
+        m_new, p, alpha, l_i = softmax_step(
+            s, m_i, l_i, MASKED or MASK_KIND != NO_MASK or SCORE_MOD is not None or MASK_MOD is not None)
         if DROPOUT:
             # The softmax sum counts every probability; only the output sees the dropped ones.
             p = tl.where(dropout_keep(drop, offs_m[:, None], cols[None, :]), p, 0.0)
@@ -61,15 +63,50 @@ def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, offs, lo, hi, bounds, sc
 
 
 @triton.jit
+def _attn_fwd_listed(acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, scores, drop, lists, row,
+                     BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, FULL: tl.constexpr, SOFTCAP: tl.constexpr,
+                     ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                     INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr,
+                     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
+    """The key blocks a block mask lists for query block `row` (lists: its BlockNum, BlockIdx, FullNum,
+    FullIdx and their strides): those partly seen, through the mask_mod, or (FULL) those wholly seen,
+    without it (a ragged last block still masked at the keys' end)."""
+    count, first, stride = listed_blocks(lists[2 * FULL], lists[2 * FULL + 1], lists[4], FULL, mods[0], mods[1], row)
+    seqlen_k = bounds[1]
+    for i in range(0, count):
+        lo = tl.load(first + i * stride) * SPARSE_KV
+        hi = tl.minimum(lo + SPARSE_KV, seqlen_k)
+        if FULL:
+            if hi - lo == SPARSE_KV:
+                acc, m_i, l_i = _attn_fwd_inner(
+                    acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_N, False,
+                    False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, PAGED,
+                    SCORE_MOD, None)
+            else:
+                acc, m_i, l_i = _attn_fwd_inner(
+                    acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_N, True,
+                    False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, PAGED,
+                    SCORE_MOD, None)
+        else:
+            acc, m_i, l_i = _attn_fwd_inner(
+                acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_N, True, False,
+                False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, PAGED, SCORE_MOD,
+                MASK_MOD)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng, BlockTable,
+              BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args,
               stride_q, stride_k, stride_v, stride_o, stride_l, stride_slope_b, stride_mask, stride_tb, page_size,
-              nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
+              stride_blocks, nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
               qk_scale, softcap, drop_threshold, drop_scale,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
               EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-              PAGED: tl.constexpr):
+              PAGED: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
+              HAS_FULL: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
     start_m, off_bh, off_b, off_h, q_first, seqlen_q, k_first, seqlen_k = query_program(
         CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, nheads, BLOCK_M, HAS_RIGHT, VARLEN)
     off_hk = off_h // group_size
@@ -106,11 +143,25 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng, Bloc
     offs = (offs_m, offs_n, offs_d)
     bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right)
     drop = (drop_key, drop_threshold)
-    for part in tl.static_range(1 - HAS_LEFT, 3):
-        acc, m_i, l_i = _attn_fwd_inner(
-            acc, m_i, l_i, q, kv, paging, mask, offs, edges[part], edges[part + 1], bounds, (qk_scale, softcap, slope),
-            drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
-            INPUT_PRECISION, TMA, WS & (part == 1), PAGED)
+    scores = (qk_scale, softcap, slope)
+    mods = (off_b.to(tl.int32), off_h.to(tl.int32), score_args, mask_args)
+    if SPARSE:  # the key blocks the block mask lists: partly seen, then wholly seen
+        lists = (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks)
+        acc, m_i, l_i = _attn_fwd_listed(
+            acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, scores, drop, lists, start_m // SPARSE_Q, BLOCK_N,
+            SPARSE_KV, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, PAGED, SCORE_MOD,
+            MASK_MOD)
+        if HAS_FULL:
+            acc, m_i, l_i = _attn_fwd_listed(
+                acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, scores, drop, lists, start_m // SPARSE_Q,
+                BLOCK_N, SPARSE_KV, True, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, PAGED,
+                SCORE_MOD, MASK_MOD)
+    else:
+        for part in tl.static_range(1 - HAS_LEFT, 3):
+            acc, m_i, l_i = _attn_fwd_inner(
+                acc, m_i, l_i, q, kv, paging, mask, mods, offs, edges[part], edges[part + 1], bounds, scores, drop,
+                BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+                INPUT_PRECISION, TMA, WS & (part == 1), PAGED, SCORE_MOD, MASK_MOD)
 
     # Rows that saw no key at all (l_i == 0) get out = 0 and lse = +inf, so that the backward's
     # exp(s - lse) is 0 for them.
@@ -132,7 +183,8 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, tiles: Ti
     paged = table is not None
     grid = (cdiv(prob.seqlen_q, tiles.block_m), prob.batch * prob.nheads)
     return _attn_fwd, grid, dict(
-        **tensors, stride_q=prob.strides(q), stride_k=_kv_strides(prob, k, paged), stride_v=_kv_strides(prob, v, paged),
+        **kernel_tensors(tensors), **mod_args(params, "fwd"),
+        stride_q=prob.strides(q), stride_k=_kv_strides(prob, k, paged), stride_v=_kv_strides(prob, v, paged),
         stride_o=prob.strides(out), stride_l=lse_strides(prob, params), **variant_args(params),
         **({} if paged else {"BlockTable": None}), stride_tb=table.stride(0) if table is not None else 0,
         page_size=k.shape[1] if paged else 0, PAGED=paged,
