@@ -187,10 +187,8 @@ def _oracle(q, k, v, scale, score_mod, mask_mod):
     qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
     kd, vd = (t.repeat_interleave(nheads // nheads_k, 1) for t in (kd, vd))
     s = qd @ kd.transpose(-1, -2) * scale
-    b = torch.arange(batch)[:, None, None, None]
-    h = torch.arange(nheads)[None, :, None, None]
-    i = torch.arange(seqlen_q)[None, None, :, None]
-    j = torch.arange(seqlen_k)[None, None, None, :]
+    b, h, i, j = (torch.arange(n, device=q.device).view(shape) for n, shape in (
+        (batch, (-1, 1, 1, 1)), (nheads, (1, -1, 1, 1)), (seqlen_q, (1, 1, -1, 1)), (seqlen_k, (1, 1, 1, -1))))
     if score_mod is not None:
         s = score_mod(s, b, h, i, j)
     if mask_mod is not None:
@@ -265,6 +263,11 @@ def _documents(b, h, i, j):
     return (i // 24 == j // 24) & ((j % 5 != 2) | (h == 0))
 
 
+def _case_id(case) -> str:
+    *sizes, mask_mod, blocks = case
+    return "-".join(map(str, sizes)) + f"-{getattr(mask_mod, '__name__', 'nomask')}-{blocks}"
+
+
 KERNEL_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask_mod, blocks)
     (2, 100, 77, 4, 2, 32, _causal_window, (32, 32)),
     (1, 17, 17, 2, 1, 40, _documents, (16, 16)),
@@ -274,7 +277,7 @@ KERNEL_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask
 
 
 @interpret
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=_case_id)
 def test_triton_kernels_with_mods_and_block_masks(case, monkeypatch):
     monkeypatch.setenv("CUFLASH_BACKEND", "triton")
     _check_kernels("cpu", torch.float32, *case[:6], softcap, case[6], case[7], tol=1e-4)
@@ -284,6 +287,7 @@ def test_triton_kernels_with_mods_and_block_masks(case, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", KERNEL_CASES + [(2, 1000, 1000, 8, 2, 128, _documents, (128, 128)),
                                                  (1, 300, 700, 4, 4, 256, _causal_window, (64, 128)),
-                                                 (1, 513, 513, 2, 1, 96, _causal_window, (128, 64))], ids=str)
+                                                 (1, 513, 513, 2, 1, 96, _causal_window, (128, 64))],
+                         ids=_case_id)
 def test_triton_kernels_with_mods_on_gpu(case, dtype):
     _check_kernels("cuda", dtype, *case[:6], softcap, case[6], case[7], tol=2e-2 if dtype == torch.bfloat16 else 5e-3)

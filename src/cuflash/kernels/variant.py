@@ -114,7 +114,7 @@ def kernel_tensors(t: dict) -> dict:
     return {name: x for name, x in t.items() if not name.startswith(MOD_TENSOR)}
 
 
-def mod_args(p: AttentionParams, pass_: str) -> dict:
+def mod_args(p: AttentionParams, prob: Problem, pass_: str) -> dict:
     """The arguments of the mods and the block mask, by their names in the kernel of `pass_` ("fwd",
     "dkdv", "dq"): SCORE_MOD / MASK_MOD (the mods' Triton functions, or None), their argument tuples,
     in the backward SCORE_MOD_GRAD (the score_mod's gradient; in dkdv adding the captured tensors'
@@ -146,6 +146,7 @@ def mod_args(p: AttentionParams, pass_: str) -> dict:
         stride_blocks=tuple((0,) * (3 + i % 2) if t is None else t.stride() for i, t in enumerate(lists)),
         SPARSE=blocks is not None, HAS_FULL=lists[2] is not None,
         SPARSE_Q=0 if blocks is None else blocks.q_block, SPARSE_KV=0 if blocks is None else blocks.kv_block,
+        EVEN_BLOCKS=blocks is not None and prob.seqlen_q % blocks.q_block == 0 and prob.seqlen_k % blocks.kv_block == 0,
     )
     return args
 

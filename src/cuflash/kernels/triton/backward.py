@@ -138,12 +138,14 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi,
 
 @triton.jit
 def _attn_bwd_dkdv_listed(dk, dv, k, v, rows_in, mask, mods, offs, bounds, scores, drop, lists, column,
-                          BLOCK_M: tl.constexpr, SPARSE_Q: tl.constexpr, FULL: tl.constexpr, SOFTCAP: tl.constexpr,
+                          BLOCK_M: tl.constexpr, SPARSE_Q: tl.constexpr, FULL: tl.constexpr,
+                          EVEN_BLOCKS: tl.constexpr, SOFTCAP: tl.constexpr,
                           ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                           INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, SCORE_MOD: tl.constexpr,
                           MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
     """The query blocks a block mask lists for key block `column` (lists as _attn_fwd_listed's, by key
-    block): those that partly see it, through the mask_mod, or (FULL) those that wholly see it."""
+    block): those that partly see it, through the mask_mod, or (FULL) those that wholly see it (masked
+    at the queries' end unless EVEN_BLOCKS)."""
     count, first, stride = listed_blocks(lists[2 * FULL], lists[2 * FULL + 1], lists[4], FULL, mods[0], mods[1],
                                          column)
     seqlen_q = bounds[0]
@@ -151,22 +153,10 @@ def _attn_bwd_dkdv_listed(dk, dv, k, v, rows_in, mask, mods, offs, bounds, score
     for i in range(0, count):
         lo = tl.load(first + i * stride) * SPARSE_Q
         hi = tl.minimum(lo + SPARSE_Q, seqlen_q)
-        if FULL:
-            if hi - lo == SPARSE_Q:
-                dk, dv = _attn_bwd_dkdv_inner(
-                    dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_M, False,
-                    False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, False,
-                    SCORE_MOD, None, SCORE_MOD_GRAD)
-            else:
-                dk, dv = _attn_bwd_dkdv_inner(
-                    dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_M, True,
-                    False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, False,
-                    SCORE_MOD, None, SCORE_MOD_GRAD)
-        else:
-            dk, dv = _attn_bwd_dkdv_inner(
-                dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_M, True, False,
-                False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, False, SCORE_MOD,
-                MASK_MOD, SCORE_MOD_GRAD)
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_M,
+            not (FULL and EVEN_BLOCKS), False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
+            False, False, SCORE_MOD, None if FULL else MASK_MOD, SCORE_MOD_GRAD)
     return dk, dv
 
 
@@ -183,7 +173,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
                    EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_GROUP_ACC: tl.constexpr,
                    TMA: tl.constexpr, WS: tl.constexpr, DQ_HERE: tl.constexpr, SCORE_MOD: tl.constexpr,
                    MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr, SPARSE: tl.constexpr, HAS_FULL: tl.constexpr,
-                   SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
+                   SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr, EVEN_BLOCKS: tl.constexpr):
     """dK, dV of BLOCK_N keys of one KV head. DQ_HERE (the grid's one program per (batch, KV head)
     holds every key of its sequence): also delta and dQ of the group's query heads, the whole
     backward in one launch (Delta None; otherwise Out, DQ and their strides None)."""
@@ -257,13 +247,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
             lists = (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks)
             dk_head, dv_head = _attn_bwd_dkdv_listed(
                 dk_head, dv_head, k, v, rows_in, mask, mods, offs, bounds, scores, drop, lists, start_n // SPARSE_KV,
-                BLOCK_M, SPARSE_Q, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
+                BLOCK_M, SPARSE_Q, False, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
                 SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
             if HAS_FULL:
                 dk_head, dv_head = _attn_bwd_dkdv_listed(
                     dk_head, dv_head, k, v, rows_in, mask, mods, offs, bounds, scores, drop, lists,
-                    start_n // SPARSE_KV, BLOCK_M, SPARSE_Q, True, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
-                    INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
+                    start_n // SPARSE_KV, BLOCK_M, SPARSE_Q, True, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND, DROPOUT,
+                    EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
         else:
             for part in tl.static_range(1 - HAS_RIGHT, 3):
                 dk_head, dv_head = _attn_bwd_dkdv_inner(
@@ -320,7 +310,8 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, boun
 
 @triton.jit
 def _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, scores, drop, lists, row,
-                        BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, FULL: tl.constexpr, SOFTCAP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, FULL: tl.constexpr,
+                        EVEN_BLOCKS: tl.constexpr, SOFTCAP: tl.constexpr,
                         ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, SCORE_MOD: tl.constexpr,
                         MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
@@ -330,19 +321,9 @@ def _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, sco
     for i in range(0, count):
         lo = tl.load(first + i * stride) * SPARSE_KV
         hi = tl.minimum(lo + SPARSE_KV, seqlen_k)
-        if FULL:
-            if hi - lo == SPARSE_KV:
-                dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, bounds, scores, drop,
-                                        BLOCK_N, False, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
-                                        INPUT_PRECISION, TMA, False, SCORE_MOD, None, SCORE_MOD_GRAD)
-            else:
-                dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, bounds, scores, drop,
-                                        BLOCK_N, True, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
-                                        INPUT_PRECISION, TMA, False, SCORE_MOD, None, SCORE_MOD_GRAD)
-        else:
-            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_N,
-                                    True, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
-                                    TMA, False, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_N,
+                                not (FULL and EVEN_BLOCKS), False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+                                INPUT_PRECISION, TMA, False, SCORE_MOD, None if FULL else MASK_MOD, SCORE_MOD_GRAD)
     return dq
 
 
@@ -358,7 +339,8 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Ma
                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                  EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
                  SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr, SPARSE: tl.constexpr,
-                 HAS_FULL: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
+                 HAS_FULL: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
+                 EVEN_BLOCKS: tl.constexpr):
     start_m, off_bh, off_b, off_h, q_first, seqlen_q, k_first, seqlen_k = query_program(
         CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, nheads, BLOCK_M, HAS_RIGHT, VARLEN)
     off_hk = off_h // group_size
@@ -392,12 +374,13 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Ma
     if SPARSE:  # the key blocks the block mask lists, as in the forward
         lists = (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks)
         dq = _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, scores, drop, lists,
-                                 start_m // SPARSE_Q, BLOCK_N, SPARSE_KV, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT,
-                                 EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
+                                 start_m // SPARSE_Q, BLOCK_N, SPARSE_KV, False, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND,
+                                 DROPOUT, EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
         if HAS_FULL:
             dq = _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, scores, drop, lists,
-                                     start_m // SPARSE_Q, BLOCK_N, SPARSE_KV, True, SOFTCAP, ALIBI, MASK_KIND, DROPOUT,
-                                     EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
+                                     start_m // SPARSE_Q, BLOCK_N, SPARSE_KV, True, EVEN_BLOCKS, SOFTCAP, ALIBI,
+                                     MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD,
+                                     SCORE_MOD_GRAD)
     else:
         for part in tl.static_range(1 - HAS_LEFT, 3):
             dq = _attn_bwd_dq_inner(
@@ -450,8 +433,8 @@ def dkdv_launch(t: dict, prob: Problem, params: AttentionParams, tiles: Tiles, d
         dq_io = dict.fromkeys(("Out", "DQ", "stride_o", "stride_dq"))
     return _attn_bwd_dkdv, grid, dict(
         DK=t["DK"], DV=t["DV"], stride_dk=prob.strides(t["DK"]), stride_dv=prob.strides(t["DV"]), **dq_io,
-        **_shared_args(t, prob, params), **mod_args(params, "dkdv"), nheads_k=prob.nheads_k, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
+        **_shared_args(t, prob, params), **mod_args(params, prob, "dkdv"), nheads_k=prob.nheads_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         INPUT_PRECISION=tiles.input_precision, SPLIT_GROUP_ACC=prob.q.dtype == torch.float32, TMA=tiles.tma,
         WS=tiles.warp_specialize, DQ_HERE=dq_here, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -461,7 +444,7 @@ def dq_launch(t: dict, prob: Problem, params: AttentionParams, tiles: Tiles):
     """The dQ kernel: a program per tiles.block_m query rows of one (batch, head)."""
     grid = (cdiv(prob.seqlen_q, tiles.block_m), prob.batch * prob.nheads)
     return _attn_bwd_dq, grid, dict(
-        DQ=t["DQ"], stride_dq=prob.strides(t["DQ"]), **_shared_args(t, prob, params), **mod_args(params, "dq"),
+        DQ=t["DQ"], stride_dq=prob.strides(t["DQ"]), **_shared_args(t, prob, params), **mod_args(params, prob, "dq"),
         nheads=prob.nheads,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, INPUT_PRECISION=tiles.input_precision,
         TMA=tiles.tma, WS=tiles.warp_specialize, num_warps=tiles.num_warps, num_stages=tiles.num_stages,

@@ -64,34 +64,25 @@ def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, boun
 
 @triton.jit
 def _attn_fwd_listed(acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, scores, drop, lists, row,
-                     BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, FULL: tl.constexpr, SOFTCAP: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, FULL: tl.constexpr, EVEN_BLOCKS: tl.constexpr,
+                     SOFTCAP: tl.constexpr,
                      ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                      INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr,
                      SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
     """The key blocks a block mask lists for query block `row` (lists: its BlockNum, BlockIdx, FullNum,
     FullIdx and their strides): those partly seen, through the mask_mod, or (FULL) those wholly seen,
-    without it (a ragged last block still masked at the keys' end)."""
+    without it, and unmasked where every block is whole (EVEN_BLOCKS: else the keys' end is checked).
+    (One loop, one kind of tile: loops in the branches of a loop would each take their own shared
+    memory.)"""
     count, first, stride = listed_blocks(lists[2 * FULL], lists[2 * FULL + 1], lists[4], FULL, mods[0], mods[1], row)
     seqlen_k = bounds[1]
     for i in range(0, count):
         lo = tl.load(first + i * stride) * SPARSE_KV
         hi = tl.minimum(lo + SPARSE_KV, seqlen_k)
-        if FULL:
-            if hi - lo == SPARSE_KV:
-                acc, m_i, l_i = _attn_fwd_inner(
-                    acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_N, False,
-                    False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, PAGED,
-                    SCORE_MOD, None)
-            else:
-                acc, m_i, l_i = _attn_fwd_inner(
-                    acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_N, True,
-                    False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, PAGED,
-                    SCORE_MOD, None)
-        else:
-            acc, m_i, l_i = _attn_fwd_inner(
-                acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_N, True, False,
-                False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, PAGED, SCORE_MOD,
-                MASK_MOD)
+        acc, m_i, l_i = _attn_fwd_inner(
+            acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_N,
+            not (FULL and EVEN_BLOCKS), False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
+            False, PAGED, SCORE_MOD, None if FULL else MASK_MOD)
     return acc, m_i, l_i
 
 
@@ -106,7 +97,8 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng, Bloc
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
               EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
               PAGED: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
-              HAS_FULL: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr):
+              HAS_FULL: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
+              EVEN_BLOCKS: tl.constexpr):
     start_m, off_bh, off_b, off_h, q_first, seqlen_q, k_first, seqlen_k = query_program(
         CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, nheads, BLOCK_M, HAS_RIGHT, VARLEN)
     off_hk = off_h // group_size
@@ -149,13 +141,13 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng, Bloc
         lists = (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks)
         acc, m_i, l_i = _attn_fwd_listed(
             acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, scores, drop, lists, start_m // SPARSE_Q, BLOCK_N,
-            SPARSE_KV, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, PAGED, SCORE_MOD,
-            MASK_MOD)
+            SPARSE_KV, False, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, PAGED,
+            SCORE_MOD, MASK_MOD)
         if HAS_FULL:
             acc, m_i, l_i = _attn_fwd_listed(
                 acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, scores, drop, lists, start_m // SPARSE_Q,
-                BLOCK_N, SPARSE_KV, True, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, PAGED,
-                SCORE_MOD, MASK_MOD)
+                BLOCK_N, SPARSE_KV, True, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
+                TMA, PAGED, SCORE_MOD, MASK_MOD)
     else:
         for part in tl.static_range(1 - HAS_LEFT, 3):
             acc, m_i, l_i = _attn_fwd_inner(
@@ -183,7 +175,7 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, tiles: Ti
     paged = table is not None
     grid = (cdiv(prob.seqlen_q, tiles.block_m), prob.batch * prob.nheads)
     return _attn_fwd, grid, dict(
-        **kernel_tensors(tensors), **mod_args(params, "fwd"),
+        **kernel_tensors(tensors), **mod_args(params, prob, "fwd"),
         stride_q=prob.strides(q), stride_k=_kv_strides(prob, k, paged), stride_v=_kv_strides(prob, v, paged),
         stride_o=prob.strides(out), stride_l=lse_strides(prob, params), **variant_args(params),
         **({} if paged else {"BlockTable": None}), stride_tb=table.stride(0) if table is not None else 0,
