@@ -291,3 +291,26 @@ def test_triton_kernels_with_mods_and_block_masks(case, monkeypatch):
                          ids=_case_id)
 def test_triton_kernels_with_mods_on_gpu(case, dtype):
     _check_kernels("cuda", dtype, *case[:6], softcap, case[6], case[7], tol=2e-2 if dtype == torch.bfloat16 else 5e-3)
+
+
+def test_reads_out_of_a_captured_tensor_raise_before_any_kernel_runs():
+    table = torch.randn(4, 64)
+    docs = torch.zeros(100, dtype=torch.long)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 32]
+
+    def by_document(score, b, h, q_idx, kv_idx):  # an index read from another tensor: not bounded here
+        return score + table[h, docs[q_idx]]
+    mods = Mods(score=Mod.of(relative, "score"))
+    mods.check(batch=2, nheads=4, seqlen_q=32, seqlen_k=32)  # q - kv + 32 in [1, 63]
+    with pytest.raises(cuflash.FlashAttentionError, match=r"'.*relative' indexes dimension 1 .* from 1 to 64"):
+        mods.check(batch=2, nheads=4, seqlen_q=33, seqlen_k=32)
+    with pytest.raises(cuflash.FlashAttentionError, match=r"indexes dimension 0 .* from 0 to 4"):
+        mods.check(batch=2, nheads=5, seqlen_q=32, seqlen_k=32)
+    backwards = Mods(score=Mod.of(lambda s, b, h, q, k: s + table[h, q - k - 40], "score"))
+    backwards.check(1, 4, 1, 25)  # from -64 to -40: negative indices count from the end
+    with pytest.raises(cuflash.FlashAttentionError, match=r"from -65 to -40"):
+        backwards.check(1, 4, 1, 26)
+    Mods(score=Mod.of(lambda s, b, h, q, k: s + table[h, (q * 7 + k) % 64], "score")).check(1, 4, 999, 999)
+    Mods(score=Mod.of(by_document, "score")).check(1, 4, 100, 100)

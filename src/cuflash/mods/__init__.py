@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .bounds import check_indices
 from .graph import ModGraph
 from .trace import trace
 
@@ -81,6 +82,13 @@ class Mods:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Mods) and self.key() == other.key()
+
+    def check(self, batch: int, nheads: int, seqlen_q: int, seqlen_k: int) -> None:
+        """Raises FlashAttentionError where a mod may read a captured tensor out of range at these sizes
+        (bounds.py)."""
+        for mod in (self.score, self.mask):
+            if mod is not None:
+                check_indices(mod.graph, mod.tensors, mod.scalars, batch, nheads, seqlen_q, seqlen_k)
 
     def grad_tensors(self) -> tuple[torch.Tensor, ...]:
         """The captured tensors of score_mod whose gradient is asked for, in requires_grad's order."""
