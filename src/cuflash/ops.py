@@ -20,7 +20,7 @@ import torch
 from .backend import backend_name
 from .cache import append_to_cache
 from .errors import ErrorCode, fail, lse_dtype
-from .params import FIELD_NAMES, AttentionParams
+from .params import OP_FIELD_NAMES, AttentionParams
 
 
 def _backend(device: torch.device, dtype: torch.dtype):
@@ -266,7 +266,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dlse):
-    fields = len(FIELD_NAMES)
+    fields = len(OP_FIELD_NAMES)
     if dout is None:  # (as _Attention.backward)
         return (None,) * (3 + fields)
     q, k, v, out, lse, params = _restore(ctx)

@@ -103,8 +103,9 @@ class AttentionParams:
         return _SCALARS(self) + tuple(t is None for t in _TENSORS(self))
 
     def as_args(self) -> tuple:
-        """The fields in order: the trailing arguments of the custom ops."""
-        return tuple(getattr(self, name) for name in FIELD_NAMES)  # (traced by torch.compile)
+        """The fields of OP_FIELD_NAMES in order: the trailing arguments of the custom ops (which take
+        no mods: a call with mods runs eagerly, ops.forward)."""
+        return tuple(getattr(self, name) for name in OP_FIELD_NAMES)  # (traced by torch.compile)
 
     def tensors(self) -> tuple:
         """The tensor fields (None where not given), in a fixed order (with_tensors')."""
@@ -126,6 +127,9 @@ def per_sequence(x: torch.Tensor | int, batch: int, device: torch.device) -> tor
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))
+# The custom ops' arguments, which rebuild the params positionally (AttentionParams(*args)): the fields
+# before mods, the last one.
+OP_FIELD_NAMES = FIELD_NAMES[:FIELD_NAMES.index("mods")]
 _TENSOR_NAMES = ("alibi_slopes", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k", "block_table")
 # key()'s field getters, in C (a Python loop over the fields costs microseconds per launch).
 _SCALARS = operator.attrgetter(*(name for name in FIELD_NAMES if name not in _TENSOR_NAMES))
