@@ -175,7 +175,8 @@ class ModTiles:
             self.states = states.reshape(*self.grouped, nrows, ncols)
             heads = states.flatten(0, 1)
             full, seen = (heads == block_lists.FULL).all(0), (heads != block_lists.SKIPPED).any(0)
-            self.kinds = torch.where(full, block_lists.FULL, seen.to(torch.int8)).tolist()
+            self.kinds = torch.where(full, block_lists.FULL,
+                                     torch.where(seen, block_lists.PARTIAL, block_lists.SKIPPED)).tolist()
 
     def blocks(self, m0: int, lo: int, full_lo: int, full_hi: int, hi: int, block_n: int):
         """ScoreTiles.blocks with a block mask: key tiles of block_n (a divisor of its key blocks) over

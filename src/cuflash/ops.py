@@ -197,14 +197,14 @@ class _Attention(torch.autograd.Function):
             buffers = tuple(torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
                             for t in captured)
             params = dataclasses.replace(params, mods=dataclasses.replace(params.mods, grads=buffers))
-        # create_graph=True: the gradients get a node that raises if they are differentiated again
-        # (the kernels' gradients have no gradient), rather than counting as constants.
         recorded = torch.is_grad_enabled()
         with torch.no_grad():
             grads = backend.attention_backward(dout, q, k, v, out, lse, params, plans=ctx.plans)
         if captured:
             grads = (*grads, *(b.to(t.dtype) for b, t in zip(buffers, captured)))
         if recorded:
+            # create_graph=True: the gradients get a node that raises if they are differentiated again
+            # (the kernels' gradients have no gradient), rather than counting as constants.
             error = torch._C._functions.DelayedError(b"cuflash: attention has no double backward", len(grads))
             grads = error(*(g.detach().requires_grad_() for g in grads))
         return (*grads[:3], None, None, *grads[3:])
