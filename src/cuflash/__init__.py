@@ -2,6 +2,7 @@
 blocked PyTorch (CPU)."""
 from .cache import raise_decode_errors, set_decode_errors
 from .errors import ErrorCode, FlashAttentionError
+from .flex import create_block_mask, flex_attention
 from .interface import (backward, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                         flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                         forward, scaled_dot_product_attention)
@@ -16,6 +17,6 @@ __all__ = [
     "flash_attn_kvpacked_func", "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "raise_decode_errors", "set_decode_errors",
     "scaled_dot_product_attention", "forward", "backward", "apply_rotary_emb", "apply_rotary_emb_qkv_",
-    "apply_rotary_emb_kv_", "RotaryEmbedding", "bert_padding",
+    "apply_rotary_emb_kv_", "RotaryEmbedding", "bert_padding", "flex_attention", "create_block_mask",
     "__version__",
 ]

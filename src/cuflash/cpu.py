@@ -5,7 +5,10 @@ Working memory is O(seqlen): one (block_m x block_n) score tile per head at a ti
 fp32 output and gradient accumulators. The query heads that share a KV head are folded into the
 rows of one matrix, so K/V are never repeated and the GQA sums of dK/dV come out of the matmuls.
 Every option of AttentionParams is supported; a varlen batch runs one sequence at a time (a paged
-one gathers each sequence's keys from its pages).
+one gathers each sequence's keys from its pages). Mods (score_mod, mask_mod, a block mask) are
+computed with torch ops on each tile (mods/evaluate.py), the score_mod's gradient by torch's autograd
+through them, tile by tile; with a block mask the tiles lie within its blocks and those it lists for
+no head are skipped.
 """
 from __future__ import annotations
 
@@ -13,9 +16,13 @@ import dataclasses
 
 import torch
 
+from . import blocks as block_lists
 from .dropout import head_ids, keep_mask
 from .cache import append_to_cache, cache_slot
 from .errors import lse_dtype
+from .mods import Mods
+from .mods.evaluate import evaluate
+from .mods.trace import INDEX_DTYPE
 from .params import AttentionParams, per_sequence
 
 BLOCK_M = 256  # query rows and keys per tile where the call asks for none (AttentionParams.block_m/_n)
@@ -45,6 +52,10 @@ class ScoreTiles:
         self.group = self.nheads // self.nheads_k
         self.p = p
         self.block_m, self.block_n = p.block_m or BLOCK_M, p.block_n or BLOCK_N
+        self.mods = None if p.mods is None else ModTiles(p.mods, self, first_batch, q.device)
+        if p.mods is not None and p.mods.blocks is not None:  # tiles within the blocks
+            self.block_m = _divisor(p.mods.blocks.q_block, self.block_m)
+            self.block_n = _divisor(p.mods.blocks.kv_block, self.block_n)
         self.offset = self.seqlen_k - self.seqlen_q if p.bottom_right else 0
         self.dtype = lse_dtype(q.dtype)
         grouped = (self.batch, self.nheads_k, self.group)
@@ -73,6 +84,9 @@ class ScoreTiles:
         hi = max(hi, lo)
         full_lo = min(max(full_lo, lo), hi)
         full_hi = min(max(full_hi, full_lo), hi)
+        if self.mods is not None and self.mods.kinds is not None:
+            yield from self.mods.blocks(m0, lo, full_lo, full_hi, hi, self.block_n)
+            return
         for start, end, masked in ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True)):
             for n0 in range(start, end, self.block_n):
                 yield n0, min(n0 + self.block_n, end), masked
@@ -83,15 +97,24 @@ class ScoreTiles:
             qk.div_(self.p.softcap).tanh_().mul_(self.p.softcap)
         return qk
 
-    def _coords(self, m0, m1, n0, n1, device):
-        return torch.arange(m0, m1, device=device)[:, None], torch.arange(n0, n1, device=device)[None, :]
+    def score_mod(self, x: torch.Tensor, m0: int, m1: int, n0: int, n1: int, grad: bool = False):
+        """Replaces the logits tile x by the score_mod's value of it, in place (none: nothing). grad:
+        returns what score_grad takes (the mods' score_grad)."""
+        if self.mods is None:
+            return None
+        return self.mods.score(x.view(self.batch, self.nheads_k, self.group, m1 - m0, n1 - n0), m0, m1, n0, n1, grad)
+
+    def score_grad(self, computed: tuple, ds: torch.Tensor) -> torch.Tensor:
+        """The gradient of the logits tile from ds, that of its scores after score_mod (ModTiles')."""
+        assert self.mods is not None  # (score_mod returned `computed`)
+        return self.mods.score_grad(computed, ds)
 
     def scores(self, x: torch.Tensor, m0: int, m1: int, n0: int, n1: int, masked: bool) -> torch.Tensor:
-        """Adds ALiBi and an additive attn_mask to the logits tile x and sets hidden keys to -inf,
-        in place."""
+        """Adds ALiBi and an additive attn_mask to the logits tile x (after score_mod) and sets hidden
+        keys (mask_mod and the block mask's too) to -inf, in place."""
         p = self.p
         s = x.view(self.batch, self.nheads_k, self.group, m1 - m0, n1 - n0)
-        rows, cols = self._coords(m0, m1, n0, n1, x.device)
+        rows, cols = _coords(m0, m1, n0, n1, x.device)
         if self.slopes is not None:
             s.sub_(self.slopes * (rows + self.offset - cols).abs().to(s.dtype))
         if self.mask is not None:
@@ -107,16 +130,113 @@ class ScoreTiles:
             if p.window_left >= 0:
                 hidden |= cols < rows + self.offset - p.window_left
             s.masked_fill_(hidden, float("-inf"))
+        if self.mods is not None:
+            self.mods.mask(s, m0, m1, n0, n1)
         return x
 
     def keep(self, m0: int, m1: int, n0: int, n1: int) -> torch.Tensor:
         """The dropout scale of each probability of the tile: 0 (dropped) or 1 / (1 - dropout_p)."""
         seed, off_bh = self.p.rng_seed, self.off_bh
         assert seed is not None and off_bh is not None  # (called with dropout_p > 0, which comes with a seed)
-        rows, cols = self._coords(m0, m1, n0, n1, off_bh.device)
+        rows, cols = _coords(m0, m1, n0, n1, off_bh.device)
         kept = keep_mask(seed, off_bh, rows, cols, self.p.dropout_p)
         scale = torch.where(kept, 1.0 / (1.0 - self.p.dropout_p), 0.0).to(self.dtype)
         return scale.reshape(self.batch, self.nheads_k, -1, n1 - n0)
+
+
+def _coords(m0: int, m1: int, n0: int, n1: int, device, dtype=torch.int64):
+    """The query rows m0:m1 as a column and the keys n0:n1 as a row."""
+    return (torch.arange(m0, m1, dtype=dtype, device=device)[:, None],
+            torch.arange(n0, n1, dtype=dtype, device=device)[None, :])
+
+
+def _divisor(block: int, most: int) -> int:
+    """The largest divisor of block up to most: a tile size that never straddles two blocks."""
+    return next(d for d in range(min(block, most), 0, -1) if block % d == 0)
+
+
+class ModTiles:
+    """A call's mods on the tiles of ScoreTiles (b the batch index from first_batch on, h the query
+    head), and the block mask's states: `kinds[i][j]` says of query block i and key block j whether
+    no head sees it (SKIPPED: the tile is skipped), every head sees it whole (FULL: no mask_mod) or
+    else (PARTIAL: each head's state, and mask_mod where it is partial)."""
+
+    def __init__(self, mods: Mods, tiles: ScoreTiles, first_batch: int, device: torch.device):
+        self.mods = mods
+        self.grouped = (tiles.batch, tiles.nheads_k, tiles.group)
+        self.b = torch.arange(first_batch, first_batch + tiles.batch, dtype=INDEX_DTYPE, device=device)
+        self.b = self.b.view(-1, 1, 1, 1, 1)
+        self.h = torch.arange(tiles.nheads, dtype=INDEX_DTYPE, device=device).view(1, *self.grouped[1:], 1, 1)
+        self.states = self.kinds = None
+        blocks = mods.blocks
+        if blocks is not None:
+            nrows, ncols = -(-tiles.seqlen_q // blocks.q_block), -(-tiles.seqlen_k // blocks.kv_block)
+            states = block_lists.states(blocks, nrows, ncols)[first_batch:first_batch + tiles.batch]
+            self.states = states.reshape(*self.grouped, nrows, ncols)
+            heads = states.flatten(0, 1)
+            full, seen = (heads == block_lists.FULL).all(0), (heads != block_lists.SKIPPED).any(0)
+            self.kinds = torch.where(full, block_lists.FULL,
+                                     torch.where(seen, block_lists.PARTIAL, block_lists.SKIPPED)).tolist()
+
+    def blocks(self, m0: int, lo: int, full_lo: int, full_hi: int, hi: int, block_n: int):
+        """ScoreTiles.blocks with a block mask: key tiles of block_n (a divisor of its key blocks) over
+        keys lo:hi, but those of blocks no head sees."""
+        assert self.mods.blocks is not None and self.kinds is not None
+        kinds = self.kinds[m0 // self.mods.blocks.q_block]
+        n0 = lo
+        while n0 < hi:
+            n1 = min((n0 // block_n + 1) * block_n, hi)
+            if kinds[n0 // self.mods.blocks.kv_block] != block_lists.SKIPPED:
+                yield n0, n1, not full_lo <= n0 < n1 <= full_hi
+            n0 = n1
+
+    def score(self, s: torch.Tensor, m0: int, m1: int, n0: int, n1: int, grad: bool):
+        """score_mod's value of the (batch, nheads_k, group, rows, keys) logits s, written into s.
+        grad: returns (the input it was computed from, its value) for score_grad."""
+        mod = self.mods.score
+        if mod is None:
+            return None
+        rows, cols = _coords(m0, m1, n0, n1, s.device, INDEX_DTYPE)
+        with torch.set_grad_enabled(grad):
+            x = s.clone().requires_grad_() if grad else s
+            value = evaluate(mod.graph, (x, self.b, self.h, rows, cols), list(mod.tensors), list(mod.scalars))
+        s.copy_(value)
+        return (x, value) if grad else None
+
+    def score_grad(self, computed: tuple, ds: torch.Tensor) -> torch.Tensor:
+        """The gradient with respect to the logits of the tile whose scores after score_mod have
+        gradient ds (batch, nheads_k, group * rows, keys), through score (computed: what it
+        returned); the gradients of the captured tensors that ask for one are added to mods.grads."""
+        x, value = computed
+        grads = self.mods.grads or ()  # (none: no gradient of the captured tensors is asked for)
+        inputs = (x, *(self.mods.grad_tensors() if grads else ()))
+        if not value.requires_grad:  # the mod reads neither the score nor a tensor that needs a gradient
+            return torch.zeros_like(ds)
+        found = torch.autograd.grad(value, inputs, ds.view(x.shape).to(value.dtype), allow_unused=True)
+        for buffer, g in zip(grads, found[1:]):
+            if g is not None:
+                buffer.add_(g)
+        return torch.zeros_like(ds) if found[0] is None else found[0].view(ds.shape)
+
+    def mask(self, s: torch.Tensor, m0: int, m1: int, n0: int, n1: int) -> None:
+        """Sets the keys of the (batch, nheads_k, group, rows, keys) scores s that mask_mod hides (in
+        blocks partial for the head) or the block mask skips (for the head) to -inf, in place."""
+        mask, blocks = self.mods.mask, self.mods.blocks
+        state = None
+        if blocks is not None and self.states is not None and self.kinds is not None:
+            i, j = m0 // blocks.q_block, n0 // blocks.kv_block
+            if self.kinds[i][j] == block_lists.FULL:
+                return
+            state = self.states[..., i, j, None, None]
+        hidden = None
+        if mask is not None:
+            rows, cols = _coords(m0, m1, n0, n1, s.device, INDEX_DTYPE)
+            hidden = ~evaluate(mask.graph, (self.b, self.h, rows, cols), list(mask.tensors), list(mask.scalars))
+        if state is not None:
+            skipped = state == block_lists.SKIPPED
+            hidden = skipped if hidden is None else skipped | (hidden & (state == block_lists.PARTIAL))
+        if hidden is not None:
+            s.masked_fill_(hidden, float("-inf"))
 
 
 def _sequences(p: AttentionParams):
@@ -169,7 +289,9 @@ def _forward(q, k, v, p: AttentionParams, first_batch: int = 0):
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(batch, nheads_k, rows, head_dim, dtype=dtype, device=q.device)
         for n0, n1, masked in tiles.blocks(m0, m1):
-            s = tiles.scores(tiles.logits(q_blk @ kg[:, :, n0:n1].transpose(-1, -2)), m0, m1, n0, n1, masked)
+            x = tiles.logits(q_blk @ kg[:, :, n0:n1].transpose(-1, -2))
+            tiles.score_mod(x, m0, m1, n0, n1)
+            s = tiles.scores(x, m0, m1, n0, n1, masked)
             m_new = torch.maximum(m_i, s.amax(-1))
             m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
             p_blk = s.sub_(m_safe[..., None]).exp_()
@@ -210,6 +332,7 @@ def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0)
             k_blk, v_blk = kg[:, :, n0:n1], vg[:, :, n0:n1]
             x = tiles.logits((q_blk @ k_blk.transpose(-1, -2)).mul_(p.softmax_scale))
             softcap_grad = 1 - (x / p.softcap) ** 2 if p.softcap > 0 else None
+            modded = tiles.score_mod(x, m0, m1, n0, n1, grad=True)
             s = tiles.scores(x, m0, m1, n0, n1, masked)
             p_blk = s.sub_(lse_blk[..., None]).exp_()  # lse = +inf gives p = 0
             dp = do_blk @ v_blk.transpose(-1, -2)
@@ -220,6 +343,8 @@ def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0)
             else:
                 dv[:, :, n0:n1] += p_blk.transpose(-1, -2) @ do_blk
             ds = p_blk.mul_(dp.sub_(delta_blk[..., None]))
+            if modded is not None:
+                ds = tiles.score_grad(modded, ds)
             if softcap_grad is not None:
                 ds.mul_(softcap_grad)
             dq_blk += ds @ k_blk

@@ -89,6 +89,12 @@ def check_tensor(name: str, t, ndim: int, layout: str, empty: bool = False) -> N
              f"call .contiguous() on it")
 
 
+def strided_head_dim(t) -> bool:
+    """Whether t is a tensor whose last dim has more than one element and a stride other than 1
+    (what check_tensor refuses as NOT_CONTIGUOUS, and torch's SDPA and FlexAttention take)."""
+    return isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[-1] > 1 and t.stride(-1) != 1
+
+
 def check_attention_inputs(q, k, v, names=("q", "k", "v"), empty: bool = False) -> None:
     """Checks q (B, Nq, H, D), k and v (B, Nk, Hk, D) in flash-attn's layout (empty: see check_tensor)."""
     nq, nk, nv = names

@@ -9,7 +9,7 @@ from .backend import backend_name
 from .dropout import draw_seed, head_ids, keep_mask
 from .errors import (ErrorCode, FlashAttentionError, check_alibi, check_attention_inputs, check_attn_mask,
                      check_block_table, check_blocks, check_bool, check_cu_seqlens, check_dropout, check_same,
-                     check_softcap, check_tensor, check_window, fail, lse_dtype, resolve_scale)
+                     check_softcap, check_tensor, check_window, fail, lse_dtype, resolve_scale, strided_head_dim)
 from .memo import number, plain_flash_options, remembered, signature
 from .params import AttentionParams
 from .reference import attention_probs
@@ -246,7 +246,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     except FlashAttentionError as error:
         # A strided head dim (torch takes it, the kernels do not) is copied once and the call made
         # again; the checks find it, so that the common call pays nothing for it.
-        strided = [_strided_head_dim(t) for t in (query, key, value)]
+        strided = [strided_head_dim(t) for t in (query, key, value)]
         if error.code != ErrorCode.NOT_CONTIGUOUS or not any(strided):
             raise
         return scaled_dot_product_attention(*(t.contiguous() if copy else t for t, copy in
@@ -258,12 +258,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out, _ = ops.forward(_to_flash(query), _to_flash(key), _to_flash(value), p, plans)
     out = out.transpose(1, 2)
     return out if query.ndim == 4 else out.reshape(query.shape)
-
-
-def _strided_head_dim(t) -> bool:
-    """Whether t is a tensor whose last dim has more than one element and a stride other than 1
-    (what check_tensor refuses as NOT_CONTIGUOUS)."""
-    return isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[-1] > 1 and t.stride(-1) != 1
 
 
 def _one_head_or_padded(query, key, value, options):

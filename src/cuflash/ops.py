@@ -13,6 +13,7 @@ in cpu.py.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -129,9 +130,19 @@ def _direct(q: torch.Tensor) -> bool:
             and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active())
 
 
-def _records_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether autograd records this call (grad mode on and an input requiring grad)."""
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+def _records_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams) -> bool:
+    """Whether autograd records this call (grad mode on and an input requiring grad: q, k, v or a
+    tensor that the score_mod captures)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (params.mods is not None and bool(params.mods.grad_tensors())))
+
+
+def _eager_only(params: AttentionParams) -> None:
+    """Refuses mods where a call would go through the custom ops, which do not take them."""
+    if params.mods is not None:
+        fail(ErrorCode.UNSUPPORTED_FEATURE, "score_mod, mask_mod and block_mask are not supported under "
+             "torch.compile, torch.func transforms, dispatch modes or tensor subclasses yet: call eagerly "
+             "on plain tensors")
 
 
 def _contiguous_last(dout: torch.Tensor) -> torch.Tensor:
@@ -163,8 +174,10 @@ class _Attention(torch.autograd.Function):
 
     # forward takes ctx (no separate setup_context): apply() would otherwise bind the arguments
     # through inspect.signature on every call.
+    # captured: the tensors the score_mod captures that ask for a gradient (params.mods.grad_tensors()),
+    # inputs here so that autograd gives them theirs.
     @staticmethod
-    def forward(ctx, q, k, v, params: AttentionParams, plans: dict | None):
+    def forward(ctx, q, k, v, params: AttentionParams, plans: dict | None, *captured):
         backend = _call_backend(q, plans)
         out, lse = backend.attention_forward(q, k, v, params, plans=plans)
         _save(ctx, q, k, v, out, lse, params, plans)
@@ -173,19 +186,28 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if dout is None:  # only lse was differentiated (it has no gradient): every gradient is zero
-            return None, None, None, None, None
         q, k, v, out, lse, params = _restore(ctx)
+        captured = () if params.mods is None else params.mods.grad_tensors()
+        if dout is None:  # only lse was differentiated (it has no gradient): every gradient is zero
+            return (None,) * (5 + len(captured))
         backend = _backward_backend(q, params, ctx.backend)
         dout = _contiguous_last(dout)
-        if not torch.is_grad_enabled():
-            return (*backend.attention_backward(dout, q, k, v, out, lse, params, plans=ctx.plans), None, None)
-        # create_graph=True: the gradients get a node that raises if they are differentiated again
-        # (the kernels' gradients have no gradient), rather than counting as constants.
+        if captured:  # the backward adds the captured tensors' gradients into fp32 buffers (fp64 for fp64)
+            assert params.mods is not None
+            buffers = tuple(torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
+                            for t in captured)
+            params = dataclasses.replace(params, mods=dataclasses.replace(params.mods, grads=buffers))
+        recorded = torch.is_grad_enabled()
         with torch.no_grad():
             grads = backend.attention_backward(dout, q, k, v, out, lse, params, plans=ctx.plans)
-        error = torch._C._functions.DelayedError(b"cuflash: attention has no double backward", 3)
-        return (*error(*(g.detach().requires_grad_() for g in grads)), None, None)
+        if captured:
+            grads = (*grads, *(b.to(t.dtype) for b, t in zip(buffers, captured)))
+        if recorded:
+            # create_graph=True: the gradients get a node that raises if they are differentiated again
+            # (the kernels' gradients have no gradient), rather than counting as constants.
+            error = torch._C._functions.DelayedError(b"cuflash: attention has no double backward", len(grads))
+            grads = error(*(g.detach().requires_grad_() for g in grads))
+        return (*grads[:3], None, None, *grads[3:])
 
 
 class _Empty(torch.autograd.Function):
@@ -211,9 +233,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
     if q.numel() == 0 or k.numel() == 0:
         return _Empty.apply(q, k, v, params)
     if _direct(q):
-        if _records_graph(q, k, v):
-            return _Attention.apply(q, k, v, params, plans)
+        if _records_graph(q, k, v, params):
+            captured = () if params.mods is None else params.mods.grad_tensors()
+            return _Attention.apply(q, k, v, params, plans, *captured)
         return _call_backend(q, plans).attention_forward(q, k, v, params, plans=plans)  # no graph: ~10 us less
+    _eager_only(params)
     return attention_forward(q, k, v, *params.as_args())
 
 
@@ -222,7 +246,7 @@ def forward_kept(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pa
     """forward()'s output for query, key, value in torch SDPA's layout (B, H, N, D) where no graph is
     recorded and an earlier call of their signature kept its launch plan (the Triton backend's
     attention_forward_kept), else None: the caller then goes through forward() on (B, N, H, D) views."""
-    if plans is None or not _direct(query) or _records_graph(query, key, value):
+    if plans is None or not _direct(query) or _records_graph(query, key, value, params):
         return None
     backend = _call_backend(query, plans)
     # The CPU backend keeps no launch plans (it has no attention_forward_kept).
@@ -236,6 +260,7 @@ def backward(dout, q, k, v, out, softmax_lse, params: AttentionParams):
         return tuple(torch.zeros_like(t) for t in (q, k, v))
     if _direct(q):
         return _backward_backend(q, params).attention_backward(dout, q, k, v, out, softmax_lse, params)
+    _eager_only(params)
     return attention_backward(dout, q, k, v, out, softmax_lse, *params.as_args())
 
 
