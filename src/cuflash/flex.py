@@ -3,8 +3,8 @@ a score_mod and a block mask, eager (no torch.compile) and with a backward on th
 create_block_mask, which builds torch's own BlockMask without torch.compile.
 
 The mods a Flex user writes are traced into graphs of elementwise operations (cuflash.mods) and
-travel in AttentionParams.mods: the CPU path computes them with torch ops tile by tile, the kernels
-compile them."""
+travel in AttentionParams.mods: the CPU path computes them with torch ops tile by tile, the Triton
+kernels compile them (cuflash.mods.triton)."""
 from __future__ import annotations
 
 import math
@@ -59,10 +59,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     q, k, v = _flash_layout(query, key, value, enable_gqa)
     mods = None
     if score_mod is not None or block_mask is not None:
-        if backend_name(q.device, q.dtype) == "triton":
-            fail(ErrorCode.UNSUPPORTED_FEATURE, "score_mod and block_mask do not run on the Triton kernels yet (they "
-                 "would be ignored): call flex_attention on CPU tensors, the CPU path")
         mods = _mods(score_mod, block_mask, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device)
+        mods.check(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     params = AttentionParams(resolve_scale(scale, q.shape[-1], "scale"), bottom_right=False,
                              deterministic=torch.are_deterministic_algorithms_enabled(), mods=mods)
     out, lse = ops.forward(q, k, v, params)

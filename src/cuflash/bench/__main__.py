@@ -23,7 +23,12 @@ def main(argv=None, prog: str = "python -m cuflash.bench") -> int:
     if "--decode" in argv:  # the decode sweep has its own options: `cuflash bench --decode -h`
         from .decode import main as decode_main
         return decode_main([a for a in argv if a != "--decode"], prog=f"{prog} --decode")
-    p = Parser(prog=prog, description=__doc__, epilog="--decode: the KV-cache decode sweep (see --decode -h)")
+    if "--flex" in argv:  # programmable attention against torch's compiled flex_attention: `--flex -h`
+        from .flex import main as flex_main
+        return flex_main([a for a in argv if a != "--flex"], prog=f"{prog} --flex")
+    p = Parser(prog=prog, description=__doc__,
+               epilog="--decode: the KV-cache decode sweep (see --decode -h); --flex: score_mod/mask_mod against "
+                      "torch's compiled flex_attention (see --flex -h)")
     p.add_argument("--providers", type=names(PROVIDERS), default="cuflash,sdpa-cudnn,sdpa-flash",
                    help=f"from {','.join(PROVIDERS)}")
     p.add_argument("--quick", action="store_true",

@@ -90,6 +90,9 @@ def _within_blocks(entry: Entry, params: AttentionParams) -> Entry:
     """The entry's Triton tiles (the kernels that compile mods), each pass's tiles within one block of the
     call's block mask: a query tile inside one query block, a key tile inside one key block."""
     blocks = params.mods.blocks if params.mods is not None else None
+    if blocks is not None and (blocks.q_block % 16 or blocks.kv_block % 16):
+        fail(ErrorCode.INVALID_ARGUMENT, f"block_mask's BLOCK_SIZE is ({blocks.q_block}, {blocks.kv_block}); the "
+             "kernels take blocks of a multiple of 16 query rows and keys (torch's default is 128)")
 
     def fit(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
         tiles = next(c for c in candidates if isinstance(c, Tiles))

@@ -66,8 +66,9 @@ class BlockSparsity:
 class Mods:
     """A call's mods (AttentionParams.mods). score: applied to every score (natural log units, after
     the softmax scale); mask: hides the keys it returns False for, in the blocks `blocks` lists as
-    partial (without blocks: everywhere); grads: fp32 buffers, one per captured tensor of score whose
-    gradient is asked for, that a backward adds those gradients into (None in a forward)."""
+    partial (without blocks: everywhere); grads: fp32 buffers (fp64 for fp64 tensors), one per
+    captured tensor of score whose gradient is asked for, that a backward adds those gradients into
+    (None in a forward)."""
     score: Mod | None = None
     mask: Mod | None = None
     blocks: BlockSparsity | None = None
