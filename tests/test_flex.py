@@ -379,3 +379,16 @@ def test_mods_refused_under_torch_func():
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(FlashAttentionError, match="not supported under torch.compile, torch.func"):
         torch.func.grad(lambda x: cuflash.flex_attention(x, q, q, score_mod=softcap(3.0)).sum())(q)
+
+
+def test_a_block_masks_lists_are_kept_until_changed(backend):
+    """The checked lists of a BlockMask are made once and kept with it; an in-place change to one of
+    its tensors (here: every query block made to see no key) is seen by the next call."""
+    q, k, v = inputs((1, 2, 32, 16), (1, 2, 32, 16), EXACT[backend])
+    block_mask = cuflash.create_block_mask(causal, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
+    first = cuflash.flex_attention(q, k, v, block_mask=block_mask)
+    assert torch.equal(cuflash.flex_attention(q, k, v, block_mask=block_mask), first)
+    block_mask.kv_num_blocks.zero_()
+    block_mask.full_kv_num_blocks.zero_()
+    assert first.abs().sum() > 0 and torch.equal(cuflash.flex_attention(q, k, v, block_mask=block_mask),
+                                                 torch.zeros_like(first))

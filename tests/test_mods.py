@@ -314,3 +314,4 @@ def test_reads_out_of_a_captured_tensor_raise_before_any_kernel_runs():
         backwards.check(1, 4, 1, 26)
     Mods(score=Mod.of(lambda s, b, h, q, k: s + table[h, (q * 7 + k) % 64], "score")).check(1, 4, 999, 999)
     Mods(score=Mod.of(by_document, "score")).check(1, 4, 100, 100)
+    Mods(mask=Mod.of(lambda b, h, q, k: docs[q] // 2 == docs[k] // 2, "mask")).check(1, 4, 100, 100)  # unbounded

@@ -8,6 +8,7 @@ kernels compile them (cuflash.mods.triton)."""
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -147,9 +148,27 @@ def _captures_on(mod: Mod, device: torch.device) -> Mod:
     return mod
 
 
+# A BlockMask's checked lists, made once per (batch, nheads) and the versions of its tensors (an
+# in-place change to one makes them anew): checking them waits for the GPU, and converting them
+# launches a dozen small kernels, each call (1-1.5 ms a call on an H100, more than the attention).
+_SPARSITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def block_sparsity(block_mask: BlockMask, batch: int, nheads: int) -> BlockSparsity:
     """The tile lists of block_mask (made for its seq_lengths), checked, int32, broadcast to
-    (batch, nheads, ...); the q_* lists computed from the kv_* ones where it has none."""
+    (batch, nheads, ...); the q_* lists computed from the kv_* ones where it has none. Kept with the
+    BlockMask while its tensors are unchanged."""
+    tensors = [t for t in block_mask.as_tuple() if isinstance(t, torch.Tensor)]
+    key = (batch, nheads, tuple(t._version for t in tensors), tuple(id(t) for t in tensors))
+    kept = _SPARSITIES.get(block_mask)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    sparsity = _block_sparsity(block_mask, batch, nheads)
+    _SPARSITIES[block_mask] = (key, sparsity)
+    return sparsity
+
+
+def _block_sparsity(block_mask: BlockMask, batch: int, nheads: int) -> BlockSparsity:
     q_block, kv_block = _block_size(block_mask.BLOCK_SIZE, "block_mask.BLOCK_SIZE")
     nrows, ncols = (-(-n // b) for n, b in zip(block_mask.seq_lengths, (q_block, kv_block)))
     kv = _lists("kv", block_mask.kv_num_blocks, block_mask.kv_indices, nrows, ncols, batch, nheads)

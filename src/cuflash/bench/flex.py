@@ -21,6 +21,7 @@ from .harness import median_ms, write_csv
 DOCUMENT = 2048  # tokens per document of the document mask
 WINDOW = 1024
 SOFTCAP = 30.0
+ERROR_SEQLEN = 384  # the length of the problem each provider's error is measured on
 
 
 def mods(seqlen: int, nheads: int, device) -> dict:
@@ -71,7 +72,7 @@ def providers(name: str, spec, batch: int, seqlen: int, nheads: int, device):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     score_mod, mask_mod, builtin = spec
     block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, seqlen, seqlen, device=device)
-    compiled = torch.compile(flex_attention, dynamic=False)
+    compiled = torch.compile(flex_attention, dynamic=False)  # (one per provider set: a case's own guards)
     out = {"cuflash-flex": lambda q, k, v: cuflash.flex_attention(q, k, v, score_mod=score_mod,
                                                                   block_mask=block_mask),
            "torch-flex": lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)}
@@ -81,7 +82,7 @@ def providers(name: str, spec, batch: int, seqlen: int, nheads: int, device):
     return out
 
 
-def error_vs_oracle(fn, spec, head_dim: int, dtype, device, seqlen: int = 384) -> float:
+def error_vs_oracle(fn, spec, head_dim: int, dtype, device, seqlen: int = ERROR_SEQLEN) -> float:
     """||out - ref|| / ||ref|| of fn against float64 attention with the mods applied elementwise."""
     score_mod, mask_mod, _ = spec
     q, k, v = (torch.randn(1, 2, seqlen, head_dim, dtype=dtype, device=device) for _ in range(3))
@@ -98,11 +99,14 @@ def error_vs_oracle(fn, spec, head_dim: int, dtype, device, seqlen: int = 384) -
     return ((fn(q, k, v).double() - ref).norm() / ref.norm()).item()
 
 
-def run(name: str, spec, head_dim: int, seqlen: int, args, device) -> list[dict]:
+def run(name: str, head_dim: int, seqlen: int, args, device) -> list[dict]:
     batch, nheads = max(1, args.tokens // seqlen), args.hidden // head_dim
     dtype = args.dtype
+    torch._dynamo.reset()  # (torch.compile's recompiles of flex_attention would hit its limit over a sweep)
+    spec = mods(seqlen, nheads, device)[name]
     fns = providers(name, spec, batch, seqlen, nheads, device)
-    small = {p: providers(name, spec, 1, 384, 2, device)[p] for p in fns} if seqlen != 384 else fns
+    small_spec = mods(ERROR_SEQLEN, 2, device)[name]  # the error's smaller problem, 2 heads
+    small = providers(name, small_spec, 1, ERROR_SEQLEN, 2, device)
     shape = (batch, nheads, seqlen, head_dim)
     q, k, v, do = (torch.randn(shape, dtype=dtype, device=device, requires_grad=True) for _ in range(4))
     share = visible_fraction(spec[1], seqlen, device)
@@ -112,7 +116,7 @@ def run(name: str, spec, head_dim: int, seqlen: int, args, device) -> list[dict]
         row = dict(mod=name, provider=provider, seqlen=seqlen, batch=batch, nheads=nheads, head_dim=head_dim,
                    dtype=str(dtype).removeprefix("torch."), visible=round(share, 4))
         try:
-            row["error"] = f"{error_vs_oracle(small[provider], spec, head_dim, dtype, device):.2e}"
+            row["error"] = f"{error_vs_oracle(small[provider], small_spec, head_dim, dtype, device):.2e}"
             fwd = median_ms(lambda i: fn(q, k, v), args.iters, 3, device)
             out = fn(q, k, v)
             bwd = median_ms(lambda i: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), args.iters, 3,
@@ -152,11 +156,11 @@ def main(argv=None, prog: str = "python -m cuflash.bench --flex") -> int:
         with Progress() as progress:
             for n, (name, head_dim, seqlen) in enumerate(cases):
                 progress(f"case {n + 1}/{len(cases)}: {name} d={head_dim} n={seqlen}")
-                spec = mods(seqlen, args.hidden // head_dim, device)[name]
-                rows += run(name, spec, head_dim, seqlen, args, device)
-        for r in rows:
-            print(", ".join(f"{k}={v}" for k, v in r.items()))
-        if args.out is not None:
-            write_csv(rows, args.out / "flex.csv")
+                done = run(name, head_dim, seqlen, args, device)
+                for r in done:
+                    print(", ".join(f"{k}={v}" for k, v in r.items()), flush=True)
+                rows += done
+                if args.out is not None:  # (after every case: a sweep cut short keeps what it measured)
+                    write_csv(rows, args.out / "flex.csv")
         return 0
     return run_guarded(prog, sweep)

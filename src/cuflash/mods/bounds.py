@@ -58,7 +58,7 @@ def _products(a, b) -> tuple[float, float]:
 
 
 def _floordiv(a, b) -> tuple[float, float]:
-    if b[0] != b[1] or b[0] == 0 or not math.isfinite(b[0]):
+    if b[0] != b[1] or b[0] == 0 or not math.isfinite(b[0]) or not math.isfinite(a[0] + a[1]):
         return UNKNOWN
     ends = sorted((a[0] / b[0], a[1] / b[0]))
     return math.floor(ends[0]), math.floor(ends[1])

@@ -28,7 +28,8 @@ from ..launch import workspace
 from ..variant import Problem, kernel_tensors, lse_strides, mod_args, variant_args, variant_tensors
 from . import Tiles
 from .common import advance, band, dropout_keep, head_options, listed_blocks, load_pair, load_tile, logits, \
-    mma, query_program, read_tile, row_source, score_tile, sequence, softcap_grad, store_tile, tile_aranges, tile_ptrs
+    mma, query_program, read_tile, row_source, score_tile, sequence, softcap_grad, store_tile, tile_aranges, \
+    tile_ptrs, tile_start
 
 ROWS_PER_PROGRAM = 64  # query rows per program of the delta and cast kernels (the Gluon kernels' tile)
 
@@ -76,14 +77,15 @@ def _attn_bwd_dq_cast(DQAcc, DQ, stride_a, stride_dq, nheads, seqlen_q, head_dim
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, bounds, scores, drop,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, listed, bounds, scores, drop,
                          BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                          HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                          MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
                          DQ_HERE: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
-                         SCORE_MOD_GRAD: tl.constexpr):
-    """Query tiles [lo, hi) of one head into (dk, dv); MASKED applies the query bound and the band's
+                         SCORE_MOD_GRAD: tl.constexpr, LISTED: tl.constexpr):
+    """Query tiles [lo, hi) of one head into (dk, dv), or (LISTED) the tiles of the query blocks of a
+    block mask's list `listed` (common.tile_start); MASKED applies the query bound and the band's
     edges. Works on transposed scores (keys along rows) so that dK, dV need no transposes. DQ_HERE
     (the tile holds every key): each row's delta from O and its whole dQ, stored, where dq_io is
     (O's and dQ's pointers to this head's query tile at row 0, their row strides, softmax_scale).
@@ -91,10 +93,15 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi,
     q_do, row_strides, lse_ptr, delta_ptr = rows_in
     offs_n, offs_m, offs_d = offs
     seqlen_q, head_dim = bounds[0], bounds[2]
-    q_do = advance(q_do, row_strides, tl.cast(lo, tl.int64), TMA)
-    for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
+    if not LISTED:
+        q_do = advance(q_do, row_strides, tl.cast(lo, tl.int64), TMA)
+    for it in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
+        start_m = tile_start(it, listed, BLOCK_M, LISTED)
         rows = start_m + offs_m
-        q, do = load_pair(q_do, start_m, rows, seqlen_q, offs_d, head_dim, MASKED, not EVEN_D, TMA)
+        q_do_at = q_do
+        if LISTED:
+            q_do_at = advance(q_do, row_strides, tl.cast(start_m, tl.int64), TMA)
+        q, do = load_pair(q_do_at, start_m, rows, seqlen_q, offs_d, head_dim, MASKED, not EVEN_D, TMA)
         if MASKED:
             # Rows past seqlen_q read lse = +inf, so that their P is exactly 0.
             lse = tl.load(lse_ptr + rows, mask=rows < seqlen_q, other=float("inf"))
@@ -132,7 +139,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi,
             dq = mma(tl.trans(ds_t).to(k.dtype), k, None, INPUT_PRECISION) * dq_io[4]
             store_tile(dq_io[1] + tl.cast(start_m, tl.int64) * dq_io[3], dq.to(dq_io[1].dtype.element_ty), rows,
                        seqlen_q, offs_d, head_dim, not EVEN_D)
-        q_do = advance(q_do, row_strides, BLOCK_M, TMA)
+        if not LISTED:
+            q_do = advance(q_do, row_strides, BLOCK_M, TMA)
     return dk, dv
 
 
@@ -148,16 +156,10 @@ def _attn_bwd_dkdv_listed(dk, dv, k, v, rows_in, mask, mods, offs, bounds, score
     at the queries' end unless EVEN_BLOCKS)."""
     count, first, stride = listed_blocks(lists[2 * FULL], lists[2 * FULL + 1], lists[4], FULL, mods[0], mods[1],
                                          column)
-    seqlen_q = bounds[0]
-    dq_io = (0, 0, 0, 0, 0)
-    for i in range(0, count):
-        lo = tl.load(first + i * stride) * SPARSE_Q
-        hi = tl.minimum(lo + SPARSE_Q, seqlen_q)
-        dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_M,
-            not (FULL and EVEN_BLOCKS), False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
-            False, False, SCORE_MOD, None if FULL else MASK_MOD, SCORE_MOD_GRAD)
-    return dk, dv
+    return _attn_bwd_dkdv_inner(
+        dk, dv, k, v, rows_in, (0, 0, 0, 0, 0), mask, mods, offs, 0, count * SPARSE_Q, (first, stride), bounds,
+        scores, drop, BLOCK_M, not (FULL and EVEN_BLOCKS), False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+        INPUT_PRECISION, TMA, False, False, SCORE_MOD, None if FULL else MASK_MOD, SCORE_MOD_GRAD, SPARSE_Q)
 
 
 @triton.jit
@@ -257,9 +259,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
         else:
             for part in tl.static_range(1 - HAS_RIGHT, 3):
                 dk_head, dv_head = _attn_bwd_dkdv_inner(
-                    dk_head, dv_head, k, v, rows_in, dq_io, mask, mods, offs, edges[part], edges[part + 1], bounds,
-                    scores, drop, BLOCK_M, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
-                    INPUT_PRECISION, TMA, WS & (part == 1), DQ_HERE, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
+                    dk_head, dv_head, k, v, rows_in, dq_io, mask, mods, offs, edges[part], edges[part + 1], (0, 0),
+                    bounds, scores, drop, BLOCK_M, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT,
+                    EVEN_D, INPUT_PRECISION, TMA, WS & (part == 1), DQ_HERE, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, 0)
         if SPLIT_GROUP_ACC:
             dk += dk_head
             dv += dv_head
@@ -276,20 +278,26 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, bounds, scores, drop,
+def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, listed, bounds, scores, drop,
                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                        HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                        MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                        INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-                       SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
-    """K/V tiles [lo, hi) into dq; MASKED applies the key bound and the band's edges. The argument
-    groups are _attn_bwd_dq's."""
+                       SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr,
+                       LISTED: tl.constexpr):
+    """K/V tiles [lo, hi) into dq, or (LISTED) the tiles of the key blocks of a block mask's list
+    `listed`; MASKED applies the key bound and the band's edges. The argument groups are _attn_bwd_dq's."""
     k_v, row_strides = kv
     offs_m, offs_n, offs_d = offs
-    k_v = advance(k_v, row_strides, tl.cast(lo, tl.int64), TMA)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    if not LISTED:
+        k_v = advance(k_v, row_strides, tl.cast(lo, tl.int64), TMA)
+    for it in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+        start_n = tile_start(it, listed, BLOCK_N, LISTED)
         cols = start_n + offs_n
-        k, v = load_pair(k_v, start_n, cols, bounds[1], offs_d, bounds[2], MASKED, not EVEN_D, TMA)
+        k_v_at = k_v
+        if LISTED:
+            k_v_at = advance(k_v, row_strides, tl.cast(start_n, tl.int64), TMA)
+        k, v = load_pair(k_v_at, start_n, cols, bounds[1], offs_d, bounds[2], MASKED, not EVEN_D, TMA)
         x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), scores, SOFTCAP)
         s = score_tile(x, offs_m[:, None], cols[None, :], bounds, scores, mask, MASKED, HAS_LEFT, HAS_RIGHT, ALIBI,
                        MASK_KIND, mods, SCORE_MOD, MASK_MOD)
@@ -304,7 +312,8 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, boun
         if SOFTCAP:
             ds *= softcap_grad(x, scores[1])
         dq = mma(ds.to(k.dtype), k, dq, INPUT_PRECISION)
-        k_v = advance(k_v, row_strides, BLOCK_N, TMA)
+        if not LISTED:
+            k_v = advance(k_v, row_strides, BLOCK_N, TMA)
     return dq
 
 
@@ -317,14 +326,10 @@ def _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, sco
                         MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
     """The key blocks a block mask lists for query block `row`, as _attn_fwd_listed visits them."""
     count, first, stride = listed_blocks(lists[2 * FULL], lists[2 * FULL + 1], lists[4], FULL, mods[0], mods[1], row)
-    seqlen_k = bounds[1]
-    for i in range(0, count):
-        lo = tl.load(first + i * stride) * SPARSE_KV
-        hi = tl.minimum(lo + SPARSE_KV, seqlen_k)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_N,
-                                not (FULL and EVEN_BLOCKS), False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
-                                INPUT_PRECISION, TMA, False, SCORE_MOD, None if FULL else MASK_MOD, SCORE_MOD_GRAD)
-    return dq
+    return _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, 0, count * SPARSE_KV, (first, stride),
+                              bounds, scores, drop, BLOCK_N, not (FULL and EVEN_BLOCKS), False, False, SOFTCAP, ALIBI,
+                              MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, SCORE_MOD,
+                              None if FULL else MASK_MOD, SCORE_MOD_GRAD, SPARSE_KV)
 
 
 @triton.jit
@@ -384,9 +389,9 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Ma
     else:
         for part in tl.static_range(1 - HAS_LEFT, 3):
             dq = _attn_bwd_dq_inner(
-                dq, q, do, lse, delta, kv, mask, mods, offs, edges[part], edges[part + 1], bounds, scores, drop,
-                BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
-                TMA, WS & (part == 1), SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
+                dq, q, do, lse, delta, kv, mask, mods, offs, edges[part], edges[part + 1], (0, 0), bounds, scores,
+                drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+                INPUT_PRECISION, TMA, WS & (part == 1), SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, 0)
     dq_ptrs = tile_ptrs(DQ, stride_dq, off_b, off_h, q_first + start_m, rows, offs_d)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, not EVEN_D)
 

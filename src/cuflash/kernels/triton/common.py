@@ -261,6 +261,22 @@ def score_tile(x, rows, cols, bounds, scores, mask, MASKED: tl.constexpr, HAS_LE
 
 
 @triton.jit
+def tile_start(it, listed, BLOCK: tl.constexpr, LISTED: tl.constexpr):
+    """The first index of the tile of a loop's step `it` (it runs over [lo, hi) in steps of BLOCK): `it`
+    itself in a contiguous loop (LISTED 0); in a loop over a block mask's list of LISTED-wide blocks
+    (listed: its first index's pointer and stride), tile (it / BLOCK) % (LISTED / BLOCK) of block
+    (it / BLOCK) / (LISTED / BLOCK) of the list. (One loop over every listed tile: the pipeliner
+    overlaps tiles across blocks, which a loop per block, two tiles long, could not.)"""
+    if LISTED:
+        per_block: tl.constexpr = LISTED // BLOCK
+        tile = it // BLOCK
+        start = tl.load(listed[0] + (tile // per_block) * listed[1]) * LISTED + (tile % per_block) * BLOCK
+    else:
+        start = it
+    return start
+
+
+@triton.jit
 def listed_blocks(Num, Idx, strides, full: tl.constexpr, off_b, off_h, row):
     """A block mask's list for block `row` of one (batch, head): (how many blocks, a pointer to the
     first one's index, the indices' stride); the full blocks' list where full (strides: those of the

@@ -15,33 +15,40 @@ from ..device import cdiv
 from ..variant import Problem, kernel_tensors, lse_strides, mod_args, variant_args
 from . import Tiles
 from .common import LN2, advance, band, dropout_keep, head_options, listed_blocks, load_rows, load_tile, logits, \
-    mma, query_program, read_tile, row_source, score_tile, softmax_step, store_tile, tile_aranges, tile_ptrs
+    mma, query_program, read_tile, row_source, score_tile, softmax_step, store_tile, tile_aranges, tile_ptrs, \
+    tile_start
 
 
 @triton.jit
-def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, bounds, scores, drop,
+def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, listed, bounds, scores, drop,
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, PAGED: tl.constexpr,
-                    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
-    """K/V tiles [lo, hi) into the running (acc, m_i, l_i); MASKED applies the key bound and the band's
-    edges (tiles wholly inside need neither), MASK_MOD the mask_mod. The argument groups are _attn_fwd's."""
+                    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, LISTED: tl.constexpr):
+    """K/V tiles [lo, hi) into the running (acc, m_i, l_i), or (LISTED, the block size of a block mask's
+    list `listed`) the tiles of its blocks (common.tile_start); MASKED applies the key bound and the
+    band's edges (tiles wholly inside need neither), MASK_MOD the mask_mod. The argument groups are
+    _attn_fwd's."""
     k_src, v_src, stride_kn, stride_vn = kv
     pages, page_size, stride_kpage, stride_vpage = paging
     offs_m, offs_n, offs_d = offs
     seqlen_k, head_dim = bounds[1], bounds[2]
-    if not PAGED:
+    if not PAGED and not LISTED:
         k_src, v_src = advance((k_src, v_src), (stride_kn, stride_vn), tl.cast(lo, tl.int64), TMA)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    for it in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+        start_n = tile_start(it, listed, BLOCK_N, LISTED)
         cols = start_n + offs_n
+        k_at, v_at = k_src, v_src
+        if LISTED and not PAGED:
+            k_at, v_at = advance((k_src, v_src), (stride_kn, stride_vn), tl.cast(start_n, tl.int64), TMA)
         if PAGED:  # key j: row j % page_size of page pages[j // page_size], read in place
             page = tl.load(pages + cols // page_size, mask=cols < seqlen_k, other=0).to(tl.int64)
             row = (cols % page_size).to(tl.int64)
             k = load_tile(k_src + (page * stride_kpage + row * stride_kn)[:, None] + offs_d[None, :], cols, seqlen_k,
                           offs_d, head_dim, MASKED, not EVEN_D)
         else:
-            k = load_rows(k_src, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
+            k = load_rows(k_at, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
         x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), scores, SOFTCAP)
         s = score_tile(x, offs_m[:, None], cols[None, :], bounds, scores, mask, MASKED, HAS_LEFT, HAS_RIGHT, ALIBI,
                        MASK_KIND, mods, SCORE_MOD, MASK_MOD)
@@ -54,10 +61,10 @@ def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, boun
             v = load_tile(v_src + (page * stride_vpage + row * stride_vn)[:, None] + offs_d[None, :], cols, seqlen_k,
                           offs_d, head_dim, MASKED, not EVEN_D)
         else:
-            v = load_rows(v_src, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
+            v = load_rows(v_at, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new
-        if not PAGED:
+        if not PAGED and not LISTED:
             k_src, v_src = advance((k_src, v_src), (stride_kn, stride_vn), BLOCK_N, TMA)
     return acc, m_i, l_i
 
@@ -65,25 +72,17 @@ def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, boun
 @triton.jit
 def _attn_fwd_listed(acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, scores, drop, lists, row,
                      BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, FULL: tl.constexpr, EVEN_BLOCKS: tl.constexpr,
-                     SOFTCAP: tl.constexpr,
-                     ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-                     INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr,
+                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                     EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr,
                      SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
     """The key blocks a block mask lists for query block `row` (lists: its BlockNum, BlockIdx, FullNum,
     FullIdx and their strides): those partly seen, through the mask_mod, or (FULL) those wholly seen,
-    without it, and unmasked where every block is whole (EVEN_BLOCKS: else the keys' end is checked).
-    (One loop, one kind of tile: loops in the branches of a loop would each take their own shared
-    memory.)"""
+    without it, and unmasked where every block is whole (EVEN_BLOCKS: else the keys' end is checked)."""
     count, first, stride = listed_blocks(lists[2 * FULL], lists[2 * FULL + 1], lists[4], FULL, mods[0], mods[1], row)
-    seqlen_k = bounds[1]
-    for i in range(0, count):
-        lo = tl.load(first + i * stride) * SPARSE_KV
-        hi = tl.minimum(lo + SPARSE_KV, seqlen_k)
-        acc, m_i, l_i = _attn_fwd_inner(
-            acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, bounds, scores, drop, BLOCK_N,
-            not (FULL and EVEN_BLOCKS), False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
-            False, PAGED, SCORE_MOD, None if FULL else MASK_MOD)
-    return acc, m_i, l_i
+    return _attn_fwd_inner(
+        acc, m_i, l_i, q, kv, paging, mask, mods, offs, 0, count * SPARSE_KV, (first, stride), bounds, scores, drop,
+        BLOCK_N, not (FULL and EVEN_BLOCKS), False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+        INPUT_PRECISION, TMA, False, PAGED, SCORE_MOD, None if FULL else MASK_MOD, SPARSE_KV)
 
 
 @triton.jit
@@ -151,9 +150,9 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng, Bloc
     else:
         for part in tl.static_range(1 - HAS_LEFT, 3):
             acc, m_i, l_i = _attn_fwd_inner(
-                acc, m_i, l_i, q, kv, paging, mask, mods, offs, edges[part], edges[part + 1], bounds, scores, drop,
-                BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
-                INPUT_PRECISION, TMA, WS & (part == 1), PAGED, SCORE_MOD, MASK_MOD)
+                acc, m_i, l_i, q, kv, paging, mask, mods, offs, edges[part], edges[part + 1], (0, 0), bounds, scores,
+                drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+                INPUT_PRECISION, TMA, WS & (part == 1), PAGED, SCORE_MOD, MASK_MOD, 0)
 
     # Rows that saw no key at all (l_i == 0) get out = 0 and lse = +inf, so that the backward's
     # exp(s - lse) is 0 for them.
