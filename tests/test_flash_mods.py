@@ -1,6 +1,7 @@
 """score_mod / mask_mod on flash_attn_func and flash_attn_varlen_func (FlashAttention-4's form: flash-attn
-layout, b the batch or sequence index, h the query head, positions from 0 within each sequence), against a
-float64 oracle that applies each mod elementwise, one sequence at a time."""
+layout, b the batch or sequence index, h the query head, positions from 0 within each sequence) and
+attention_chunk (FlashAttention-3's chunked local attention, a built-in mask_mod), against a float64
+oracle that applies each mod elementwise, one sequence at a time."""
 import math
 
 import pytest
@@ -23,10 +24,11 @@ def taken(backend: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def oracle(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, score_mod=None,
-           mask_mod=None, first_batch=0):
+           mask_mod=None, attention_chunk=0, first_batch=0):
     """float64 flash-attn attention of q (B, Nq, H, D), k, v (B, Nk, Hk, D) with the mods applied to the
     materialized scores, b counted from first_batch: out (B, Nq, H, D), lse (B, H, Nq) (+inf where a row
-    sees no key) and the probabilities (B, H, Nq, Nk)."""
+    sees no key) and the probabilities (B, H, Nq, Nk). The chunk is written as FlashAttention-3's
+    reference writes it: keys [p - p mod chunk, p - p mod chunk + chunk) for a query at key position p."""
     q, k, v = (t.double() for t in (q, k, v))
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, group = k.shape[1], nheads // k.shape[2]
@@ -49,6 +51,9 @@ def oracle(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slope
         seen = seen & (j <= position + right)
     if left >= 0:
         seen = seen & (j >= position - left)
+    if attention_chunk:
+        start = position - position % attention_chunk
+        seen = seen & (j >= start) & (j < start + attention_chunk)
     if mask_mod is not None:
         seen = seen & mask_mod(b, h, i, j)
     scores = scores.masked_fill(~seen, -math.inf)
@@ -172,15 +177,49 @@ def test_varlen_mods_see_each_sequence(backend, dtype):
                                          mask_mod=prefix_lm(prefix))[0]) < BOUND[dtype]
 
 
+CHUNK_CASES = {  # (seqlen_q, seqlen_k, attention_chunk, options)
+    "bidirectional": (30, 30, 8, {}),
+    "causal_more_keys": (21, 37, 10, dict(causal=True)),
+    "causal_more_queries": (37, 21, 6, dict(causal=True)),
+    "window": (30, 41, 12, dict(window_size=(4, 2))),
+    "causal_window_mask_mod": (26, 26, 9, dict(causal=True, window_size=(5, -1), mask_mod=stripes)),
+    "chunk_beyond_keys": (9, 13, 1000, dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", CHUNK_CASES)
+def test_attention_chunk(backend, case, dtype):
+    """FlashAttention-3's attention_chunk: chunks of keys, queries placed bottom-right among them, alone
+    (each query sees its whole chunk), within causal, a window and a user's mask_mod; forward and
+    backward."""
+    seqlen_q, seqlen_k, chunk, options = CHUNK_CASES[case]
+    q, k, v = inputs((2, seqlen_q, 4, 16), (2, seqlen_k, 2, 16), taken(backend, dtype), "cpu", case)
+    check(lambda *t: cuflash.flash_attn_func(*t, attention_chunk=chunk, **options),
+          lambda t, _: oracle(*t, attention_chunk=chunk, **options)[0], (q, k, v), BOUND[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_attention_chunk_varlen(backend, dtype):
+    """Varlen: each sequence's chunks start at its first key, its queries placed bottom-right in it."""
+    lens_q, lens_k = [5, 17, 14, 9], [9, 17, 6, 20]
+    q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, 4, 2, 16, taken(backend, dtype), "cpu")
+    cu = (cu_q.tolist(), cu_k.tolist())
+    for chunk, options in ((4, dict(causal=True)), (7, {})):
+        check(lambda *t: cuflash.flash_attn_varlen_func(*t, cu_q, cu_k, 17, 20, attention_chunk=chunk, **options),
+              lambda t, _: varlen_oracle(*t, *cu, attention_chunk=chunk, **options)[0], (q, k, v), BOUND[dtype])
+
+
 def test_paged_varlen_with_mods(backend):
-    """A paged K/V cache (forward only) with a mask_mod."""
+    """A paged K/V cache (forward only) with a mask_mod and attention_chunk."""
     lens_q, lens_k = [3, 8, 1], [11, 8, 20]
     q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, 4, 2, 16, torch.float32, "cpu")
     k_cache, v_cache, table = paged_cache(k, v, cu_k, page=16)
     prefix = torch.tensor([2, 5, 0], dtype=torch.int32)
     out = cuflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 8, 20, block_table=table, causal=True,
-                                         mask_mod=prefix_lm(prefix))
-    ref, _ = varlen_oracle(q, k, v, cu_q.tolist(), cu_k.tolist(), causal=True, mask_mod=prefix_lm(prefix))
+                                         attention_chunk=5, mask_mod=prefix_lm(prefix))
+    ref, _ = varlen_oracle(q, k, v, cu_q.tolist(), cu_k.tolist(), causal=True, attention_chunk=5,
+                           mask_mod=prefix_lm(prefix))
     assert rel_err(out, ref) < 1e-5
 
 
@@ -190,8 +229,8 @@ def test_dropout_with_mods(backend):
     q, k, v = inputs((2, 20, 4, 16), (2, 24, 2, 16), torch.float32)
     table = torch.randn(4, 20 + 24 - 1)
     out, _, probs = cuflash.flash_attn_func(q, k, v, dropout_p=0.3, causal=True, score_mod=relative_bias(table, 24),
-                                            return_attn_probs=True)
-    _, _, ref_probs = oracle(q, k, v, causal=True, score_mod=relative_bias(table.double(), 24))
+                                            attention_chunk=8, return_attn_probs=True)
+    _, _, ref_probs = oracle(q, k, v, causal=True, score_mod=relative_bias(table.double(), 24), attention_chunk=8)
     assert (probs < 0).any() and rel_err(probs.abs(), ref_probs) < 1e-5
     kept = probs.clamp(min=0).double() / 0.7
     expected = torch.einsum("bhmn,bnhd->bmhd", kept, v.double().repeat_interleave(2, 2))
@@ -204,7 +243,9 @@ def test_memo_never_serves_a_call_with_mods(backend):
     q, k, v = inputs((1, 16, 2, 16), (1, 16, 2, 16), torch.float32)
     plain = cuflash.flash_attn_func(q, k, v, causal=True)
     masked = cuflash.flash_attn_func(q, k, v, causal=True, mask_mod=stripes)
+    chunked = cuflash.flash_attn_func(q, k, v, causal=True, attention_chunk=5)
     assert rel_err(masked, oracle(q, k, v, causal=True, mask_mod=stripes)[0]) < 1e-5
+    assert rel_err(chunked, oracle(q, k, v, causal=True, attention_chunk=5)[0]) < 1e-5
     assert torch.equal(cuflash.flash_attn_func(q, k, v, causal=True), plain)
 
 
@@ -226,6 +267,10 @@ def test_bad_arguments():
         (dict(score_mod="bias"), ErrorCode.INVALID_ARGUMENT, "score_mod must be a function, got str"),
         (dict(score_mod=relative), ErrorCode.INVALID_ARGUMENT, "'.*relative' indexes dimension 1 .* from -3 to 11"),
         (dict(score_mod=relative_bias(table.to("meta"), 8)), ErrorCode.DEVICE_MISMATCH, "captures a tensor on meta"),
+        (dict(attention_chunk=-1), ErrorCode.INVALID_ARGUMENT, r"attention_chunk must be an int from 0 \(off\)"),
+        (dict(attention_chunk=4.0), ErrorCode.INVALID_ARGUMENT, "attention_chunk must be an int.*got 4.0"),
+        (dict(attention_chunk=True), ErrorCode.INVALID_ARGUMENT, "attention_chunk must be an int.*got True"),
+        (dict(attention_chunk=2**31), ErrorCode.INVALID_ARGUMENT, "attention_chunk must be an int .* 2147483647"),
     ]
     for options, code, message in cases:
         with pytest.raises(FlashAttentionError, match=message) as error:
@@ -242,7 +287,7 @@ def test_mods_refused_under_torch_compile_and_func():
     with pytest.raises(FlashAttentionError, match=message):
         torch.func.grad(lambda x: cuflash.flash_attn_func(x, q, q, mask_mod=stripes).sum())(q)
     with pytest.raises(FlashAttentionError, match=message):
-        torch.compile(lambda x: cuflash.flash_attn_func(x, x, x, mask_mod=stripes), backend="eager")(q)
+        torch.compile(lambda x: cuflash.flash_attn_func(x, x, x, attention_chunk=4), backend="eager")(q)
 
 
 # The GPU kernels in 16-bit (the interpreter has no bf16 dot): the same features, larger shapes.
@@ -256,6 +301,11 @@ def test_flash_mods_on_gpu(dtype):
                                              mask_mod=stripes),
           lambda t, extra: oracle(*t, causal=True, softcap=20.0, score_mod=relative_bias(extra[0], 517),
                                   mask_mod=stripes)[0], (q, k, v), GPU_BOUND[dtype], extra=(table,))
+    for case in ("causal_more_queries", "window", "causal_window_mask_mod"):
+        seqlen_q, seqlen_k, chunk, options = CHUNK_CASES[case]
+        q, k, v = inputs((2, 8 * seqlen_q, 4, 64), (2, 8 * seqlen_k, 2, 64), dtype, "cuda", case)
+        check(lambda *t: cuflash.flash_attn_func(*t, attention_chunk=8 * chunk, **options),
+              lambda t, _: oracle(*t, attention_chunk=8 * chunk, **options)[0], (q, k, v), GPU_BOUND[dtype])
 
 
 @pytest.mark.gpu
@@ -266,6 +316,6 @@ def test_varlen_mods_on_gpu(dtype):
     prefix = torch.tensor([30, 0, 70, 20], dtype=torch.int32, device="cuda")
     cu = (cu_q.tolist(), cu_k.tolist())
     check(lambda *t: cuflash.flash_attn_varlen_func(*t, cu_q, cu_k, 300, 170, mask_mod=prefix_lm(prefix),
-                                                    causal=True),
-          lambda t, _: varlen_oracle(*t, *cu, mask_mod=prefix_lm(prefix), causal=True)[0],
+                                                    attention_chunk=64, causal=True),
+          lambda t, _: varlen_oracle(*t, *cu, mask_mod=prefix_lm(prefix), attention_chunk=64, causal=True)[0],
           (q, k, v), GPU_BOUND[dtype])

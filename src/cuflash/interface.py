@@ -6,10 +6,12 @@ import torch
 
 from . import ops
 from .backend import backend_name
+from .builtin_mods import chunked_local
 from .dropout import draw_seed, head_ids, keep_mask
-from .errors import (ErrorCode, FlashAttentionError, check_alibi, check_attention_inputs, check_attn_mask,
-                     check_block_table, check_blocks, check_bool, check_cu_seqlens, check_dropout, check_same,
-                     check_softcap, check_tensor, check_window, fail, lse_dtype, resolve_scale, strided_head_dim)
+from .errors import (ErrorCode, FlashAttentionError, check_alibi, check_attention_chunk, check_attention_inputs,
+                     check_attn_mask, check_block_table, check_blocks, check_bool, check_cu_seqlens, check_dropout,
+                     check_same, check_softcap, check_tensor, check_window, fail, lse_dtype, resolve_scale,
+                     strided_head_dim)
 from .flex import traced_mod
 from .memo import number, plain_flash_options, remembered, signature
 from .mods import Mod, Mods
@@ -33,30 +35,37 @@ def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, sof
 
 
 def _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                  deterministic, score_mod, mask_mod) -> tuple[AttentionParams, dict | None]:
+                  deterministic, score_mod, mask_mod, attention_chunk) -> tuple[AttentionParams, dict | None]:
     """flash_attn_func's inputs checked and its options as AttentionParams, once per call signature
     (memo.py), with the signature's launch plans (ops.forward). A call with mods is never remembered:
     its params hold this call's mods and captured tensors."""
     plain = (plain_flash_options(softmax_scale, causal, window_size, softcap, alibi_slopes) and number(dropout_p)
-             and dropout_p == 0 and type(deterministic) is bool and score_mod is None and mask_mod is None)
+             and dropout_p == 0 and type(deterministic) is bool and score_mod is None and mask_mod is None
+             and type(attention_chunk) is int and attention_chunk == 0)
     key = signature((q, k, v), softmax_scale, causal, window_size, softcap, deterministic) if plain else None
 
     def build():
         check_attention_inputs(q, k, v, empty=True)
         _check_device(q)
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        mods = _mods(q, batch, seqlen_q, seqlen_k, score_mod, mask_mod)
+        mods = _mods(q, batch, seqlen_q, seqlen_k, score_mod, mask_mod, check_attention_chunk(attention_chunk),
+                     seqlen_k - seqlen_q)
         return _params(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
                        deterministic, mods=mods)
     return remembered(key, build)
 
 
-def _mods(q: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int, score_mod, mask_mod) -> Mods | None:
-    """The call's score_mod and mask_mod as Mods without a block mask (the kernels apply mask_mod to
-    every tile), traced for q's device and checked for reads outside their captured tensors at these
-    sizes (varlen: the longest sequences); None without either."""
+def _mods(q: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int, score_mod, mask_mod, chunk: int,
+          offset: int | torch.Tensor) -> Mods | None:
+    """The call's score_mod and mask_mod (the user's, and with attention_chunk > 0 the built-in
+    chunked_local, which then takes the user's mask_mod in) as Mods without a block mask (the kernels
+    apply mask_mod to every tile), traced for q's device and checked for reads outside their captured
+    tensors at these sizes (varlen: the longest sequences); None without any. offset: the key position
+    of the first query (chunked_local's)."""
     score = None if score_mod is None else traced_mod(score_mod, "score", q.device)
-    mask = None if mask_mod is None else traced_mod(mask_mod, "mask", q.device)
+    mask = None if mask_mod is None else traced_mod(mask_mod, "mask", q.device)  # (the user's errors first)
+    if chunk:
+        mask = traced_mod(chunked_local(chunk, offset, mask_mod), "mask", q.device)
     if score is None and mask is None:
         return None
     mods = Mods(score=score, mask=mask)
@@ -101,7 +110,7 @@ def _elementwise(mod: Mod | None, first_batch: int):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                    score_mod=None, mask_mod=None):
+                    score_mod=None, mask_mod=None, attention_chunk=0):
     """Exact attention, flash-attn 2 compatible.
 
     Args:
@@ -132,6 +141,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         mask_mod: None or mask_mod(b, h, q_idx, kv_idx) -> bool: hides the keys it returns False for,
             on top of causal and window_size. Both are compiled into the kernels; with either, a call
             runs eagerly only (not under torch.compile or torch.func).
+        attention_chunk: FlashAttention-3's chunked local attention (Llama 4), an int >= 0, 0 off:
+            the keys are cut into chunks of attention_chunk keys and query i, at key position
+            i + seqlen_k - seqlen_q, sees only the keys of its chunk (also within causal and
+            window_size when given). A built-in mask_mod (builtin_mods.chunked_local).
     Returns:
         out (batch, seqlen_q, nheads, headdim); with return_attn_probs,
         (out, softmax_lse (batch, nheads, seqlen_q) fp32, probs (batch, nheads, seqlen_q, seqlen_k)).
@@ -139,7 +152,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     with_probs = check_bool("return_attn_probs", return_attn_probs)
     p, plans = _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                             deterministic, score_mod, mask_mod)
+                             deterministic, score_mod, mask_mod, attention_chunk)
     out, lse = ops.forward(q, k, v, p, plans)
     if with_probs:
         return out, lse, _probs(q, k, p).to(q.dtype)
@@ -148,19 +161,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                              score_mod=None, mask_mod=None):
+                              score_mod=None, mask_mod=None, attention_chunk=0):
     """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim); see flash_attn_func."""
     check_tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)", empty=True)
     if qkv.shape[2] != 3:
         fail(ErrorCode.SHAPE_MISMATCH, f"qkv must have size 3 in dim 2, got shape {tuple(qkv.shape)}")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                           score_mod=score_mod, mask_mod=mask_mod)
+                           score_mod=score_mod, mask_mod=mask_mod, attention_chunk=attention_chunk)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                             score_mod=None, mask_mod=None):
+                             score_mod=None, mask_mod=None, attention_chunk=0):
     """flash_attn_func on q (batch, seqlen_q, nheads, headdim) and kv (batch, seqlen_k, 2, nheads_k,
     headdim); see flash_attn_func."""
     check_tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)", empty=True)
@@ -168,13 +181,13 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
         fail(ErrorCode.SHAPE_MISMATCH, f"kv must have size 2 in dim 2, got shape {tuple(kv.shape)}")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
                            softcap, alibi_slopes, deterministic, return_attn_probs,
-                           score_mod=score_mod, mask_mod=mask_mod)
+                           score_mod=score_mod, mask_mod=mask_mod, attention_chunk=attention_chunk)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *,
-                           score_mod=None, mask_mod=None):
+                           score_mod=None, mask_mod=None, attention_chunk=0):
     """Attention over a batch of sequences of different lengths packed without padding,
     flash-attn 2 compatible. No compute is spent on padding.
 
@@ -191,8 +204,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             page size, read in place; sequence b's keys are the first cu_seqlens_k[b + 1] -
             cu_seqlens_k[b] rows of its pages block_table[b, 0], block_table[b, 1], ... A table
             entry outside the pool, or too few columns for a sequence, raises before any kernel.
-        score_mod, mask_mod: as in flash_attn_func, per sequence: b is the sequence's index in the
-            batch, q_idx and kv_idx count from 0 in every sequence.
+        score_mod, mask_mod, attention_chunk: as in flash_attn_func, per sequence: b is the sequence's
+            index in the batch, q_idx and kv_idx count from 0 in every sequence, and attention_chunk's
+            chunks start at each sequence's first key.
     Returns:
         out (total_q, nheads, headdim); with return_attn_probs, (out, softmax_lse (nheads, total_q)
         fp32, probs (batch, nheads, max_seqlen_q, max_seqlen_k), zero-padded).
@@ -216,7 +230,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         block_table = block_table.contiguous()
     # The kernels address these by position: a strided view becomes a contiguous copy (as alibi_slopes).
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    mods = _mods(q, batch, max_seqlen_q, max_seqlen_k, score_mod, mask_mod)
+    chunk = check_attention_chunk(attention_chunk)
+    offsets = cu_seqlens_k.diff() - cu_seqlens_q.diff() if chunk else 0  # (each sequence's seqlen_k - seqlen_q)
+    mods = _mods(q, batch, max_seqlen_q, max_seqlen_k, score_mod, mask_mod, chunk, offsets)
     p = _params(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max_seqlen_k, block_table=block_table, mods=mods)
@@ -233,28 +249,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                     deterministic=False, return_attn_probs=False, *, score_mod=None,
-                                     mask_mod=None):
+                                     deterministic=False, return_attn_probs=False, *, score_mod=None, mask_mod=None,
+                                     attention_chunk=0):
     """flash_attn_varlen_func on qkv (total, 3, nheads, headdim); see flash_attn_varlen_func."""
     check_tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
     if qkv.shape[1] != 3:
         fail(ErrorCode.SHAPE_MISMATCH, f"qkv must have size 3 in dim 1, got shape {tuple(qkv.shape)}")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs, score_mod=score_mod, mask_mod=mask_mod)
+                                  deterministic, return_attn_probs, score_mod=score_mod, mask_mod=mask_mod,
+                                  attention_chunk=attention_chunk)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                                    score_mod=None, mask_mod=None):
+                                    score_mod=None, mask_mod=None, attention_chunk=0):
     """flash_attn_varlen_func on q (total_q, nheads, headdim) and kv (total_k, 2, nheads_k, headdim)."""
     check_tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
     if kv.shape[1] != 2:
         fail(ErrorCode.SHAPE_MISMATCH, f"kv must have size 2 in dim 1, got shape {tuple(kv.shape)}")
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs, score_mod=score_mod, mask_mod=mask_mod)
+                                  deterministic, return_attn_probs, score_mod=score_mod, mask_mod=mask_mod,
+                                  attention_chunk=attention_chunk)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
