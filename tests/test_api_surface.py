@@ -46,6 +46,10 @@ FLASH_ATTN_2_8 = {
     "RotaryEmbedding.forward": [("self", _REQUIRED), ("qkv", _REQUIRED), ("kv", None), ("seqlen_offset", 0),
                                 ("max_seqlen", None), ("num_heads_q", None)],
 }
+# Keyword-only arguments after flash-attn 2's: FlashAttention-4's score_mod / mask_mod and FlashAttention-3's
+# attention_chunk.
+MODS = [("score_mod", None), ("mask_mod", None), ("attention_chunk", 0)]
+EXTENSIONS = {name: MODS for name in FLASH_ATTN_2_8 if name.startswith("flash_attn_") and "kvcache" not in name}
 # torch 2.x's torch.nn.functional.scaled_dot_product_attention
 SDPA = [("query", _REQUIRED), ("key", _REQUIRED), ("value", _REQUIRED), ("attn_mask", None), ("dropout_p", 0.0),
         ("is_causal", False), ("scale", None), ("enable_gqa", False)]
@@ -61,8 +65,11 @@ def _ours(name):
 @pytest.mark.parametrize("name", FLASH_ATTN_2_8)
 def test_signature_matches_flash_attn(name):
     params = inspect.signature(_ours(name)).parameters.values()
-    assert [(p.name, p.default) for p in params] == FLASH_ATTN_2_8[name]
-    assert all(p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params), "callable positionally"
+    positional = [(p.name, p.default) for p in params if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    keyword_only = [(p.name, p.default) for p in params if p.kind == inspect.Parameter.KEYWORD_ONLY]
+    assert positional == FLASH_ATTN_2_8[name], "flash-attn's arguments, callable positionally"
+    assert keyword_only == EXTENSIONS.get(name, [])
+    assert len(positional) + len(keyword_only) == len(params)
 
 
 def test_signature_matches_torch_sdpa():

@@ -211,6 +211,18 @@ def check_softcap(softcap) -> float:
     return float(softcap)
 
 
+MAX_ATTENTION_CHUNK = 2**31 - 1  # (an int32, as the kernels compute positions)
+
+
+def check_attention_chunk(attention_chunk) -> int:
+    """FlashAttention-3's attention_chunk: an int >= 0 (0: off), as an int."""
+    if (isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int)
+            or not 0 <= attention_chunk <= MAX_ATTENTION_CHUNK):
+        fail(ErrorCode.INVALID_ARGUMENT, f"attention_chunk must be an int from 0 (off) to {MAX_ATTENTION_CHUNK}, "
+             f"got {attention_chunk!r}")
+    return attention_chunk
+
+
 def check_alibi(alibi_slopes, batch: int, nheads: int, device: torch.device):
     """alibi_slopes: None, or fp32 of shape (nheads,) or (batch, nheads), without gradient."""
     if alibi_slopes is None:

@@ -124,7 +124,7 @@ def _flash_layout(query, key, value, enable_gqa: bool) -> tuple[torch.Tensor, to
 def _mods(score_mod, block_mask, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
           device: torch.device) -> Mods:
     """The call's Mods: the traced score_mod, and the block mask's mask_mod and tile lists."""
-    score = None if score_mod is None else _captures_on(Mod.of(score_mod, "score"), device)
+    score = None if score_mod is None else traced_mod(score_mod, "score", device)
     if block_mask is None:
         return Mods(score=score)
     if not isinstance(block_mask, BlockMask):
@@ -136,11 +136,14 @@ def _mods(score_mod, block_mask, batch: int, nheads: int, seqlen_q: int, seqlen_
     if block_mask.kv_num_blocks.device != device:
         fail(ErrorCode.DEVICE_MISMATCH, f"block_mask is on {block_mask.kv_num_blocks.device} but query is on "
              f"{device}")
-    mask = _captures_on(Mod.of(block_mask.mask_mod, "mask"), device)
+    mask = traced_mod(block_mask.mask_mod, "mask", device)
     return Mods(score=score, mask=mask, blocks=block_sparsity(block_mask, batch, nheads))
 
 
-def _captures_on(mod: Mod, device: torch.device) -> Mod:
+def traced_mod(fn, kind: str, device: torch.device) -> Mod:
+    """Mod fn (kind "score" or "mask") traced, with what it captures now, every captured tensor on
+    `device` (the attention's)."""
+    mod = Mod.of(fn, kind)
     for t in mod.tensors:
         if t.device != device:
             fail(ErrorCode.DEVICE_MISMATCH, f"{mod.graph.kind}_mod {mod.graph.name!r} captures a tensor on "
@@ -249,7 +252,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     check_bool("_compile", _compile)
     separate = check_bool("separate_full_blocks", separate_full_blocks)
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
-    mod = _captures_on(Mod.of(mask_mod, "mask"), device)
+    mod = traced_mod(mask_mod, "mask", device)
     seen, full = _block_tables(mod, batch, nheads, seqlen_q, seqlen_k, (q_block, kv_block), device)
     kv_num, kv_idx = ordered((seen & ~full if separate else seen).expand(batch, nheads, -1, -1))
     full_num, full_idx = ordered(full.expand(batch, nheads, -1, -1)) if separate else (None, None)

@@ -6,11 +6,16 @@ import torch
 
 from . import ops
 from .backend import backend_name
+from .builtin_mods import chunked_local
 from .dropout import draw_seed, head_ids, keep_mask
-from .errors import (ErrorCode, FlashAttentionError, check_alibi, check_attention_inputs, check_attn_mask,
-                     check_block_table, check_blocks, check_bool, check_cu_seqlens, check_dropout, check_same,
-                     check_softcap, check_tensor, check_window, fail, lse_dtype, resolve_scale, strided_head_dim)
+from .errors import (ErrorCode, FlashAttentionError, check_alibi, check_attention_chunk, check_attention_inputs,
+                     check_attn_mask, check_block_table, check_blocks, check_bool, check_cu_seqlens, check_dropout,
+                     check_same, check_softcap, check_tensor, check_window, fail, lse_dtype, resolve_scale,
+                     strided_head_dim)
+from .flex import traced_mod
 from .memo import number, plain_flash_options, remembered, signature
+from .mods import Mod, Mods
+from .mods.evaluate import evaluate
 from .params import AttentionParams
 from .reference import attention_probs
 
@@ -30,19 +35,42 @@ def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, sof
 
 
 def _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                  deterministic) -> tuple[AttentionParams, dict | None]:
+                  deterministic, score_mod, mask_mod, attention_chunk) -> tuple[AttentionParams, dict | None]:
     """flash_attn_func's inputs checked and its options as AttentionParams, once per call signature
-    (memo.py), with the signature's launch plans (ops.forward)."""
+    (memo.py), with the signature's launch plans (ops.forward). A call with mods is never remembered:
+    its params hold this call's mods and captured tensors."""
     plain = (plain_flash_options(softmax_scale, causal, window_size, softcap, alibi_slopes) and number(dropout_p)
-             and dropout_p == 0 and type(deterministic) is bool)
+             and dropout_p == 0 and type(deterministic) is bool and score_mod is None and mask_mod is None
+             and type(attention_chunk) is int and attention_chunk == 0)
     key = signature((q, k, v), softmax_scale, causal, window_size, softcap, deterministic) if plain else None
 
     def build():
         check_attention_inputs(q, k, v, empty=True)
         _check_device(q)
-        return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                       deterministic)
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        mods = _mods(q, batch, seqlen_q, seqlen_k, score_mod, mask_mod, check_attention_chunk(attention_chunk),
+                     seqlen_k - seqlen_q)
+        return _params(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                       deterministic, mods=mods)
     return remembered(key, build)
+
+
+def _mods(q: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int, score_mod, mask_mod, chunk: int,
+          offset: int | torch.Tensor) -> Mods | None:
+    """The call's score_mod and mask_mod (the user's, and with attention_chunk > 0 the built-in
+    chunked_local, which then takes the user's mask_mod in) as Mods without a block mask (the kernels
+    apply mask_mod to every tile), traced for q's device and checked for reads outside their captured
+    tensors at these sizes (varlen: the longest sequences); None without any. offset: the key position
+    of the first query (chunked_local's)."""
+    score = None if score_mod is None else traced_mod(score_mod, "score", q.device)
+    mask = None if mask_mod is None else traced_mod(mask_mod, "mask", q.device)  # (the user's errors first)
+    if chunk:
+        mask = traced_mod(chunked_local(chunk, offset, mask_mod), "mask", q.device)
+    if score is None and mask is None:
+        return None
+    mods = Mods(score=score, mask=mask)
+    mods.check(batch, q.shape[-2], seqlen_q, seqlen_k)
+    return mods
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -53,9 +81,12 @@ def _probs(q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_batch: in
     """(B, H, Nq, Nk) fp32 probabilities of a dense problem, with flash-attn's dropout encoding:
     a dropped probability is returned negated."""
     offset = k.shape[1] - q.shape[1] if p.bottom_right else 0
+    mods = p.mods or Mods()
     probs, _ = attention_probs(q.detach(), k.detach(), p.softmax_scale, False, offset, torch.float32,
                                window_size=(p.window_left, p.window_right), softcap=p.softcap,
-                               alibi_slopes=p.alibi_slopes, attn_mask=p.attn_mask)
+                               alibi_slopes=p.alibi_slopes, attn_mask=p.attn_mask,
+                               score_mod=_elementwise(mods.score, first_batch),
+                               mask_mod=_elementwise(mods.mask, first_batch))
     if p.dropout_p > 0:
         batch, nheads, seqlen_q, seqlen_k = probs.shape
         off_bh = head_ids(first_batch, batch, nheads, q.device)[:, :, None, None]
@@ -65,8 +96,21 @@ def _probs(q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_batch: in
     return probs
 
 
+def _elementwise(mod: Mod | None, first_batch: int):
+    """A traced mod as a function of broadcast tensors (reference.attention_probs' score_mod and
+    mask_mod), its batch index counted from first_batch (a varlen batch's sequence); None for None."""
+    if mod is None:
+        return None
+
+    def apply(*args):
+        *score, b, h, q_idx, kv_idx = args
+        return evaluate(mod.graph, (*score, b + first_batch, h, q_idx, kv_idx), list(mod.tensors), list(mod.scalars))
+    return apply
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                    score_mod=None, mask_mod=None, attention_chunk=0):
     """Exact attention, flash-attn 2 compatible.
 
     Args:
@@ -89,6 +133,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         return_attn_probs: also return softmax_lse and the attention probabilities (for tests:
             it materializes (batch, nheads, seqlen_q, seqlen_k); dropped ones are negated).
         causal, deterministic and return_attn_probs are bools (errors.check_bool).
+        score_mod: None or score_mod(score, b, h, q_idx, kv_idx) -> score, as FlexAttention's (and
+            FlashAttention-4's) and written the same way (docs/programmable.md): score is
+            scale * q.k in fp32 after softcap (ALiBi is added after it), b the batch index, h the
+            query head, q_idx and kv_idx positions from 0 (int32, not shifted by causal's alignment).
+            Captured tensors that require grad get their gradients.
+        mask_mod: None or mask_mod(b, h, q_idx, kv_idx) -> bool: hides the keys it returns False for,
+            on top of causal and window_size. Both are compiled into the kernels; with either, a call
+            runs eagerly only (not under torch.compile or torch.func).
+        attention_chunk: FlashAttention-3's chunked local attention (Llama 4), an int >= 0, 0 off:
+            the keys are cut into chunks of attention_chunk keys and query i, at key position
+            i + seqlen_k - seqlen_q, sees only the keys of its chunk (also within causal and
+            window_size when given). A built-in mask_mod (builtin_mods.chunked_local).
     Returns:
         out (batch, seqlen_q, nheads, headdim); with return_attn_probs,
         (out, softmax_lse (batch, nheads, seqlen_q) fp32, probs (batch, nheads, seqlen_q, seqlen_k)).
@@ -96,7 +152,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     with_probs = check_bool("return_attn_probs", return_attn_probs)
     p, plans = _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                             deterministic)
+                             deterministic, score_mod, mask_mod, attention_chunk)
     out, lse = ops.forward(q, k, v, p, plans)
     if with_probs:
         return out, lse, _probs(q, k, p).to(q.dtype)
@@ -104,29 +160,34 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              score_mod=None, mask_mod=None, attention_chunk=0):
     """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim); see flash_attn_func."""
     check_tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)", empty=True)
     if qkv.shape[2] != 3:
         fail(ErrorCode.SHAPE_MISMATCH, f"qkv must have size 3 in dim 2, got shape {tuple(qkv.shape)}")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
-                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                           score_mod=score_mod, mask_mod=mask_mod, attention_chunk=attention_chunk)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             score_mod=None, mask_mod=None, attention_chunk=0):
     """flash_attn_func on q (batch, seqlen_q, nheads, headdim) and kv (batch, seqlen_k, 2, nheads_k,
     headdim); see flash_attn_func."""
     check_tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)", empty=True)
     if kv.shape[2] != 2:
         fail(ErrorCode.SHAPE_MISMATCH, f"kv must have size 2 in dim 2, got shape {tuple(kv.shape)}")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
-                           softcap, alibi_slopes, deterministic, return_attn_probs)
+                           softcap, alibi_slopes, deterministic, return_attn_probs,
+                           score_mod=score_mod, mask_mod=mask_mod, attention_chunk=attention_chunk)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *,
+                           score_mod=None, mask_mod=None, attention_chunk=0):
     """Attention over a batch of sequences of different lengths packed without padding,
     flash-attn 2 compatible. No compute is spent on padding.
 
@@ -143,6 +204,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             page size, read in place; sequence b's keys are the first cu_seqlens_k[b + 1] -
             cu_seqlens_k[b] rows of its pages block_table[b, 0], block_table[b, 1], ... A table
             entry outside the pool, or too few columns for a sequence, raises before any kernel.
+        score_mod, mask_mod, attention_chunk: as in flash_attn_func, per sequence: b is the sequence's
+            index in the batch, q_idx and kv_idx count from 0 in every sequence, and attention_chunk's
+            chunks start at each sequence's first key.
     Returns:
         out (total_q, nheads, headdim); with return_attn_probs, (out, softmax_lse (nheads, total_q)
         fp32, probs (batch, nheads, max_seqlen_q, max_seqlen_k), zero-padded).
@@ -166,9 +230,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         block_table = block_table.contiguous()
     # The kernels address these by position: a strided view becomes a contiguous copy (as alibi_slopes).
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    chunk = check_attention_chunk(attention_chunk)
+    offsets = cu_seqlens_k.diff() - cu_seqlens_q.diff() if chunk else 0  # (each sequence's seqlen_k - seqlen_q)
+    mods = _mods(q, batch, max_seqlen_q, max_seqlen_k, score_mod, mask_mod, chunk, offsets)
     p = _params(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                max_seqlen_k=max_seqlen_k, block_table=block_table)
+                max_seqlen_k=max_seqlen_k, block_table=block_table, mods=mods)
     out, lse = ops.forward(q, k, v, p)
     if not with_probs:
         return out
@@ -182,26 +249,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                     deterministic=False, return_attn_probs=False):
+                                     deterministic=False, return_attn_probs=False, *, score_mod=None, mask_mod=None,
+                                     attention_chunk=0):
     """flash_attn_varlen_func on qkv (total, 3, nheads, headdim); see flash_attn_varlen_func."""
     check_tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
     if qkv.shape[1] != 3:
         fail(ErrorCode.SHAPE_MISMATCH, f"qkv must have size 3 in dim 1, got shape {tuple(qkv.shape)}")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs)
+                                  deterministic, return_attn_probs, score_mod=score_mod, mask_mod=mask_mod,
+                                  attention_chunk=attention_chunk)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                                    score_mod=None, mask_mod=None, attention_chunk=0):
     """flash_attn_varlen_func on q (total_q, nheads, headdim) and kv (total_k, 2, nheads_k, headdim)."""
     check_tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
     if kv.shape[1] != 2:
         fail(ErrorCode.SHAPE_MISMATCH, f"kv must have size 2 in dim 1, got shape {tuple(kv.shape)}")
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs)
+                                  deterministic, return_attn_probs, score_mod=score_mod, mask_mod=mask_mod,
+                                  attention_chunk=attention_chunk)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,

@@ -10,7 +10,8 @@ ERROR_BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2, 
 
 
 def attention_probs(q, k, softmax_scale=None, causal=False, causal_offset=None, dtype=torch.float64, *,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, attn_mask=None):
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, attn_mask=None, score_mod=None,
+                    mask_mod=None):
     """Softmax probabilities (B, H, Nq, Nk) and softmax_lse (B, H, Nq) for q (B, Nq, H, D),
     k (B, Nk, Hk, D), computed in `dtype`. Rows with no visible key are all zero, lse +inf.
 
@@ -18,7 +19,10 @@ def attention_probs(q, k, softmax_scale=None, causal=False, causal_offset=None, 
     i + causal_offset - window_size[0] <= j <= i + causal_offset + window_size[1] (-1: unbounded;
     causal sets the right bound to 0). softcap > 0 caps the scaled logits x to
     softcap * tanh(x / softcap); alibi_slopes ((H,) or (B, H)) then add -slope * |i + offset - j|;
-    attn_mask (broadcastable to (B, H, Nq, Nk)) hides keys (bool, True = attend) or is added."""
+    attn_mask (broadcastable to (B, H, Nq, Nk)) hides keys (bool, True = attend) or is added.
+    score_mod(scores, b, h, q_idx, kv_idx) replaces the capped logits before ALiBi, and mask_mod(b, h,
+    q_idx, kv_idx) hides the keys it is False for, both computed on broadcast int32 index tensors (b
+    (B, 1, 1, 1), h (1, H, 1, 1) the query head, q_idx a column and kv_idx a row of positions from 0)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
@@ -29,6 +33,11 @@ def attention_probs(q, k, softmax_scale=None, causal=False, causal_offset=None, 
         s = softcap * torch.tanh(s / softcap)
     rows = torch.arange(seqlen_q, device=q.device)[:, None]
     cols = torch.arange(seqlen_k, device=q.device)[None, :]
+    index = (torch.arange(batch, dtype=torch.int32, device=q.device).view(-1, 1, 1, 1),
+             torch.arange(nheads, dtype=torch.int32, device=q.device).view(1, -1, 1, 1), rows.int(), cols.int()) \
+        if score_mod is not None or mask_mod is not None else ()
+    if score_mod is not None:
+        s = score_mod(s, *index)
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(dtype).expand(batch, nheads)
         s = s - slopes[:, :, None, None] * (rows + offset - cols).abs().to(dtype)
@@ -37,6 +46,8 @@ def attention_probs(q, k, softmax_scale=None, causal=False, causal_offset=None, 
             s = s.masked_fill(~attn_mask, float("-inf"))
         else:
             s = s + attn_mask.to(dtype)
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(*index), float("-inf"))
     left, right = window_size
     if causal:
         right = 0
