@@ -26,12 +26,12 @@ import triton.language as tl
 
 from ...cache import RECORD_WORDS, IndexKind
 from ...params import AttentionParams
-from ..constants import LOG2E, NO_MASK
+from ..constants import LN2, LOG2E, NO_MASK
 from ..device import cdiv, next_power_of_2, padded_head_dim
 from ..launch import workspace
 from ..variant import logit_scales
 from . import DecodeLaunch
-from .common import LN2, logits, mma, score_tile, softmax_step
+from .common import logits, mma, score_tile, softmax_step
 
 # The decode kernel's optional tensor arguments (the index tensors first, then ALiBi's slopes and the
 # new keys and values to append), in the launch's tensors only when given.
