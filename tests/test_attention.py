@@ -9,7 +9,7 @@ import cuflash
 from attn_testing import BOUNDS, GPU_DTYPES, check_against_oracle, dtype_cases, flash_fn, make_qkv, \
     rel_err, run_and_grad, seed_of, varlen_batch, varlen_reference
 from cuflash.params import AttentionParams
-from cuflash.reference import attention_reference
+from cuflash.reference import attention_probs, attention_reference
 
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim): odd sizes, seqlen 1, seqlen_q != seqlen_k
@@ -187,6 +187,30 @@ def test_return_attn_probs_and_lse(backend):
     hidden = torch.arange(12)[None, :] > torch.arange(20)[:, None] - 8
     expected = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).nan_to_num(0.0)
     assert torch.allclose(probs.double(), expected, atol=1e-6)
+
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, options): bottom-right alignment both ways, GQA and MQA,
+# per-sequence and per-head slopes; the second leaves its first 16 rows no key.
+PROBS_CASES = {
+    "window_softcap_alibi_gqa": (2, 13, 29, 4, 2, dict(window_size=(5, 3), softcap=2.0, alibi=(2, 4))),
+    "causal_window_alibi_mqa": (1, 29, 13, 2, 1, dict(causal=True, window_size=(4, -1), alibi=(2,))),
+}
+
+
+@pytest.mark.parametrize("case", PROBS_CASES)
+def test_return_attn_probs_of_every_variant_are_the_oracles(case):
+    """return_attn_probs, which the library computes (cpu.attention_probs), gives the float64
+    oracle's probabilities under windows, softcap and ALiBi; rows that see no key are 0."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, options = PROBS_CASES[case]
+    options = dict(options)
+    torch.manual_seed(seed_of(case))
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, 16, torch.float32, "cpu")
+    slopes = torch.rand(*options.pop("alibi"))
+    _, _, probs = cuflash.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True, **options)
+    expected, _ = attention_probs(q, k, alibi_slopes=slopes, **options)
+    assert probs.shape == expected.shape and torch.allclose(probs.double(), expected, atol=1e-6)
+    if options.get("causal"):
+        assert torch.equal(probs[:, :, :16], torch.zeros_like(probs[:, :, :16]))
 
 
 def test_fully_masked_rows_have_zero_finite_gradients(backend):

@@ -14,7 +14,7 @@ from attn_testing import make_qkv, run_and_grad
 
 class _PassThrough(TorchDispatchMode):
     """A dispatch mode that changes nothing: under it, calls take the custom ops instead of the eager
-    autograd.Function (ops._direct)."""
+    autograd.Function (ops.bypasses_custom_op)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -82,7 +82,7 @@ def test_torch_compile_fullgraph_cpu_path(monkeypatch, options):
 
 
 def test_eager_path_and_the_custom_op_agree(backend, monkeypatch):
-    """Plain eager calls bypass the custom op (ops._direct) and give the custom op's results and
+    """Plain eager calls bypass the custom op (ops.bypasses_custom_op) and give the custom op's results and
     gradients, and refuse a double backward as the op does; FakeTensorMode and meta tensors still go
     through the op (its fake implementation)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -90,7 +90,7 @@ def test_eager_path_and_the_custom_op_agree(backend, monkeypatch):
     from cuflash.params import AttentionParams
     q, k, v = make_qkv(1, 19, 23, 4, 2, 16, dtype=torch.float32, device="cpu")
     params = AttentionParams(0.25, window_right=0)
-    assert ops._direct(q)
+    assert ops.bypasses_custom_op(q)
     direct = run_and_grad(lambda *t: ops.forward(*t, params)[0], q, k, v, torch.ones(1, 19, 4, 16))
     through_op = run_and_grad(lambda *t: ops.attention_forward(*t, *params.as_args())[0], q, k, v,
                               torch.ones(1, 19, 4, 16))
@@ -103,7 +103,7 @@ def test_eager_path_and_the_custom_op_agree(backend, monkeypatch):
         (grad.sum() + qg.sum()).backward()
     with FakeTensorMode():
         fake = torch.empty(1, 19, 4, 16)
-        assert not ops._direct(fake)
+        assert not ops.bypasses_custom_op(fake)
         assert ops.forward(fake, fake, fake, params)[0].shape == (1, 19, 4, 16)
     monkeypatch.setenv("CUFLASH_BACKEND", "auto")  # meta tensors: shapes only, whatever the backend
     assert cuflash.flash_attn_func(*(t.to("meta") for t in (q, q, q))).device.type == "meta"

@@ -239,6 +239,26 @@ class ModTiles:
             s.masked_fill_(hidden, float("-inf"))
 
 
+def attention_probs(q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_batch: int = 0) -> torch.Tensor:
+    """The softmax probabilities (B, H, Nq, Nk) of a dense problem (q (B, Nq, H, D), k (B, Nk, Hk, D);
+    first_batch: the batch index of q's first sequence, for the dropout pattern) with the masks and
+    logits of ScoreTiles in lse_dtype (mods too, but a block mask: return_attn_probs' functions take
+    none), for return_attn_probs: rows that see no key are 0 and, in flash-attn's encoding, a
+    probability that dropout drops is negated."""
+    tiles = ScoreTiles(q, k, p, first_batch)
+    seqlen_q, seqlen_k = tiles.seqlen_q, tiles.seqlen_k
+    qg = _rows(_grouped(q, tiles.nheads_k, tiles.dtype), 0, seqlen_q) * p.softmax_scale
+    kg = k.to(tiles.dtype).transpose(1, 2)
+    x = tiles.logits(qg @ kg.transpose(-1, -2))
+    tiles.score_mod(x, 0, seqlen_q, 0, seqlen_k)
+    s = tiles.scores(x, 0, seqlen_q, 0, seqlen_k, True)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    probs = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0))
+    if p.dropout_p > 0:
+        probs = torch.where(tiles.keep(0, seqlen_q, 0, seqlen_k) > 0, probs, -probs)
+    return probs.view(tiles.batch, tiles.nheads, seqlen_q, seqlen_k)
+
+
 def _sequences(p: AttentionParams):
     """(b, its query rows, its key rows, its params) for each sequence of a varlen batch."""
     assert p.cu_seqlens_q is not None and p.cu_seqlens_k is not None

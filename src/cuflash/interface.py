@@ -7,17 +7,16 @@ import torch
 from . import ops
 from .backend import backend_name
 from .builtin_mods import chunked_local
-from .dropout import draw_seed, head_ids, keep_mask
+from .cpu import attention_probs
+from .dropout import draw_seed
 from .errors import (ErrorCode, FlashAttentionError, check_alibi, check_attention_chunk, check_attention_inputs,
                      check_attn_mask, check_block_table, check_blocks, check_bool, check_cu_seqlens, check_dropout,
                      check_same, check_softcap, check_tensor, check_window, fail, lse_dtype, resolve_scale,
                      strided_head_dim)
 from .flex import traced_mod
 from .memo import number, plain_flash_options, remembered, signature
-from .mods import Mod, Mods
-from .mods.evaluate import evaluate
+from .mods import Mods
 from .params import AttentionParams
-from .reference import attention_probs
 
 
 def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
@@ -77,37 +76,6 @@ def _check_device(q: torch.Tensor) -> None:
     backend_name(q.device, q.dtype)  # raises if no backend can run here
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_batch: int = 0) -> torch.Tensor:
-    """(B, H, Nq, Nk) fp32 probabilities of a dense problem, with flash-attn's dropout encoding:
-    a dropped probability is returned negated."""
-    offset = k.shape[1] - q.shape[1] if p.bottom_right else 0
-    mods = p.mods or Mods()
-    probs, _ = attention_probs(q.detach(), k.detach(), p.softmax_scale, False, offset, torch.float32,
-                               window_size=(p.window_left, p.window_right), softcap=p.softcap,
-                               alibi_slopes=p.alibi_slopes, attn_mask=p.attn_mask,
-                               score_mod=_elementwise(mods.score, first_batch),
-                               mask_mod=_elementwise(mods.mask, first_batch))
-    if p.dropout_p > 0:
-        batch, nheads, seqlen_q, seqlen_k = probs.shape
-        off_bh = head_ids(first_batch, batch, nheads, q.device)[:, :, None, None]
-        kept = keep_mask(p.rng_seed, off_bh, torch.arange(seqlen_q, device=q.device)[:, None],
-                         torch.arange(seqlen_k, device=q.device)[None, :], p.dropout_p)
-        probs = torch.where(kept, probs, -probs)
-    return probs
-
-
-def _elementwise(mod: Mod | None, first_batch: int):
-    """A traced mod as a function of broadcast tensors (reference.attention_probs' score_mod and
-    mask_mod), its batch index counted from first_batch (a varlen batch's sequence); None for None."""
-    if mod is None:
-        return None
-
-    def apply(*args):
-        *score, b, h, q_idx, kv_idx = args
-        return evaluate(mod.graph, (*score, b + first_batch, h, q_idx, kv_idx), list(mod.tensors), list(mod.scalars))
-    return apply
-
-
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                     score_mod=None, mask_mod=None, attention_chunk=0):
@@ -155,7 +123,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                              deterministic, score_mod, mask_mod, attention_chunk)
     out, lse = ops.forward(q, k, v, p, plans)
     if with_probs:
-        return out, lse, _probs(q, k, p).to(q.dtype)
+        return out, lse, attention_probs(q.detach(), k.detach(), p).to(q.dtype)
     return out
 
 
@@ -243,7 +211,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(batch):
         q_b, k_b = q[None, cu_q[b]:cu_q[b + 1]], p.sequence_keys(k, b, cu_k[b], cu_k[b + 1])[None]
-        probs[b, :, :q_b.shape[1], :k_b.shape[1]] = _probs(q_b, k_b, p.sequence(b), first_batch=b)[0]
+        probs[b, :, :q_b.shape[1], :k_b.shape[1]] = attention_probs(q_b.detach(), k_b.detach(), p.sequence(b), b)[0]
     return out, lse, probs.to(q.dtype)
 
 

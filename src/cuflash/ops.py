@@ -123,9 +123,10 @@ def _(q, *args):
             q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32))
 
 
-def _direct(q: torch.Tensor) -> bool:
-    """Whether a call may bypass the custom op: eager mode, plain CPU/CUDA tensors, no dispatch mode
-    and no torch.func transform."""
+def bypasses_custom_op(q: torch.Tensor) -> bool:
+    """Whether forward(), backward() and decode() on q call the backend directly instead of going
+    through the custom ops (the module's doc): in eager mode on plain CPU/CUDA tensors, under no
+    dispatch mode and no torch.func transform. Public: tests check which way a call takes."""
     return (type(q) is torch.Tensor and q.device.type in ("cuda", "cpu") and not torch.compiler.is_compiling()
             and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active())
 
@@ -232,7 +233,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
     call's launch plans for the next call of the signature (kernels/attention.py); None elsewhere."""
     if q.numel() == 0 or k.numel() == 0:
         return _Empty.apply(q, k, v, params)
-    if _direct(q):
+    if bypasses_custom_op(q):
         if _records_graph(q, k, v, params):
             captured = () if params.mods is None else params.mods.grad_tensors()
             return _Attention.apply(q, k, v, params, plans, *captured)
@@ -246,7 +247,7 @@ def forward_kept(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pa
     """forward()'s output for query, key, value in torch SDPA's layout (B, H, N, D) where no graph is
     recorded and an earlier call of their signature kept its launch plan (the Triton backend's
     attention_forward_kept), else None: the caller then goes through forward() on (B, N, H, D) views."""
-    if plans is None or not _direct(query) or _records_graph(query, key, value, params):
+    if plans is None or not bypasses_custom_op(query) or _records_graph(query, key, value, params):
         return None
     backend = _call_backend(query, plans)
     # The CPU backend keeps no launch plans (it has no attention_forward_kept).
@@ -258,7 +259,7 @@ def backward(dout, q, k, v, out, softmax_lse, params: AttentionParams):
     """(dq, dk, dv)."""
     if q.numel() == 0 or k.numel() == 0:  # (_Empty's)
         return tuple(torch.zeros_like(t) for t in (q, k, v))
-    if _direct(q):
+    if bypasses_custom_op(q):
         return _backward_backend(q, params).attention_backward(dout, q, k, v, out, softmax_lse, params)
     _eager_only(params)
     return attention_backward(dout, q, k, v, out, softmax_lse, *params.as_args())
@@ -273,7 +274,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
     no autograd, after k_new, v_new (B, seqlen_new, Hk, D) are written into the cache in place: by
     the backend's decode when called directly, else (a traced graph) by torch ops before the op,
     which itself then mutates nothing. plans: as forward()'s; rotary_end: as kernels.decode_forward's."""
-    if _direct(q):
+    if bypasses_custom_op(q):
         return _call_backend(q, plans).decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new, cache_leftpad,
                                                       cache_rows, block_table, params, num_splits, k_new, v_new,
                                                       plans=plans, rotary_end=rotary_end)

@@ -8,9 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.triton.common import LN2, LOG2E, tile_ptrs
+from ..kernels.constants import LN2, LOG2E
 from ..kernels.device import arch, on_inputs_device, padded_head_dim
 from ..kernels.launch import run_kernel
+from ..kernels.triton.common import tile_ptrs
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.triton.common import LOG2E
+from ..kernels.constants import LOG2E
 from ..kernels.device import arch, cdiv, next_power_of_2, on_inputs_device
 from ..kernels.launch import run_kernel
 

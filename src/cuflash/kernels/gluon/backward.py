@@ -42,8 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ...params import AttentionParams
 from ..compat import barrier, tma_load
+from ..constants import LOG2E
 from ..device import cdiv, num_sms, scratch
-from ..triton.common import LOG2E
 from ..variant import Problem, lse_strides, logit_scales
 from . import Dkdv, Dq
 from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, load_kv, load_pair, query_item, ring, \

@@ -29,8 +29,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from ...params import AttentionParams
 from ..compat import barrier, tma_load
+from ..constants import LN2
 from ..device import cdiv, num_sms, scratch
-from ..triton.common import LN2
 from ..variant import Problem, lse_strides, logit_scales
 from . import Forward
 from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, load_kv, query_item, ring, tiles_of, work

@@ -5,8 +5,6 @@ import triton.language as tl
 
 from ..constants import BOOL_MASK, LOG2E, NO_MASK
 
-LN2 = tl.constexpr(0.6931471805599453)  # log(x) == log2(x) * LN2
-
 
 @triton.jit
 def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):

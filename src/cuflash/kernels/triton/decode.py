@@ -26,12 +26,12 @@ import triton.language as tl
 
 from ...cache import RECORD_WORDS, IndexKind
 from ...params import AttentionParams
-from ..constants import LOG2E, NO_MASK
+from ..constants import LN2, LOG2E, NO_MASK
 from ..device import cdiv, next_power_of_2, padded_head_dim
 from ..launch import workspace
 from ..variant import logit_scales
 from . import DecodeLaunch
-from .common import LN2, logits, mma, score_tile, softmax_step
+from .common import logits, mma, score_tile, softmax_step
 
 # The decode kernel's optional tensor arguments (the index tensors first, then ALiBi's slopes and the
 # new keys and values to append), in the launch's tensors only when given.
@@ -74,6 +74,140 @@ def _pages_ok(Errors, step, table, lo, hi, rows_per_seq, cache_blocks, seq, BLOC
     return tl.max(outside, 0) == 0
 
 
+@triton.jit
+def _repeated_row(CacheRows, row, off_b, batch, BLOCK_B: tl.constexpr, BATCH_CHUNKS: tl.constexpr):
+    """Whether another sequence of the batch has the cache row `row` of sequence off_b too (two
+    sequences would write one row). Unrolled, with one reduction, as _pages_ok."""
+    shared = tl.zeros([BLOCK_B], dtype=tl.int32)
+    for c in tl.static_range(BATCH_CHUNKS):
+        others = c * BLOCK_B + tl.arange(0, BLOCK_B)
+        rows = tl.load(CacheRows + others, mask=others < batch, other=-1).to(tl.int64)
+        shared = tl.maximum(shared, ((rows == row) & (others != off_b)).to(tl.int32))
+    return tl.max(shared, 0) > 0
+
+
+@triton.jit
+def _sequence_ok(Errors, step, CacheRows, off_b, first, end, row, batch, seqlens_max, cache_blocks, rotary_end,
+                 BLOCK_B: tl.constexpr, BATCH_CHUNKS: tl.constexpr, SEQLENS: tl.constexpr, LEFTPAD: tl.constexpr,
+                 BATCH_IDX: tl.constexpr, APPEND: tl.constexpr, ROTARY: tl.constexpr):
+    """Whether the index values of sequence off_b are good (its pages aside: _pages_ok): its
+    cache_seqlens `end` (an int one was checked by the host), leftpad `first`, cache row (one that
+    no other sequence appends to) and `end` within the rotary tables; reports those that are not."""
+    ok = (end >= 0) & (end <= seqlens_max)
+    if SEQLENS:
+        _report(Errors, step, _SEQLENS, off_b, end, seqlens_max, ~ok)
+    if LEFTPAD:
+        pad_ok = (first >= 0) & (first <= end)
+        _report(Errors, step, _LEFTPAD, off_b, first, 0, ~pad_ok)
+        ok = ok & pad_ok
+    if BATCH_IDX:
+        cache_row_ok = (row >= 0) & (row < cache_blocks)
+        _report(Errors, step, _ROWS, off_b, row, cache_blocks, ~cache_row_ok)
+        ok = ok & cache_row_ok
+        if APPEND:
+            repeated = _repeated_row(CacheRows, row, off_b, batch, BLOCK_B, BATCH_CHUNKS)
+            _report(Errors, step, _REPEATED, off_b, row, 0, repeated)
+            ok = ok & ~repeated
+    if ROTARY:
+        rotary_ok = end <= rotary_end
+        _report(Errors, step, _ROTARY, off_b, end, rotary_end, ~rotary_ok)
+        ok = ok & rotary_ok
+    return ok
+
+
+@triton.jit
+def _key_slots(table, row, first, cols, used, rows_per_seq, PAGED: tl.constexpr):
+    """(block, slot) of key positions `cols` (where `used`) in the cache's first two dims: (page,
+    slot in the page) through the sequence's page table, else (the sequence's cache row, position)."""
+    if PAGED:
+        block = tl.load(table + cols // rows_per_seq, mask=used, other=0).to(tl.int64)
+        slot = (cols % rows_per_seq).to(tl.int64)
+    else:
+        block = row
+        slot = (first + cols).to(tl.int64)
+    return block, slot
+
+
+@triton.jit
+def _append(K, V, KNew, VNew, table, row, first, lo, hi, seqlen_k, seqlen_new, off_b, off_hk, offs_n, offs_d, d_ok,
+            rows_per_seq, stride_k, stride_v, stride_kn, stride_vn, BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+    """Writes the new tokens (keys seqlen_k - seqlen_new ..) among key positions lo .. hi - 1 into
+    the cache, this KV head's, and makes them visible to all the program's threads."""
+    for start_n in range(tl.maximum(lo, seqlen_k - seqlen_new), hi, BLOCK_N):
+        cols = start_n + offs_n
+        new_ok = (cols < hi)[:, None] & d_ok[None, :]
+        token = cols - (seqlen_k - seqlen_new)
+        block, slot = _key_slots(table, row, first, cols, cols < hi, rows_per_seq, PAGED)
+        k_new = tl.load(KNew + off_b * stride_kn[0] + token[:, None] * stride_kn[1] + off_hk * stride_kn[2]
+                        + offs_d[None, :], mask=new_ok)
+        tl.store(K + (block * stride_k[0] + slot * stride_k[1])[:, None] + off_hk * stride_k[2] + offs_d[None, :],
+                 k_new, mask=new_ok)
+        v_new = tl.load(VNew + off_b * stride_vn[0] + token[:, None] * stride_vn[1] + off_hk * stride_vn[2]
+                        + offs_d[None, :], mask=new_ok)
+        tl.store(V + (block * stride_v[0] + slot * stride_v[1])[:, None] + off_hk * stride_v[2] + offs_d[None, :],
+                 v_new, mask=new_ok)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _attend(Q, K, V, q, table, row, first, lo, hi, tok, off_hk, offs_n, offs_d, d_ok, rows_per_seq, seqlen_q,
+            head_dim, offset, window_left, window_right, scores, stride_k, stride_v, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+            INPUT_PRECISION: tl.constexpr):
+    """The online softmax of the tile's queries q over key positions lo .. hi - 1 of the cache:
+    returns the running max m_i and sum l_i (base 2) and the unnormalized output acc."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if PAGED and PREFETCH_PAGES:
+        # The page of each key read one tile ahead: with splits (few programs per SM) a K/V address
+        # waiting on a table read of the same iteration stalls the loop; with the GPU full of
+        # unsplit sequences the prefetch costs instead (both measured, docs/tuning.md).
+        page = tl.load(table + (lo + offs_n) // rows_per_seq, mask=lo + offs_n < hi, other=0)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < hi
+        if PAGED and PREFETCH_PAGES:
+            block = page.to(tl.int64)
+            page = tl.load(table + (cols + BLOCK_N) // rows_per_seq, mask=cols + BLOCK_N < hi, other=0)
+            slot = (cols % rows_per_seq).to(tl.int64)
+        else:
+            block, slot = _key_slots(table, row, first, cols, col_ok, rows_per_seq, PAGED)
+        tile_ok = col_ok[:, None] & d_ok[None, :]
+        k_off = block * stride_k[0] + slot * stride_k[1]
+        k = tl.load(K + k_off[:, None] + off_hk * stride_k[2] + offs_d[None, :], mask=tile_ok, other=0.0)
+        x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), scores, SOFTCAP)
+        s = score_tile(x, tok[:, None], cols[None, :], (seqlen_q, hi, head_dim, offset, window_left, window_right),
+                       scores, (Q, 0, 0), True, HAS_LEFT, HAS_RIGHT, ALIBI, NO_MASK)
+        m_new, p, alpha, l_i = softmax_step(s, m_i, l_i, True)
+        v_off = block * stride_v[0] + slot * stride_v[1]
+        v = tl.load(V + v_off[:, None] + off_hk * stride_v[2] + offs_d[None, :], mask=tile_ok, other=0.0)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _write(OutPart, LsePart, m_i, l_i, acc, ok, split, off_b, tok, head, row_ok, offs_d, d_ok, stride_o, stride_l,
+           SPLIT: tl.constexpr):
+    """Normalizes the tile's output and writes it and its log-sum-exp (the split's partial result
+    with SPLIT): a row that saw no key has out 0 and lse +inf (as the other kernels), or -inf in a
+    partial result so that the combine gives it weight 0; a sequence with a bad index value has NaN
+    (also through the combine: it weighs every split)."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    empty = float("-inf") if SPLIT else float("inf")
+    lse = tl.where(l_i == 0.0, empty, (m_i + tl.math.log2(l_safe)) * LN2)
+    out = acc / l_safe[:, None]
+    lse = tl.where(ok, lse, float("nan"))
+    out = tl.where(ok, out, float("nan"))
+    o_ptrs = OutPart + split * stride_o[0] + off_b * stride_o[1] + tok[:, None] * stride_o[2] \
+        + head[:, None] * stride_o[3]
+    tl.store(o_ptrs + offs_d[None, :], out.to(OutPart.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    lse_ptrs = LsePart + split * stride_l[0] + off_b * stride_l[1] + tok * stride_l[2] + head * stride_l[3]
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["cache_seqlen", "step"])
 def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, Slopes, KNew, VNew, Errors,
                 step, stride_q, stride_k, stride_v, stride_o, stride_l, stride_tb, stride_slope_b, stride_kn, stride_vn,
@@ -85,6 +219,9 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr, APPEND: tl.constexpr, ROTARY: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr):
+    """Program (split, query tile, b * nheads_k + KV head): the tile's BLOCK_M query rows (tokens x
+    the query heads of the KV head) of sequence b against the split's share of the sequence's keys,
+    its index values checked and its new tokens written first (the module's doc)."""
     split = tl.program_id(0)
     start_r = tl.program_id(1) * BLOCK_M
     off_b = (tl.program_id(2) // nheads_k).to(tl.int64)
@@ -113,40 +250,18 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
         end = tl.load(CacheSeqlens + off_b)
     seqlen_k = end + seqlen_new - first
     offset = seqlen_k - seqlen_q
-    # A key sits at (block, slot) of the cache's first two dims: (page, slot in the page) through the
-    # page table, else (the sequence's cache row, position); every dim is addressed by its stride.
+    # A key sits at (block, slot) of the cache's first two dims (_key_slots): through the page
+    # table, else in the sequence's cache row.
+    table = BlockTable
     if PAGED:
         table = BlockTable + off_b * stride_tb
-    else:
-        block = off_b
-        if BATCH_IDX:
-            block = tl.load(CacheRows + off_b).to(tl.int64)
-    # The sequence's index values (an int cache_seqlens was checked by the host), and below the
-    # pages of the program's share of the keys: with a bad one it reads and writes nothing.
-    ok = (end >= 0) & (end <= seqlens_max)
-    if SEQLENS:
-        _report(Errors, step, _SEQLENS, off_b, end, seqlens_max, ~ok)
-    if LEFTPAD:
-        pad_ok = (first >= 0) & (first <= end)
-        _report(Errors, step, _LEFTPAD, off_b, first, 0, ~pad_ok)
-        ok = ok & pad_ok
+    row = off_b
     if BATCH_IDX:
-        cache_row_ok = (block >= 0) & (block < cache_blocks)
-        _report(Errors, step, _ROWS, off_b, block, cache_blocks, ~cache_row_ok)
-        ok = ok & cache_row_ok
-        if APPEND:  # two sequences writing one row (unrolled, as _pages_ok)
-            shared = tl.zeros([BLOCK_B], dtype=tl.int32)
-            for c in tl.static_range(BATCH_CHUNKS):
-                others = c * BLOCK_B + tl.arange(0, BLOCK_B)
-                rows = tl.load(CacheRows + others, mask=others < batch, other=-1).to(tl.int64)
-                shared = tl.maximum(shared, ((rows == block) & (others != off_b)).to(tl.int32))
-            repeated = tl.max(shared, 0) > 0
-            _report(Errors, step, _REPEATED, off_b, block, 0, repeated)
-            ok = ok & ~repeated
-    if ROTARY:
-        rotary_ok = end <= rotary_end
-        _report(Errors, step, _ROTARY, off_b, end, rotary_end, ~rotary_ok)
-        ok = ok & rotary_ok
+        row = tl.load(CacheRows + off_b).to(tl.int64)
+    # With a bad index value (below, one of the pages of the program's share of the keys) the
+    # program reads and writes nothing.
+    ok = _sequence_ok(Errors, step, CacheRows, off_b, first, end, row, batch, seqlens_max, cache_blocks, rotary_end,
+                      BLOCK_B, BATCH_CHUNKS, SEQLENS, LEFTPAD, BATCH_IDX, APPEND, ROTARY)
     # This split's share of the keys, whole tiles so that no tile straddles two splits (none with a
     # bad index), cut below to the band the tile's queries can see.
     chunk = tl.cdiv(tl.cdiv(seqlen_k, num_splits), BLOCK_N) * BLOCK_N
@@ -157,81 +272,22 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
         ok = ok & pages_ok
         hi = tl.where(pages_ok, hi, lo)
     if APPEND:
-        # The new tokens (keys seqlen_k - seqlen_new ..) of this split's share are written into the
-        # cache first, this KV head's, by every program that may read them (the query tiles of a
-        # large GQA group write the same values), and are visible to all its threads after the
-        # barrier. The share is the split's whole one: a band may leave a new key to no program's loop.
-        for start_n in range(tl.maximum(lo, seqlen_k - seqlen_new), hi, BLOCK_N):
-            cols = start_n + offs_n
-            new_ok = (cols < hi)[:, None] & d_ok[None, :]
-            token = cols - (seqlen_k - seqlen_new)
-            if PAGED:
-                block = tl.load(table + cols // rows_per_seq, mask=cols < hi, other=0).to(tl.int64)
-                slot = (cols % rows_per_seq).to(tl.int64)
-            else:
-                slot = (first + cols).to(tl.int64)
-            k_new = tl.load(KNew + off_b * stride_kn[0] + token[:, None] * stride_kn[1] + off_hk * stride_kn[2]
-                            + offs_d[None, :], mask=new_ok)
-            tl.store(K + (block * stride_k[0] + slot * stride_k[1])[:, None] + off_hk * stride_k[2] + offs_d[None, :],
-                     k_new, mask=new_ok)
-            v_new = tl.load(VNew + off_b * stride_vn[0] + token[:, None] * stride_vn[1] + off_hk * stride_vn[2]
-                            + offs_d[None, :], mask=new_ok)
-            tl.store(V + (block * stride_v[0] + slot * stride_v[1])[:, None] + off_hk * stride_v[2] + offs_d[None, :],
-                     v_new, mask=new_ok)
-        tl.debug_barrier()
+        # Every program that may read a new token writes it (the query tiles of a large GQA group
+        # write the same values), from the split's whole share: a band may leave a new key to no
+        # program's loop.
+        _append(K, V, KNew, VNew, table, row, first, lo, hi, seqlen_k, seqlen_new, off_b, off_hk, offs_n, offs_d, d_ok,
+                rows_per_seq, stride_k, stride_v, stride_kn, stride_vn, BLOCK_N, PAGED)
     if HAS_LEFT:
         lo = tl.maximum(lo, tl.maximum(start_r // group_size + offset - window_left, 0) // BLOCK_N * BLOCK_N)
     if HAS_RIGHT:
         last_tok = tl.minimum((start_r + BLOCK_M - 1) // group_size, seqlen_q - 1)
         hi = tl.minimum(hi, last_tok + offset + window_right + 1)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if PAGED and PREFETCH_PAGES:
-        # The page of each key read one tile ahead: with splits (few programs per SM) a K/V address
-        # waiting on a table read of the same iteration stalls the loop; with the GPU full of
-        # unsplit sequences the prefetch costs instead (both measured, docs/tuning.md).
-        page = tl.load(table + (lo + offs_n) // rows_per_seq, mask=lo + offs_n < hi, other=0)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < hi
-        if PAGED:
-            if PREFETCH_PAGES:
-                block = page.to(tl.int64)
-                page = tl.load(table + (cols + BLOCK_N) // rows_per_seq, mask=cols + BLOCK_N < hi, other=0)
-            else:
-                block = tl.load(table + cols // rows_per_seq, mask=col_ok, other=0).to(tl.int64)
-            slot = (cols % rows_per_seq).to(tl.int64)
-        else:
-            slot = (first + cols).to(tl.int64)
-        tile_ok = col_ok[:, None] & d_ok[None, :]
-        k_off = block * stride_k[0] + slot * stride_k[1]
-        k = tl.load(K + k_off[:, None] + off_hk * stride_k[2] + offs_d[None, :], mask=tile_ok, other=0.0)
-        scores = (qk_scale, softcap, slope)
-        x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), scores, SOFTCAP)
-        s = score_tile(x, tok[:, None], cols[None, :], (seqlen_q, hi, head_dim, offset, window_left, window_right),
-                       scores, (Q, 0, 0), True, HAS_LEFT, HAS_RIGHT, ALIBI, NO_MASK)
-        m_new, p, alpha, l_i = softmax_step(s, m_i, l_i, True)
-        v_off = block * stride_v[0] + slot * stride_v[1]
-        v = tl.load(V + v_off[:, None] + off_hk * stride_v[2] + offs_d[None, :], mask=tile_ok, other=0.0)
-        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
-        m_i = m_new
-
-    # A row that saw no key: out 0, lse +inf (as the other kernels), or -inf in a split's partial
-    # result so that the combine gives it weight 0.
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    empty = float("-inf") if SPLIT else float("inf")
-    lse = tl.where(l_i == 0.0, empty, (m_i + tl.math.log2(l_safe)) * LN2)
-    out = acc / l_safe[:, None]
-    # (NaN also through the combine: it weighs every split)
-    lse = tl.where(ok, lse, float("nan"))
-    out = tl.where(ok, out, float("nan"))
-    o_ptrs = OutPart + split * stride_o[0] + off_b * stride_o[1] + tok[:, None] * stride_o[2] \
-        + head[:, None] * stride_o[3]
-    tl.store(o_ptrs + offs_d[None, :], out.to(OutPart.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    lse_ptrs = LsePart + split * stride_l[0] + off_b * stride_l[1] + tok * stride_l[2] + head * stride_l[3]
-    tl.store(lse_ptrs, lse, mask=row_ok)
+    m_i, l_i, acc = _attend(Q, K, V, q, table, row, first, lo, hi, tok, off_hk, offs_n, offs_d, d_ok, rows_per_seq,
+                            seqlen_q, head_dim, offset, window_left, window_right, (qk_scale, softcap, slope), stride_k,
+                            stride_v, BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PREFETCH_PAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                            ALIBI, INPUT_PRECISION)
+    _write(OutPart, LsePart, m_i, l_i, acc, ok, split, off_b, tok, head, row_ok, offs_d, d_ok, stride_o, stride_l,
+           SPLIT)
 
 
 @triton.jit
