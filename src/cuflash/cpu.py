@@ -15,7 +15,7 @@ import torch
 
 from .dropout import head_ids, keep_mask
 from .cache import append_to_cache, cache_slot
-from .errors import lse_dtype
+from .dtypes import lse_dtype
 from .params import AttentionParams, per_sequence
 
 BLOCK_M = 256  # query rows and keys per tile where the call asks for none (AttentionParams.block_m/_n)

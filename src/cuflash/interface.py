@@ -8,11 +8,13 @@ from . import ops
 from .backend import backend_name
 from .cpu import attention_probs
 from .dropout import draw_seed
-from .errors import (ErrorCode, FlashAttentionError, check_alibi, check_attention_inputs, check_attn_mask,
-                     check_block_table, check_blocks, check_bool, check_cu_seqlens, check_dropout, check_same,
-                     check_softcap, check_tensor, check_window, fail, lse_dtype, resolve_scale)
+from .dtypes import lse_dtype
+from .errors import ErrorCode, FlashAttentionError, fail
 from .memo import number, plain_flash_options, remembered, signature
 from .params import AttentionParams
+from .validate import (check_alibi, check_attention_inputs, check_attn_mask, check_block_table, check_blocks,
+                       check_bool, check_cu_seqlens, check_dropout, check_same, check_softcap, check_tensor,
+                       check_window, resolve_scale)
 
 
 def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
@@ -72,7 +74,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             adds dQ across key tiles in whatever order they finish (as flash-attn's default).
         return_attn_probs: also return softmax_lse and the attention probabilities (for tests:
             it materializes (batch, nheads, seqlen_q, seqlen_k); dropped ones are negated).
-        causal, deterministic and return_attn_probs are bools (errors.check_bool).
+        causal, deterministic and return_attn_probs are bools (validate.check_bool).
     Returns:
         out (batch, seqlen_q, nheads, headdim); with return_attn_probs,
         (out, softmax_lse (batch, nheads, seqlen_q) fp32, probs (batch, nheads, seqlen_q, seqlen_k)).
@@ -207,7 +209,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         dropout_p: as torch, applied whenever > 0.
         is_causal: causal mask aligned to the top-left corner, as torch does: query i sees keys j <= i.
             Not together with attn_mask (torch refuses that too). is_causal and enable_gqa are bools,
-            as torch's schema has them (errors.check_bool).
+            as torch's schema has them (validate.check_bool).
         scale: default 1/sqrt(E); any finite number, as torch (0: uniform attention).
     Returns:
         (..., nheads, L, Ev), a view in torch's layout of a (batch, L, nheads, Ev) buffer. Rows that

@@ -19,7 +19,8 @@ import torch
 
 from .backend import backend_name
 from .cache import append_to_cache
-from .errors import ErrorCode, fail, lse_dtype
+from .dtypes import lse_dtype
+from .errors import ErrorCode, fail
 from .params import FIELD_NAMES, AttentionParams
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ErrorCode, check_window, fail
+from ..errors import ErrorCode, fail
+from ..validate import check_window
 from .ring import ring_flash_attn_func, ring_flash_attn_varlen_func
 from .shards import split_sequence
 from .ulysses import hybrid_flash_attn_func, hybrid_shard, ulysses_flash_attn_func, ulysses_flash_attn_varlen_func

@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from .. import ops
 from ..backend import backend_name
-from ..errors import check_attention_inputs, check_cu_seqlens, check_softcap, check_tensor, lse_dtype, resolve_scale
+from ..dtypes import lse_dtype
 from ..params import AttentionParams
+from ..validate import check_attention_inputs, check_cu_seqlens, check_softcap, check_tensor, resolve_scale
 from .shards import check_shards, require_process_group
 
 # The most bytes of other ranks' K/V shards a rank gathers before its first step (_Ring.shards), and

@@ -36,7 +36,7 @@ from .common import logits, mma, score_tile, softmax_step
 # The decode kernel's optional tensor arguments (the index tensors first, then ALiBi's slopes and the
 # new keys and values to append), in the launch's tensors only when given.
 OPTIONAL_TENSORS = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes", "KNew", "VNew")
-# errors.IndexKind, as the kernel names them
+# cache.IndexKind, as the kernel names them
 _SEQLENS, _LEFTPAD, _ROWS, _REPEATED, _ROTARY, _PAGES = (tl.constexpr(int(kind)) for kind in IndexKind)
 
 
