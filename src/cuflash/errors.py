@@ -7,7 +7,8 @@ from typing import NoReturn
 
 
 class ErrorCode(enum.IntEnum):
-    """Error codes. The first ones keep the numbering of the seed's C++ API."""
+    """Error codes (FlashAttentionError.code). Their numbers are kept as they are: code that
+    compares them as ints keeps working."""
 
     SUCCESS = 0
     INVALID_DIMENSION = 1

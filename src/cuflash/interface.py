@@ -270,7 +270,7 @@ def _one_head_or_padded(query, key, value, options):
 
 def _batched(t):
     """(..., H, N, D) -> (B, H, N, D): the leading dims merged (or a batch of one added); 4-D inputs
-    skip the reshape (~2 us each)."""
+    skip the reshape (host time on every call)."""
     if t.ndim == 4:
         return t
     return t[None] if t.ndim == 3 else t.flatten(0, -4)
@@ -328,10 +328,10 @@ def forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), 
             block_m=None, block_n=None):
     """The explicit forward pass, no autograd: q (batch, seqlen_q, nheads, headdim), k, v
     (batch, seqlen_k, nheads_k, headdim) -> (out like q, softmax_lse (batch, nheads, seqlen_q) fp32).
-    The options are flash_attn_func's. block_m, block_n: the tiles of query rows and keys (the
-    seed's Br and Bc), powers of two from 16 to 128, both or neither (default: the tuned tiles);
-    the CPU path and the Triton kernels honour them (the Hopper kernels have fixed tiles: a call
-    with blocks runs the Triton kernel)."""
+    The options are flash_attn_func's. block_m, block_n: the tiles of query rows and keys (Br
+    and Bc in the FlashAttention papers), powers of two from 16 to 128, both or neither (default:
+    the tuned tiles); the CPU path and the Triton kernels honour them (the Hopper kernels have fixed
+    tiles: a call with blocks runs the Triton kernel)."""
     p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, block_m, block_n)
     with torch.no_grad():
         return ops.forward(q, k, v, p)

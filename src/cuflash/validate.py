@@ -144,8 +144,8 @@ BLOCK_SIZES = (16, 32, 64, 128)
 
 
 def check_blocks(block_m, block_n) -> tuple[int, int]:
-    """Tile sizes asked for by the user (the seed's Br, Bc): None for the tuned table's (0), or
-    powers of two from 16 to 128, both given or neither."""
+    """Tile sizes asked for by the user (Br, Bc in the FlashAttention papers): None for the tuned
+    table's (0), or powers of two from 16 to 128, both given or neither."""
     if block_m is None and block_n is None:
         return 0, 0
     for name, value in (("block_m", block_m), ("block_n", block_n)):
