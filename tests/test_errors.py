@@ -188,7 +188,7 @@ def _flag_calls():
 def test_flags_must_be_bools(value):
     """A flag is a Python bool, as torch SDPA's is_causal and enable_gqa are (its schema refuses
     ints, numpy bools and tensors with a TypeError): anything else raises naming the argument,
-    through one check (errors.check_bool) at every entry point."""
+    through one check (validate.check_bool) at every entry point."""
     for name, call in _flag_calls():
         with raises(ErrorCode.INVALID_ARGUMENT, name, "bool", repr(value)):
             call(value)

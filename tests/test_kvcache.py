@@ -448,7 +448,7 @@ INDEX_CASES = ["valid", "seqlens", "leftpad", "rows", "repeated_rows", "shared_r
 @pytest.mark.parametrize("case", INDEX_CASES)
 def test_host_index_checks_name_the_first_bad_value(case):
     """cache.index_violation (the host's check where the values are on the CPU): the first kind of
-    errors.IndexKind with a bad value, its first sequence, the value and the bound, by hand."""
+    cache.IndexKind with a bad value, its first sequence, the value and the bound, by hand."""
     c = _index_case(case)
     expected = _violations_by_hand(c)
     got = cuflash.cache.index_violation(c["seqlens"], c["seqlen_new"], c["leftpad"], c["rows"], c["cache_rows"],

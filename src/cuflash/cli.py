@@ -18,8 +18,8 @@ from .backend import backend_name, triton_version
 from .commandline import (MODES, CommandError, Parser, Progress, integer, integers, names, out_folder,
                           positive_number, run_guarded)
 from .datafiles import SEEDS, check_room
-from .errors import MAX_HEAD_DIM
 from .reference import ERROR_BOUNDS, attention_reference
+from .validate import MAX_HEAD_DIM
 
 # Multiply-adds of Q K^T (B x H x N x N x D) up to which run checks every output against float64
 # attention; past it, a sample (reference_errors says which).

@@ -19,7 +19,7 @@ import torch
 from . import blocks as block_lists
 from .dropout import head_ids, keep_mask
 from .cache import append_to_cache, cache_slot
-from .errors import lse_dtype
+from .dtypes import lse_dtype
 from .mods import Mods
 from .mods.evaluate import evaluate
 from .mods.trace import INDEX_DTYPE

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .dtypes import ALIASES, DTYPES
-from .errors import MAX_HEAD_DIM
+from .validate import MAX_HEAD_DIM
 
 INPUTS = ("Q", "K", "V")
 # Files computed from the inputs: dO.bin (drawn from the seed unless the user wrote it) and run's outputs.

@@ -1,5 +1,5 @@
 """Dtype names on the command line and in problem files: one short name each (fp16, bf16, fp32),
-torch's long names accepted as well."""
+torch's long names accepted as well; and the dtype of softmax_lse and of the accumulators (lse_dtype)."""
 from __future__ import annotations
 
 import argparse
@@ -17,3 +17,9 @@ def dtype_name(name: str) -> str:
         raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; accepted: {', '.join(DTYPES)} "
                                          f"(or {', '.join(ALIASES)})")
     return short
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of softmax_lse and of every accumulator outside the kernels: float32, except for
+    float64 inputs (CPU path), which keep float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

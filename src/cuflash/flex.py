@@ -18,12 +18,12 @@ from torch.nn.attention.flex_attention import BlockMask
 from . import ops
 from .backend import backend_name
 from .blocks import classify, ordered, transposed
-from .errors import (ErrorCode, check_attention_inputs, check_bool, check_tensor, fail, resolve_scale,
-                     strided_head_dim)
+from .errors import ErrorCode, fail
 from .mods import BlockSparsity, Mod, Mods
 from .mods.evaluate import evaluate
 from .mods.trace import INDEX_DTYPE
 from .params import AttentionParams
+from .validate import check_attention_inputs, check_bool, check_tensor, resolve_scale, strided_head_dim
 
 MASK_CHUNK = 1 << 22  # mask elements create_block_mask computes at a time (whole blocks, at least one)
 

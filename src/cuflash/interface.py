@@ -9,14 +9,15 @@ from .backend import backend_name
 from .builtin_mods import chunked_local
 from .cpu import attention_probs
 from .dropout import draw_seed
-from .errors import (ErrorCode, FlashAttentionError, check_alibi, check_attention_chunk, check_attention_inputs,
-                     check_attn_mask, check_block_table, check_blocks, check_bool, check_cu_seqlens, check_dropout,
-                     check_same, check_softcap, check_tensor, check_window, fail, lse_dtype, resolve_scale,
-                     strided_head_dim)
+from .dtypes import lse_dtype
+from .errors import ErrorCode, FlashAttentionError, fail
 from .flex import traced_mod
 from .memo import number, plain_flash_options, remembered, signature
 from .mods import Mods
 from .params import AttentionParams
+from .validate import (check_alibi, check_attention_chunk, check_attention_inputs, check_attn_mask, check_block_table,
+                       check_blocks, check_bool, check_cu_seqlens, check_dropout, check_same, check_softcap,
+                       check_tensor, check_window, resolve_scale, strided_head_dim)
 
 
 def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
@@ -100,7 +101,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             adds dQ across key tiles in whatever order they finish (as flash-attn's default).
         return_attn_probs: also return softmax_lse and the attention probabilities (for tests:
             it materializes (batch, nheads, seqlen_q, seqlen_k); dropped ones are negated).
-        causal, deterministic and return_attn_probs are bools (errors.check_bool).
+        causal, deterministic and return_attn_probs are bools (validate.check_bool).
         score_mod: None or score_mod(score, b, h, q_idx, kv_idx) -> score, as FlexAttention's (and
             FlashAttention-4's) and written the same way (docs/programmable.md): score is
             scale * q.k in fp32 after softcap (ALiBi is added after it), b the batch index, h the
@@ -262,7 +263,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         dropout_p: as torch, applied whenever > 0.
         is_causal: causal mask aligned to the top-left corner, as torch does: query i sees keys j <= i.
             Not together with attn_mask (torch refuses that too). is_causal and enable_gqa are bools,
-            as torch's schema has them (errors.check_bool).
+            as torch's schema has them (validate.check_bool).
         scale: default 1/sqrt(E); any finite number, as torch (0: uniform attention).
     Returns:
         (..., nheads, L, Ev), a view in torch's layout of a (batch, L, nheads, Ev) buffer. Rows that
@@ -317,7 +318,7 @@ def _one_head_or_padded(query, key, value, options):
 
 def _batched(t):
     """(..., H, N, D) -> (B, H, N, D): the leading dims merged (or a batch of one added); 4-D inputs
-    skip the reshape (~2 us each)."""
+    skip the reshape (host time on every call)."""
     if t.ndim == 4:
         return t
     return t[None] if t.ndim == 3 else t.flatten(0, -4)
@@ -375,10 +376,10 @@ def forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), 
             block_m=None, block_n=None):
     """The explicit forward pass, no autograd: q (batch, seqlen_q, nheads, headdim), k, v
     (batch, seqlen_k, nheads_k, headdim) -> (out like q, softmax_lse (batch, nheads, seqlen_q) fp32).
-    The options are flash_attn_func's. block_m, block_n: the tiles of query rows and keys (the
-    seed's Br and Bc), powers of two from 16 to 128, both or neither (default: the tuned tiles);
-    the CPU path and the Triton kernels honour them (the Hopper kernels have fixed tiles: a call
-    with blocks runs the Triton kernel)."""
+    The options are flash_attn_func's. block_m, block_n: the tiles of query rows and keys (Br
+    and Bc in the FlashAttention papers), powers of two from 16 to 128, both or neither (default:
+    the tuned tiles); the CPU path and the Triton kernels honour them (the Hopper kernels have fixed
+    tiles: a call with blocks runs the Triton kernel)."""
     p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, block_m, block_n)
     with torch.no_grad():
         return ops.forward(q, k, v, p)

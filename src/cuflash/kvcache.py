@@ -16,11 +16,12 @@ import torch
 from . import ops
 from .backend import backend_name
 from .cache import IndexKind, index_error, index_violation
-from .errors import (ErrorCode, check_alibi, check_attention_inputs, check_bool, check_softcap, check_tensor,
-                     check_window, fail, resolve_scale)
+from .errors import ErrorCode, fail
 from .memo import plain_flash_options, remembered, signature
 from .params import AttentionParams, per_sequence
 from .rotary import check_cos_sin, rotate
+from .validate import (check_alibi, check_attention_inputs, check_bool, check_softcap, check_tensor, check_window,
+                       resolve_scale)
 
 
 def _int_tensor(name: str, t, shape: tuple, device, dtypes=(torch.int32,)) -> torch.Tensor:
@@ -59,7 +60,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         block_table: (batch, max_blocks_per_seq) int32: the cache pages of each sequence, in order;
             any page_block_size (the kernel reads the page of each key).
         causal, window_size, softcap, alibi_slopes, softmax_scale: as flash_attn_func (causal and
-            rotary_interleaved are bools: errors.check_bool), aligned to
+            rotary_interleaved are bools: validate.check_bool), aligned to
             the bottom-right corner of each sequence (query i sits at key position
             cache_seqlens + seqlen_new - seqlen_q + i).
         num_splits: how many parts the decode kernel splits each sequence's keys into (0: enough

@@ -4,9 +4,9 @@ autograd registration, and the dispatch of each call to the backend module that 
 forward() and backward() go through the custom ops wherever PyTorch needs to see them (under
 torch.compile, a dispatch mode such as FakeTensorMode, torch.func transforms, tensor subclasses,
 meta tensors). On plain tensors in eager mode they call the backend directly, with autograd
-through a plain autograd.Function where a graph is built (none without grad): on an H200 host
-(scripts/overhead.py) the custom op's dispatch costs ~50 us per forward call, ~170 us with inputs
-requiring grad, the Function ~25 us; a whole forward kernel of a short sequence takes about as long.
+through a plain autograd.Function where a graph is built (none without grad): the custom op's
+dispatch costs the host as long as a short sequence's whole forward kernel takes, the Function a
+fraction of it (docs/tuning.md).
 
 Backends (backend.py chooses): the Triton kernels (kernels/) and the blocked PyTorch implementation
 in cpu.py.
@@ -20,7 +20,8 @@ import torch
 
 from .backend import backend_name
 from .cache import append_to_cache
-from .errors import ErrorCode, fail, lse_dtype
+from .dtypes import lse_dtype
+from .errors import ErrorCode, fail
 from .params import OP_FIELD_NAMES, AttentionParams
 
 
@@ -38,7 +39,7 @@ _BACKEND = "backend"  # _call_backend's key in a signature's plans (the launch p
 def _call_backend(q: torch.Tensor, plans: dict | None):
     """_backend for q's device and dtype, kept in `plans` (the dict of a public function's call
     signature, memo.remembered, which fixes both and the backend settings) after the first call:
-    each lookup reads two environment variables (~1 us each on a GPU host)."""
+    each lookup reads two environment variables (docs/tuning.md)."""
     if plans is None:
         return _backend(q.device, q.dtype)
     backend = plans.get(_BACKEND)
@@ -237,7 +238,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
         if _records_graph(q, k, v, params):
             captured = () if params.mods is None else params.mods.grad_tensors()
             return _Attention.apply(q, k, v, params, plans, *captured)
-        return _call_backend(q, plans).attention_forward(q, k, v, params, plans=plans)  # no graph: ~10 us less
+        return _call_backend(q, plans).attention_forward(q, k, v, params, plans=plans)  # no graph to record
     _eager_only(params)
     return attention_forward(q, k, v, *params.as_args())
 

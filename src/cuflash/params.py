@@ -40,8 +40,8 @@ class AttentionParams:
     j % page_block_size of page block_table[b, j // page_block_size], and cu_seqlens_k gives each
     sequence's key count (it indexes no rows of k).
 
-    block_m, block_n: the tiles of query rows and keys (the seed's Br and Bc) the call asks for,
-    honoured by the CPU path and the Triton kernels; 0: the tuned table's.
+    block_m, block_n: the tiles of query rows and keys (Br and Bc in the FlashAttention papers) the
+    call asks for, honoured by the CPU path and the Triton kernels; 0: the tuned table's.
 
     mods: a score_mod, a mask_mod and a block mask (cuflash.mods.Mods), on top of the rest; the score
     the score_mod sees is scale * q.k (after softcap, before ALiBi and attn_mask), as FlexAttention's.

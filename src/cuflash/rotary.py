@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from .backend import backend_name
-from .errors import KERNEL_DTYPES, ErrorCode, FlashAttentionError, check_bool, check_cu_seqlens, check_tensor, fail
+from .errors import ErrorCode, FlashAttentionError, fail
+from .validate import KERNEL_DTYPES, check_bool, check_cu_seqlens, check_tensor
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -118,7 +119,7 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
             i + seqlen_offsets[b] (decoding after a KV cache).
         cu_seqlens: (batch + 1,) int32 prefix sums of a varlen batch (positions count from each
             sequence's start); max_seqlen: its longest sequence.
-        interleaved and inplace are bools (errors.check_bool).
+        interleaved and inplace are bools (validate.check_bool).
     Every position must have a row of cos and sin: seqlen <= seqlen_ro, and an int offset o needs
     o + seqlen <= seqlen_ro (as flash-attn asserts); a tensor of offsets on the CPU has each
     sequence's positions checked. Otherwise FlashAttentionError names cos. A tensor of offsets on the

@@ -11,7 +11,7 @@ import torch
 
 from ..commandline import MODES, CommandError, Parser, Progress, integer, integers, names, out_folder, run_guarded
 from ..dtypes import DTYPES, dtype_name
-from ..errors import MAX_HEAD_DIM
+from ..validate import MAX_HEAD_DIM
 from ..backend import backend_name, triton_version
 from .harness import CUDA_ONLY, PROVIDERS, VARIANTS, Case, fa4_version, run_case, write_csv
 

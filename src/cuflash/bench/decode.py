@@ -30,7 +30,7 @@ import cuflash
 
 from ..commandline import CommandError, Parser, Progress, integer, integers, names, out_folder, run_guarded
 from ..dtypes import DTYPES, dtype_name
-from ..errors import MAX_HEAD_DIM
+from ..validate import MAX_HEAD_DIM
 from .harness import SDPA_BACKENDS, median_ms
 
 GRAPH_BYTES = 2**30

@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ErrorCode, check_window, fail
+from ..errors import ErrorCode, fail
+from ..validate import check_window
 from .ring import ring_flash_attn_func, ring_flash_attn_varlen_func
 from .shards import split_sequence
 from .ulysses import hybrid_flash_attn_func, hybrid_shard, ulysses_flash_attn_func, ulysses_flash_attn_varlen_func
 
 MODES = ("auto", "ring", "ulysses", "hybrid")
 # The longest whole sequence the all-to-all takes in auto mode. It runs one call over the whole
-# sequence of a rank's heads, and on an H100 such calls slow down from 256k keys (the causal
-# backward at 32 heads: ~550 TFLOP/s at 128k, ~420 at 256k; docs/tuning.md), while the ring's calls
-# stay shard-sized. On 2 H100s (benchmarks/results/h100x2) the all-to-all led up to 128k tokens (97%
-# of one GPU forward+backward against the ring's 92%), the ring from 256k (94% against 74%); on 4
-# (h100x4) the all-to-all at 128k (91% against 90%; forward 95% against 91%), the ring from 256k (93%
-# against 84%).
+# sequence of a rank's heads, and such calls slow down from 256k keys, while the ring's calls stay
+# shard-sized: on 2 and on 4 GPUs the all-to-all led up to 128k tokens, the ring from 256k
+# (docs/tuning.md).
 ULYSSES_MAX_TOKENS = 131072
 
 

@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from .. import ops
 from ..backend import backend_name
-from ..errors import check_attention_inputs, check_cu_seqlens, check_softcap, check_tensor, lse_dtype, resolve_scale
+from ..dtypes import lse_dtype
 from ..params import AttentionParams
+from ..validate import check_attention_inputs, check_cu_seqlens, check_softcap, check_tensor, resolve_scale
 from .shards import check_shards, require_process_group
 
 # The most bytes of other ranks' K/V shards a rank gathers before its first step (_Ring.shards), and
@@ -63,10 +64,8 @@ class _Ring:
         """The K/V shard of each of `steps` steps: this rank's own, then at step s rank (rank - s)'s,
         sent straight from its owner. Where the other shards fit in prefetch_budget, all of them
         arrive before the first step computes: NCCL's copy kernels running beside the attention kernels
-        slow them far more than the transfers take alone (4 H100s, 128k tokens per GPU: the forward
-        took 1.04-1.08 s with each transfer beside a step, 0.89-0.92 s after all of them, whose 3 hops
-        take ~2 ms each; docs/tuning.md). Otherwise each shard is sent a step ahead of its use, its
-        transfer beside the step before."""
+        slow them far more than the transfers take alone (docs/tuning.md). Otherwise each shard is sent
+        a step ahead of its use, its transfer beside the step before."""
         if (steps - 1) * sum(t.numel() * t.element_size() for t in kv) <= prefetch_budget(kv[0].device):
             exchanges = [self.start(kv, hops) for hops in range(1, steps)]
             received = [self.wait(exchange) for exchange in exchanges]

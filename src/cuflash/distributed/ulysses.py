@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from ..backend import backend_name
-from ..errors import ErrorCode, check_attention_inputs, fail
+from ..errors import ErrorCode, fail
 from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..validate import check_attention_inputs
 from .ring import ring_flash_attn_func
 from .shards import check_shards, join_sequence, require_process_group, split_sequence
 

@@ -32,7 +32,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     table's (kernels/plan.py), for tuning and tests. plans (ops.forward): the launch plans of one call
     signature of a public function, which fixes q, k and v's shapes, strides, dtypes and devices and
     params: a later call finds its plan there by what the signature leaves open (launch.open_key)."""
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (~2x faster than torch.empty)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (cheaper than torch.empty)
     lse = torch.empty(params.lse_shape(q), dtype=torch.float32, device=q.device)
     key = _open_key(plans, params, entry, "forward", (q, k, v))
     plan = kept(plans, key)
@@ -55,8 +55,8 @@ def attention_forward_kept(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
     an earlier call of their signature kept in `plans` (made on their (B, N, H, D) views), or None
     where none is kept. A kept plan takes nothing of its tensors but their addresses (launch.py),
     which the views share with q, k, v, and writes the output in (B, N, H, D) order: here into a
-    buffer made as its (B, H, N, D) view. The views and the output's transpose (~1.5 us each) are
-    not made."""
+    buffer made as its (B, H, N, D) view. The views and the output's transpose, each costing host
+    time (docs/tuning.md), are not made."""
     plan = kept(plans, _open_key(plans, params, None, "forward", (q, k, v)))
     if plan is None:
         return None

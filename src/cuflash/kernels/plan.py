@@ -277,10 +277,9 @@ def _hopper_d256(hopper: bool, length: Length, banded: bool):
     forward: tuple[Candidate, ...] = (fwd,)
     dkdv: tuple[Candidate, ...] = (Tiles(64, 64, 8, 2, tma=True),)
     if hopper:
-        # Gluon (two consumers): 64-key tiles in 2 buffers, from 257 keys with early_k (over 32-key
-        # tiles in 4 buffers: +3..11% at 384-512, +19..35% at 1-2k; +18..29% causal beyond 2k, +22..49%
-        # there over the Triton forward non-causal). dK/dV: Gluon with split-D consumers (dQ unfused);
-        # dQ Triton.
+        # Gluon (two consumers): 64-key tiles in 2 buffers, from 257 keys with early_k (faster than
+        # 32-key tiles in 4 buffers, and beyond 2k keys than the Triton forward: docs/tuning.md).
+        # dK/dV: Gluon with split-D consumers (dQ unfused); dQ Triton.
         forward = (gluon.Forward(2, 64, 2, early_k=length >= L.UP_TO_512), fwd)
         dkdv = (gluon.Dkdv(), *dkdv)
     return forward, dkdv, (Tiles(128, 32, 8, 3),)
@@ -295,8 +294,8 @@ WAVE_EFFICIENCY = 0.9
 # and without the page prefetch (docs/tuning.md).
 FULL = 2
 # The most page-table entries a split's keys span where MAX_SPLITS allows: the kernel's check of a
-# share's pages before its loop cost nothing measurable up to 2048 entries, 15% at 8192 (batch 64,
-# 128k keys in 16-key pages; docs/tuning.md).
+# share's pages before its loop costs nothing up to this many, and slows the decode beyond
+# (docs/tuning.md).
 MAX_SHARE_PAGES = 2048
 
 
@@ -354,9 +353,8 @@ def num_splits_for(programs: int, capacity: int, block_n: int, device: torch.dev
 def even_splits(programs: int, tiles: int, sms: int, fewest: int = 1) -> int:
     """The fewest splits (from `fewest`) of `programs` alike programs reading `tiles` key tiles each
     that load `sms` SMs within WAVE_EFFICIENCY of evenly (the tiles over sms x the most tiles an SM
-    reads), else the most even up to MAX_SPLITS; unsplit from FULL programs an SM. Measured on an
-    H100 (132 SMs, 8 KV heads, batch 1-32): 128 programs read 3-10% faster than 264 or 320, and a
-    split whose tiles do not divide evenly ends last (docs/tuning.md)."""
+    reads), else the most even up to MAX_SPLITS; unsplit from FULL programs an SM. About one program
+    an SM reads fastest, and a split whose tiles do not divide evenly ends last (docs/tuning.md)."""
     if programs >= FULL * sms:
         return fewest
 

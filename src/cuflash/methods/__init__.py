@@ -17,8 +17,9 @@ import torch
 
 from .. import ops
 from ..backend import backend_name
-from ..errors import ErrorCode, check_attention_inputs, check_blocks, fail, resolve_scale
+from ..errors import ErrorCode, fail
 from ..params import AttentionParams
+from ..validate import check_attention_inputs, check_blocks, resolve_scale
 
 METHODS = ("naive", "fa1", "fa2")
 

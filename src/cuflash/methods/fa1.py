@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import lse_dtype
+from ..dtypes import lse_dtype
 
 BLOCK_M = 128
 BLOCK_N = 128

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import lse_dtype
+from ..dtypes import lse_dtype
 
 
 def _bhnd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -235,8 +235,8 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
     # O leaves through a K tile where a tile has O's shape (see the item's end)
     O_IN_K: gl.constexpr = Q_BUFFERS == 1 and CONSUMERS * ROWS == BLOCK_N
     # At D=128 under a causal mask the buffer that O leaves through goes back after the next item's
-    # tile 0 (the copy reading it meanwhile), not once the copy has read it: +0.5..7% at 1k-16k keys;
-    # non-causal level to -2% (docs/tuning.md).
+    # tile 0 (the copy reading it meanwhile), not once the copy has read it: faster there, not
+    # without the mask (docs/tuning.md).
     # Never where that buffer is the only Q buffer: the next item's Q, which tile 0 waits for, would wait
     # for it.
     DEFER: gl.constexpr = HEAD_D == 128 and CAUSAL and (O_IN_K or Q_BUFFERS == 2)
@@ -346,16 +346,16 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse,
 
 def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Forward):
     """(kernel, grid, keyword arguments) for kernels/launch.py, with the launch's consumer warpgroups
-    (2 or 3) x 64 query rows, its key tile (128, 64 or 32) and ring of K/V buffers (D=128 at 16k tokens
-    on an H100, 128-key tiles: 3 buffers 0.90-1.03x cuDNN where 2 gave 0.81-0.90x). One persistent
-    program per SM, whose loader fetches the next work item during the last one's epilogue, taking
-    pairs of items round-robin (causal D=128 1k +24% over one program per item; docs/tuning.md)."""
+    (2 or 3) x 64 query rows, its key tile (128, 64 or 32) and ring of K/V buffers (3 at D=128 with
+    128-key tiles). One persistent program per SM, whose loader fetches the next work item during the
+    last one's epilogue, taking pairs of items round-robin (faster than one program per item; both
+    in docs/tuning.md)."""
     q, k, v, out = tensors["Q"], tensors["K"], tensors["V"], tensors["Out"]
     # Two Q buffers (the loader fetches an item's Q during the last one) where the shared memory holds
     # them beside the K/V ring: not at D=128 with 128-key tiles, which takes 224 of 227 KB with one (3 K/V
     # buffers of 64 KB, Q 32 KB); that one goes back to the loader after the item's last S, O leaving
-    # through a K tile instead (+6..8% at 1k non-causal over O through the Q buffer, released after the
-    # copy).
+    # through a K tile instead (faster than O through the Q buffer, released after the copy;
+    # docs/tuning.md).
     def smem(q_buffers):  # bytes of the Q buffers and the K/V ring
         return (q_buffers * cfg.consumers * ROWS.value + 2 * cfg.stages * cfg.block_n) * prob.head_dim * 2
 

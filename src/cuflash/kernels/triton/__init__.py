@@ -45,8 +45,8 @@ class OneLaunch:
     backward in one launch (no atomics: deterministic). Taken where the key tile holds every key and
     the kernel's programs (one per batch and KV head, each through its query heads one after another)
     come to at most MAX_HEADS_PER_SM heads per SM: there a short backward costs its launches more than
-    its arithmetic. Beyond that the three-launch backward's parallel dQ pass wins (H200, up to 128
-    keys, docs/tuning.md). A program also runs all of its heads' query tiles: the GPU table lists this
+    its arithmetic. Beyond that the three-launch backward's parallel dQ pass wins (up to 128 keys,
+    docs/tuning.md). A program also runs all of its heads' query tiles: the GPU table lists this
     candidate only where the queries are short too (its length class bounds both; the interpreter's,
     for the tests, at every length)."""
     tiles: Tiles

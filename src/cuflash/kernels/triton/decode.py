@@ -36,7 +36,7 @@ from .common import logits, mma, score_tile, softmax_step
 # The decode kernel's optional tensor arguments (the index tensors first, then ALiBi's slopes and the
 # new keys and values to append), in the launch's tensors only when given.
 OPTIONAL_TENSORS = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes", "KNew", "VNew")
-# errors.IndexKind, as the kernel names them
+# cache.IndexKind, as the kernel names them
 _SEQLENS, _LEFTPAD, _ROWS, _REPEATED, _ROTARY, _PAGES = (tl.constexpr(int(kind)) for kind in IndexKind)
 
 
@@ -59,8 +59,8 @@ def _report(Errors, step, kind: tl.constexpr, seq, value, bound, bad):
 def _pages_ok(Errors, step, table, lo, hi, rows_per_seq, cache_blocks, seq, BLOCK_P: tl.constexpr,
               CHUNKS: tl.constexpr):
     """Whether the page-table entries of key positions lo .. hi - 1 (at most CHUNKS * BLOCK_P of
-    them) all lie in the cache; reports those that do not. Unrolled, with one reduction: a loop
-    here slowed the decode loop after it by 5-20% (docs/tuning.md)."""
+    them) all lie in the cache; reports those that do not. Unrolled, with one reduction: a runtime
+    loop here slows the decode loop after it (docs/tuning.md)."""
     first = lo // rows_per_seq
     end = tl.where(hi > lo, tl.cdiv(hi, rows_per_seq), first)
     outside = tl.zeros([BLOCK_P], dtype=tl.int32)
@@ -163,7 +163,7 @@ def _attend(Q, K, V, q, table, row, first, lo, hi, tok, off_hk, offs_n, offs_d, 
     if PAGED and PREFETCH_PAGES:
         # The page of each key read one tile ahead: with splits (few programs per SM) a K/V address
         # waiting on a table read of the same iteration stalls the loop; with the GPU full of
-        # unsplit sequences the prefetch costs instead (both measured, docs/tuning.md).
+        # unsplit sequences the prefetch costs instead (docs/tuning.md).
         page = tl.load(table + (lo + offs_n) // rows_per_seq, mask=lo + offs_n < hi, other=0)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
