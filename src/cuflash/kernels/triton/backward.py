@@ -146,20 +146,43 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi,
 
 @triton.jit
 def _attn_bwd_dkdv_listed(dk, dv, k, v, rows_in, mask, mods, offs, bounds, scores, drop, lists, column,
-                          BLOCK_M: tl.constexpr, SPARSE_Q: tl.constexpr, FULL: tl.constexpr,
+                          BLOCK_M: tl.constexpr, SPARSE_Q: tl.constexpr, HAS_FULL: tl.constexpr,
                           EVEN_BLOCKS: tl.constexpr, SOFTCAP: tl.constexpr,
                           ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                           INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, SCORE_MOD: tl.constexpr,
                           MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
     """The query blocks a block mask lists for key block `column` (lists as _attn_fwd_listed's, by key
-    block): those that partly see it, through the mask_mod, or (FULL) those that wholly see it (masked
-    at the queries' end unless EVEN_BLOCKS)."""
-    count, first, stride = listed_blocks(lists[2 * FULL], lists[2 * FULL + 1], lists[4], FULL, mods[0], mods[1],
-                                         column)
-    return _attn_bwd_dkdv_inner(
+    block): those that partly see it, through the mask_mod, then (HAS_FULL) those that wholly see it
+    (masked at the queries' end unless EVEN_BLOCKS). One loop per list, each over every tile of it."""
+    count, first, stride = listed_blocks(lists[0], lists[1], lists[4], False, mods[0], mods[1], column)
+    dk, dv = _attn_bwd_dkdv_inner(
         dk, dv, k, v, rows_in, (0, 0, 0, 0, 0), mask, mods, offs, 0, count * SPARSE_Q, (first, stride), bounds,
-        scores, drop, BLOCK_M, not (FULL and EVEN_BLOCKS), False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
-        INPUT_PRECISION, TMA, False, False, SCORE_MOD, None if FULL else MASK_MOD, SCORE_MOD_GRAD, SPARSE_Q)
+        scores, drop, BLOCK_M, True, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
+        False, False, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, SPARSE_Q)
+    if HAS_FULL:
+        count, first, stride = listed_blocks(lists[2], lists[3], lists[4], True, mods[0], mods[1], column)
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, rows_in, (0, 0, 0, 0, 0), mask, mods, offs, 0, count * SPARSE_Q, (first, stride), bounds,
+            scores, drop, BLOCK_M, not EVEN_BLOCKS, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+            INPUT_PRECISION, TMA, False, False, SCORE_MOD, None, SCORE_MOD_GRAD, SPARSE_Q)
+    return dk, dv
+
+
+@triton.jit
+def _head_rows(q_src, do_src, Lse, Delta, Out, DQ, stride_q, stride_do, stride_o, stride_dq, row_first, off_b, off_h,
+               q_first, offs_m, offs_d, softmax_scale, DQ_HERE: tl.constexpr):
+    """What _attn_bwd_dkdv_inner reads of one query head: (its Q and dO row sources, their row strides,
+    its lse and delta rows) and, DQ_HERE (delta from O: Delta is None), dq_io (O's and dQ's pointers
+    to the head's rows, their row strides, softmax_scale)."""
+    if DQ_HERE:
+        rows_in = ((q_src, do_src), (stride_q[1], stride_do[1]), Lse + row_first, 0)
+        dq_io = (tile_ptrs(Out, stride_o, off_b, off_h, q_first, offs_m, offs_d),
+                 tile_ptrs(DQ, stride_dq, off_b, off_h, q_first, offs_m, offs_d), stride_o[1], stride_dq[1],
+                 softmax_scale)
+    else:
+        rows_in = ((q_src, do_src), (stride_q[1], stride_do[1]), Lse + row_first, Delta + row_first)
+        dq_io = (0, 0, 0, 0, 0)
+    return rows_in, dq_io
 
 
 @triton.jit
@@ -230,33 +253,21 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
         row_first = off_b * stride_l[0] + off_h * stride_l[1] + q_first
         mask_ptrs, slope, drop_key = head_options(Mask, stride_mask, Slopes, stride_slope_b, Rng, off_b, off_h,
                                                   off_b * nheads_k * group_size + off_h, ALIBI, MASK_KIND, DROPOUT)
-        # The query tiles in three parts: those a causal diagonal or window's right edge cuts (masked;
-        # none without a right edge), those that see every key of the tile (unmasked, the loop that may be
-        # warp-specialized), those a window's left edge or the queries' end cuts (masked).
-        if DQ_HERE:  # (delta from O: Delta is None)
-            rows_in = ((q_src, do_src), (stride_q[1], stride_do[1]), Lse + row_first, 0)
-            dq_io = (tile_ptrs(Out, stride_o, off_b, off_h, q_first, offs_m, offs_d),
-                     tile_ptrs(DQ, stride_dq, off_b, off_h, q_first, offs_m, offs_d), stride_o[1], stride_dq[1],
-                     softmax_scale)
-        else:
-            rows_in = ((q_src, do_src), (stride_q[1], stride_do[1]), Lse + row_first, Delta + row_first)
-            dq_io = (0, 0, 0, 0, 0)
+        rows_in, dq_io = _head_rows(q_src, do_src, Lse, Delta, Out, DQ, stride_q, stride_do, stride_o, stride_dq,
+                                    row_first, off_b, off_h, q_first, offs_m, offs_d, softmax_scale, DQ_HERE)
         mask = (mask_ptrs, stride_mask[2], stride_mask[3])
         scores = (qk_scale, softcap, slope)
         drop = (drop_key, drop_threshold, drop_scale)
         mods = (off_b.to(tl.int32), off_h.to(tl.int32), score_args, mask_args, score_grads)
         if SPARSE:  # the query blocks the block mask lists: partly seeing this key block, then wholly
-            lists = (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks)
             dk_head, dv_head = _attn_bwd_dkdv_listed(
-                dk_head, dv_head, k, v, rows_in, mask, mods, offs, bounds, scores, drop, lists, start_n // SPARSE_KV,
-                BLOCK_M, SPARSE_Q, False, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
-                SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
-            if HAS_FULL:
-                dk_head, dv_head = _attn_bwd_dkdv_listed(
-                    dk_head, dv_head, k, v, rows_in, mask, mods, offs, bounds, scores, drop, lists,
-                    start_n // SPARSE_KV, BLOCK_M, SPARSE_Q, True, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND, DROPOUT,
-                    EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
-        else:
+                dk_head, dv_head, k, v, rows_in, mask, mods, offs, bounds, scores, drop,
+                (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks), start_n // SPARSE_KV, BLOCK_M, SPARSE_Q,
+                HAS_FULL, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD,
+                MASK_MOD, SCORE_MOD_GRAD)
+        else:  # the query tiles in three parts: those a causal diagonal or window's right edge cuts (masked;
+            # none without a right edge), those that see every key of the tile (unmasked, the loop that may be
+            # warp-specialized), those a window's left edge or the queries' end cuts (masked)
             for part in tl.static_range(1 - HAS_RIGHT, 3):
                 dk_head, dv_head = _attn_bwd_dkdv_inner(
                     dk_head, dv_head, k, v, rows_in, dq_io, mask, mods, offs, edges[part], edges[part + 1], (0, 0),
@@ -319,17 +330,23 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, list
 
 @triton.jit
 def _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, scores, drop, lists, row,
-                        BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, FULL: tl.constexpr,
+                        BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, HAS_FULL: tl.constexpr,
                         EVEN_BLOCKS: tl.constexpr, SOFTCAP: tl.constexpr,
                         ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, SCORE_MOD: tl.constexpr,
                         MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
     """The key blocks a block mask lists for query block `row`, as _attn_fwd_listed visits them."""
-    count, first, stride = listed_blocks(lists[2 * FULL], lists[2 * FULL + 1], lists[4], FULL, mods[0], mods[1], row)
-    return _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, 0, count * SPARSE_KV, (first, stride),
-                              bounds, scores, drop, BLOCK_N, not (FULL and EVEN_BLOCKS), False, False, SOFTCAP, ALIBI,
-                              MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, SCORE_MOD,
-                              None if FULL else MASK_MOD, SCORE_MOD_GRAD, SPARSE_KV)
+    count, first, stride = listed_blocks(lists[0], lists[1], lists[4], False, mods[0], mods[1], row)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, 0, count * SPARSE_KV, (first, stride),
+                            bounds, scores, drop, BLOCK_N, True, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT,
+                            EVEN_D, INPUT_PRECISION, TMA, False, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, SPARSE_KV)
+    if HAS_FULL:
+        count, first, stride = listed_blocks(lists[2], lists[3], lists[4], True, mods[0], mods[1], row)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, 0, count * SPARSE_KV, (first, stride),
+                                bounds, scores, drop, BLOCK_N, not EVEN_BLOCKS, False, False, SOFTCAP, ALIBI,
+                                MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, SCORE_MOD, None,
+                                SCORE_MOD_GRAD, SPARSE_KV)
+    return dq
 
 
 @triton.jit
@@ -377,15 +394,10 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Ma
     offs = (offs_m, offs_n, offs_d)
     mods = (off_b.to(tl.int32), off_h.to(tl.int32), score_args, mask_args, score_grads)
     if SPARSE:  # the key blocks the block mask lists, as in the forward
-        lists = (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks)
-        dq = _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, scores, drop, lists,
-                                 start_m // SPARSE_Q, BLOCK_N, SPARSE_KV, False, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND,
-                                 DROPOUT, EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
-        if HAS_FULL:
-            dq = _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, scores, drop, lists,
-                                     start_m // SPARSE_Q, BLOCK_N, SPARSE_KV, True, EVEN_BLOCKS, SOFTCAP, ALIBI,
-                                     MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD,
-                                     SCORE_MOD_GRAD)
+        dq = _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, scores, drop,
+                                 (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks), start_m // SPARSE_Q, BLOCK_N,
+                                 SPARSE_KV, HAS_FULL, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+                                 INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
     else:
         for part in tl.static_range(1 - HAS_LEFT, 3):
             dq = _attn_bwd_dq_inner(

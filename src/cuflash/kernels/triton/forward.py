@@ -71,18 +71,26 @@ def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, list
 
 @triton.jit
 def _attn_fwd_listed(acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, scores, drop, lists, row,
-                     BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, FULL: tl.constexpr, EVEN_BLOCKS: tl.constexpr,
-                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                     EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr,
-                     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
+                     BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, HAS_FULL: tl.constexpr,
+                     EVEN_BLOCKS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
+                     DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                     PAGED: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
     """The key blocks a block mask lists for query block `row` (lists: its BlockNum, BlockIdx, FullNum,
-    FullIdx and their strides): those partly seen, through the mask_mod, or (FULL) those wholly seen,
-    without it, and unmasked where every block is whole (EVEN_BLOCKS: else the keys' end is checked)."""
-    count, first, stride = listed_blocks(lists[2 * FULL], lists[2 * FULL + 1], lists[4], FULL, mods[0], mods[1], row)
-    return _attn_fwd_inner(
+    FullIdx and their strides): those partly seen, through the mask_mod, then (HAS_FULL) those wholly
+    seen, without it, unmasked where every block is whole (EVEN_BLOCKS: else the keys' end is checked).
+    One loop per list, each over every tile of it."""
+    count, first, stride = listed_blocks(lists[0], lists[1], lists[4], False, mods[0], mods[1], row)
+    acc, m_i, l_i = _attn_fwd_inner(
         acc, m_i, l_i, q, kv, paging, mask, mods, offs, 0, count * SPARSE_KV, (first, stride), bounds, scores, drop,
-        BLOCK_N, not (FULL and EVEN_BLOCKS), False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
-        INPUT_PRECISION, TMA, False, PAGED, SCORE_MOD, None if FULL else MASK_MOD, SPARSE_KV)
+        BLOCK_N, True, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, PAGED,
+        SCORE_MOD, MASK_MOD, SPARSE_KV)
+    if HAS_FULL:
+        count, first, stride = listed_blocks(lists[2], lists[3], lists[4], True, mods[0], mods[1], row)
+        acc, m_i, l_i = _attn_fwd_inner(
+            acc, m_i, l_i, q, kv, paging, mask, mods, offs, 0, count * SPARSE_KV, (first, stride), bounds, scores,
+            drop, BLOCK_N, not EVEN_BLOCKS, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
+            TMA, False, PAGED, SCORE_MOD, None, SPARSE_KV)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -137,16 +145,10 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng, Bloc
     scores = (qk_scale, softcap, slope)
     mods = (off_b.to(tl.int32), off_h.to(tl.int32), score_args, mask_args)
     if SPARSE:  # the key blocks the block mask lists: partly seen, then wholly seen
-        lists = (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks)
         acc, m_i, l_i = _attn_fwd_listed(
-            acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, scores, drop, lists, start_m // SPARSE_Q, BLOCK_N,
-            SPARSE_KV, False, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, PAGED,
-            SCORE_MOD, MASK_MOD)
-        if HAS_FULL:
-            acc, m_i, l_i = _attn_fwd_listed(
-                acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, scores, drop, lists, start_m // SPARSE_Q,
-                BLOCK_N, SPARSE_KV, True, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
-                TMA, PAGED, SCORE_MOD, MASK_MOD)
+            acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, scores, drop,
+            (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks), start_m // SPARSE_Q, BLOCK_N, SPARSE_KV, HAS_FULL,
+            EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, PAGED, SCORE_MOD, MASK_MOD)
     else:
         for part in tl.static_range(1 - HAS_LEFT, 3):
             acc, m_i, l_i = _attn_fwd_inner(
