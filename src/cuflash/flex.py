@@ -188,10 +188,24 @@ def _block_sparsity(block_mask: BlockMask, batch: int, nheads: int) -> BlockSpar
     def grown(lists):
         if lists is None:
             return None, None
-        num, idx = lists
+        num, idx = _aligned(*lists)
         return num.expand(batch, nheads, -1), idx.expand(batch, nheads, -1, -1)
 
     return BlockSparsity(q_block, kv_block, *grown(kv), *grown(full_kv), *grown(q), *grown(full_q))
+
+
+def _aligned(num: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of a list's counts and indices whose strides are multiples of 16 (rows and lists
+    padded): Triton compiles a kernel for each class of an int argument (1, a multiple of 16, other),
+    so strides that follow the number of blocks would compile the kernels again for lengths that
+    differ only by a block."""
+    rows, cols = idx.shape[-2], idx.shape[-1]
+    padded_rows, padded_cols = -(-rows // 16) * 16, -(-cols // 16) * 16
+    num_copy = num.new_zeros(*num.shape[:-1], padded_rows)[..., :rows]
+    idx_copy = idx.new_zeros(*idx.shape[:-2], padded_rows, padded_cols)[..., :rows, :cols]
+    num_copy.copy_(num)
+    idx_copy.copy_(idx)
+    return num_copy, idx_copy
 
 
 def _lists(name: str, num, idx, nrows: int, ncols: int, batch: int,
