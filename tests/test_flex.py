@@ -392,3 +392,16 @@ def test_a_block_masks_lists_are_kept_until_changed(backend):
     block_mask.full_kv_num_blocks.zero_()
     assert first.abs().sum() > 0 and torch.equal(cuflash.flex_attention(q, k, v, block_mask=block_mask),
                                                  torch.zeros_like(first))
+
+
+@pytest.mark.parametrize("seqlen", [100, 1000])
+def test_block_lists_strides_are_multiples_of_16(seqlen):
+    """The lists the kernels read have strides that are multiples of 16 whatever the number of blocks:
+    Triton compiles a kernel per class of an int argument, and strides following the length would make
+    new kernels for lengths a block apart."""
+    from cuflash.flex import block_sparsity
+    block_mask = cuflash.create_block_mask(causal, None, None, seqlen, seqlen, device="cpu", BLOCK_SIZE=16)
+    lists = block_sparsity(block_mask, 2, 3)
+    for name in ("kv_num", "kv_idx", "full_kv_num", "full_kv_idx", "q_num", "q_idx", "full_q_num", "full_q_idx"):
+        t = getattr(lists, name)
+        assert all(s % 16 == 0 for s in t.stride()[:-1]) and t.stride(-1) == 1, (name, t.stride())
