@@ -13,7 +13,7 @@ import cuflash
 from cuflash import ops
 from cuflash.kernels import attention as kernel_attention
 from cuflash.mods import BlockSparsity, Mod, Mods
-from cuflash.mods import triton as mod_code
+from cuflash.kernels.triton import mods as mod_code
 from cuflash.mods.evaluate import evaluate
 from cuflash.mods.trace import trace
 from cuflash.params import AttentionParams

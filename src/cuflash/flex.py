@@ -4,7 +4,7 @@ create_block_mask, which builds torch's own BlockMask without torch.compile.
 
 The mods a Flex user writes are traced into graphs of elementwise operations (cuflash.mods) and
 travel in AttentionParams.mods: the CPU path computes them with torch ops tile by tile, the Triton
-kernels compile them (cuflash.mods.triton)."""
+kernels compile them (cuflash.kernels.triton.mods)."""
 from __future__ import annotations
 
 import math

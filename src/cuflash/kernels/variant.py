@@ -10,6 +10,7 @@ import torch
 from ..params import AttentionParams
 from .constants import ADDITIVE_MASK, BOOL_MASK, LOG2E, NO_MASK
 from .device import padded_head_dim
+from .triton import mods as mod_code
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,6 @@ def mod_args(p: AttentionParams, prob: Problem, pass_: str) -> dict:
     in the backward SCORE_MOD_GRAD (the score_mod's gradient; in dkdv adding the captured tensors'
     gradients into mods.grads, in dq without: each is added once), and the block mask: SPARSE, its
     block sizes, its tile lists (by key block for dkdv, by query block otherwise) and their strides."""
-    from ..mods import triton as mod_code  # (the mods' code generator imports the kernels' helpers)
-
     mods = p.mods
     score = None if mods is None else mods.score
     mask = None if mods is None else mods.mask

@@ -1,7 +1,7 @@
 """Programmable attention: score_mod and mask_mod, as FlexAttention writes them, and block sparsity.
 
 A mod is traced once into a graph of elementwise operations (trace.py, graph.py); the Triton kernels
-compile that graph into their score tiles (triton.py) and the CPU path computes it with torch ops
+compile that graph into their score tiles (kernels/triton/mods.py) and the CPU path computes it with torch ops
 (evaluate.py). A call's mods travel in AttentionParams.mods as `Mods`: the traced graphs with the
 tensors and numbers they capture, the block mask's tile lists, and the gradient buffers of captured
 tensors that require grad.

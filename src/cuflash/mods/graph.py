@@ -1,5 +1,5 @@
 """A traced mod: the elementwise computation a score_mod or mask_mod performs on one score, as a list
-of nodes in the order they are computed. The Triton kernels compile it (mods/triton.py), the CPU path
+of nodes in the order they are computed. The Triton kernels compile it (kernels/triton/mods.py), the CPU path
 evaluates it with torch ops (mods/evaluate.py); both read the same graph, so both take the same mods.
 
 A node's op is one of:

@@ -225,7 +225,7 @@ def score_tile(x, rows, cols, bounds, scores, mask, MASKED: tl.constexpr, HAS_LE
     visible. rows and cols broadcast against each other (the dK/dV kernel passes them transposed).
     bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right); mask = (attn_mask's
     pointer for this head, its row and column strides); mods = (batch, head, the score_mod's and the
-    mask_mod's argument tuples), for SCORE_MOD and MASK_MOD (mods/triton.py; None: none, and for
+    mask_mod's argument tuples), for SCORE_MOD and MASK_MOD (kernels/triton/mods.py; None: none, and for
     tiles a block mask marks full). Key j is visible to query row i when
     i + offset - window_left <= j <= i + offset + window_right (causal: window_right = 0) and the
     mask_mod says so; only MASKED tiles (the band's edges and ragged ends) check the bounds."""

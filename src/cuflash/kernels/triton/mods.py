@@ -1,4 +1,4 @@
-"""A traced mod (mods/graph.py) as Triton code: a @triton.jit function that the attention kernels call
+"""A traced mod (cuflash/mods/graph.py) as Triton code: a @triton.jit function that the attention kernels call
 where a tile of scores is formed (a constexpr argument, so the kernels compile with the mod inlined,
 and without it, when None, to the code they had before mods existed).
 
@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import ErrorCode, fail
-from ..kernels.triton.common import tanh
-from .graph import Node, ModGraph
+from ...errors import ErrorCode, fail
+from ...mods.graph import ModGraph, Node
+from .common import tanh
 
 _TL_DTYPES = {torch.float32: "tl.float32", torch.float64: "tl.float64", torch.float16: "tl.float16",
               torch.bfloat16: "tl.bfloat16", torch.int8: "tl.int8", torch.int16: "tl.int16", torch.int32: "tl.int32",
