@@ -46,9 +46,8 @@ _UNARY = {"neg": "-{0}", "abs": "tl.abs({0})", "exp": "tl.exp({0})", "exp2": "tl
           "sign": "(({0} > 0).to({d}) - ({0} < 0).to({d}))", "reciprocal": "(1.0 / {0})",
           "relu": "tl.maximum({0}, 0)", "not": "({0} == 0)", "invert": "~{0}"}
 _BINARY = {"truediv": "{0} / {1}", "floordiv": "floordiv({0}, {1})", "truncdiv": "truncdiv({0}, {1})",
-           "remainder": "remainder({0}, {1})", "fmod": "fmod({0}, {1})", "maximum": "maximum({0}, {1})",
-           "minimum": "minimum({0}, {1})"}
-_NAN_OPS = {"maximum", "minimum"}
+           "remainder": "remainder({0}, {1})", "fmod": "fmod({0}, {1})", "maximum": "extremum({0}, {1}, True)",
+           "minimum": "extremum({0}, {1}, False)"}
 
 
 @triton.jit
@@ -90,20 +89,18 @@ def floordiv(a, b):
 
 
 @triton.jit
-def maximum(a, b):
-    if a.dtype.is_floating():
-        m = tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+def extremum(a, b, LARGER: tl.constexpr):
+    """torch.maximum (LARGER) or torch.minimum: a NaN in either float operand gives NaN."""
+    if LARGER:
+        if a.dtype.is_floating():
+            m = tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            m = tl.maximum(a, b)
     else:
-        m = tl.maximum(a, b)
-    return m
-
-
-@triton.jit
-def minimum(a, b):
-    if a.dtype.is_floating():
-        m = tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
-    else:
-        m = tl.minimum(a, b)
+        if a.dtype.is_floating():
+            m = tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            m = tl.minimum(a, b)
     return m
 
 
@@ -116,7 +113,7 @@ def offset(ptr, index, size, stride):
 
 
 _HELPERS = {"tl": tl, "tanh": tanh, "round_half_even": round_half_even, "fmod": fmod, "remainder": remainder,
-            "truncdiv": truncdiv, "floordiv": floordiv, "maximum": maximum, "minimum": minimum, "offset": offset,
+            "truncdiv": truncdiv, "floordiv": floordiv, "extremum": extremum, "offset": offset,
             "math": math}
 _functions: dict[str, triton.JITFunction] = {}
 _lock = threading.Lock()
