@@ -6,7 +6,7 @@ ptxas where the benchmark shapes compile fine: this finds them for free before a
 the GPU machine's Triton in a separate environment:
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0
     PYTHONPATH=src /tmp/t36/bin/python scripts/compile_check.py [--dtype bf16,fp32] [--hdims 64,96,128,256]
-        [--options plain,causal,window,softcap,dropout,varlen]
+        [--options plain,causal,window,softcap,dropout,varlen,score_mod,mask_mod,block_mask]
 """
 import argparse
 import itertools
@@ -47,6 +47,8 @@ attention.launch = _compile_only
 from cuflash.kernels import plan  # noqa: E402
 from cuflash.kernels.device import padded_head_dim  # noqa: E402
 from cuflash.kernels.plan import Length, entry  # noqa: E402
+from cuflash.flex import block_sparsity, create_block_mask  # noqa: E402
+from cuflash.mods import Mod, Mods  # noqa: E402
 from cuflash.params import AttentionParams  # noqa: E402
 
 plan.arch = lambda device: 90  # the decode tiles of Hopper for the CPU tensors below
@@ -56,7 +58,25 @@ SHAPES = [(1, 1, 4, 4), (1, 1000, 4, 2), (1000, 1, 4, 4), (17, 17, 4, 1), (300, 
           (300, 1, 4, 4), (1000, 1000, 4, 2), (3000, 3000, 2, 2), (1, 3000, 4, 1)]
 OPTIONS = {"plain": {}, "causal": dict(window_right=0), "window": dict(window_left=256, window_right=0),
            "softcap": dict(softcap=30.0), "dropout": dict(dropout_p=0.1), "varlen": {},
-           "varlen causal": dict(window_right=0)}
+           "varlen causal": dict(window_right=0), "score_mod": {}, "mask_mod": dict(window_right=0), "block_mask": {}}
+
+
+def _mods(name: str, nq: int, nk: int, h: int):
+    """The Mods of a mods option: a relative bias read from a captured table (score_mod, with the causal
+    mask_mod of flash_attn_func's mask_mod), or a block mask of 128-token documents."""
+    bias = torch.randn(h, 64)
+    docs = torch.arange(max(nq, nk), dtype=torch.int32) // 128
+
+    def relative(score, b, h, q, kv):
+        return score + bias[h, (q - kv).abs().clamp(max=63)]
+
+    def document(b, h, q, kv):
+        return docs[q] == docs[kv]
+    if name == "block_mask":
+        mask = create_block_mask(document, 2, None, nq, nk, device="cpu")
+        return Mods(score=Mod.of(relative, "score"), mask=Mod.of(document, "mask"),
+                    blocks=block_sparsity(mask, 2, h))
+    return Mods(score=Mod.of(relative, "score"), mask=Mod.of(document, "mask") if name == "mask_mod" else None)
 
 
 def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
@@ -64,6 +84,8 @@ def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
     opts = dict(OPTIONS[name])
     if "dropout_p" in opts:
         opts["rng_seed"] = torch.zeros(2, dtype=torch.int64)
+    if name in ("score_mod", "mask_mod", "block_mask"):
+        opts["mods"] = _mods(name, nq, nk, h)
     if name.startswith("varlen"):
         lens_q, lens_k = [nq, 1, 17], [nk, 9, 17]
         cu_q, cu_k = (torch.tensor([0] + lens).cumsum(0).to(torch.int32) for lens in (lens_q, lens_k))
@@ -113,11 +135,13 @@ def main():
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--hdims", default="64,128,256")
     p.add_argument("--options", default="plain,causal,varlen", help=f"from {','.join(OPTIONS)}")
+    p.add_argument("--shapes", default=None, help=f"indices into the {len(SHAPES)} shapes (default: all)")
     args = p.parse_args()
     dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[x] for x in args.dtype.split(",")]
     failed = total = 0
+    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     for dtype, d, name, shape in itertools.product(dtypes, map(int, args.hdims.split(",")),
-                                                   args.options.split(","), SHAPES):
+                                                   args.options.split(","), shapes):
         total += 1
         error = compile_case(dtype, d, *shape, name)
         if error:

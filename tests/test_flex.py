@@ -83,10 +83,8 @@ def oracle(q, k, v, score_mod=None, mask_mod=None, scale=None):
     group = nheads // k.shape[1]
     k, v = (t.repeat_interleave(group, 1) for t in (k, v))
     scores = (head_dim ** -0.5 if scale is None else scale) * q @ k.transpose(-1, -2)
-    b = torch.arange(batch, dtype=torch.int32).view(-1, 1, 1, 1)
-    h = torch.arange(nheads, dtype=torch.int32).view(1, -1, 1, 1)
-    q_idx = torch.arange(seqlen_q, dtype=torch.int32)[:, None]
-    kv_idx = torch.arange(k.shape[2], dtype=torch.int32)[None, :]
+    b, h, q_idx, kv_idx = (torch.arange(n, dtype=torch.int32, device=q.device).view(shape) for n, shape in (
+        (batch, (-1, 1, 1, 1)), (nheads, (1, -1, 1, 1)), (seqlen_q, (-1, 1)), (k.shape[2], (1, -1))))
     if score_mod is not None:
         scores = score_mod(scores, b, h, q_idx, kv_idx)
     if mask_mod is not None:
@@ -101,14 +99,14 @@ def inputs(shape_q, shape_k, dtype, *key):
     return torch.randn(shape_q, dtype=dtype), torch.randn(shape_k, dtype=dtype), torch.randn(shape_k, dtype=dtype)
 
 
-def check(q, k, v, score_mod=None, mask_mod=None, block_size=16, with_torch=True, **options):
+def check(q, k, v, score_mod=None, mask_mod=None, block_size=16, with_torch=True, bound=None, **options):
     """cuflash.flex_attention (with the block mask of mask_mod that cuflash.create_block_mask makes)
-    forward and backward against the oracle, and its forward against torch's flex_attention; returns
-    the block mask."""
+    forward and backward against the oracle (to `bound`, by default BOUND's), and on the CPU its
+    forward against torch's flex_attention; returns the block mask."""
     batch, nheads, seqlen_q, _ = q.shape
     seqlen_k = k.shape[2]
     block_mask = None if mask_mod is None else cuflash.create_block_mask(
-        mask_mod, batch, nheads, seqlen_q, seqlen_k, device="cpu", BLOCK_SIZE=block_size)
+        mask_mod, batch, nheads, seqlen_q, seqlen_k, device=q.device, BLOCK_SIZE=block_size)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out, lse = cuflash.flex_attention(*leaves, score_mod=score_mod, block_mask=block_mask, return_lse=True,
                                       **options)
@@ -117,14 +115,14 @@ def check(q, k, v, score_mod=None, mask_mod=None, block_size=16, with_torch=True
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = oracle(*ref_leaves, score_mod=score_mod, mask_mod=mask_mod, scale=options.get("scale"))
     ref_out.backward(dout.double())
-    bound = BOUND[q.dtype]
+    bound = bound or BOUND[q.dtype]
     for name, ours, ref in (("out", out, ref_out), *zip(("dq", "dk", "dv"), (t.grad for t in leaves),
                                                          (t.grad for t in ref_leaves))):
         assert rel_err(ours, ref) < bound, f"{name}: error {rel_err(ours, ref):.3g}"
     assert torch.equal(lse.isneginf(), ref_lse.isneginf()), "the rows that see no key"
     seen = ~ref_lse.isneginf()
     assert rel_err(lse[seen], ref_lse[seen]) < bound
-    if with_torch and q.dtype in (torch.float32, torch.float64):
+    if with_torch and q.dtype in (torch.float32, torch.float64) and q.device.type == "cpu":
         theirs_mask = None if mask_mod is None else torch_flex.create_block_mask(
             mask_mod, batch, nheads, seqlen_q, seqlen_k, device="cpu", BLOCK_SIZE=block_size)
         theirs, their_lse = torch_flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=theirs_mask,
@@ -173,6 +171,74 @@ def test_rows_that_see_no_key(backend):
         return (q_idx % 3 != 0) & (kv_idx <= q_idx) & (q_idx < 40)
     q, k, v = inputs((1, 2, 50, 16), (1, 2, 50, 16), EXACT[backend])
     check(q, k, v, mask_mod=mask)
+
+
+def late_rows(first):
+    def mask(b, h, q_idx, kv_idx):  # the rows before `first` see no key: their blocks list none
+        return (q_idx >= first) & (kv_idx <= q_idx)
+    return mask
+
+
+# On the GPU: the Hopper (Gluon) forward where it runs (16-bit, head dims 64, 128 and 256; a block mask's
+# query blocks a multiple of 128 rows), the Triton backward; ragged ends, seqlen_q != seqlen_k, GQA.
+GPU_CASES = [  # (score_mod, mask_mod, head_dim, (seqlen_q, seqlen_k), BLOCK_SIZE)
+    (None, "causal", 128, (1000, 1000), 128),
+    ("alibi", "sliding_window", 64, (777, 1000), 128),
+    (None, "document", 128, (1000, 1000), (256, 64)),
+    ("relative_bias", "prefix_lm", 256, (1000, 777), 128),
+    ("softcap", None, 256, (300, 777), 128),
+    ("alibi", None, 128, (777, 300), 128),
+    (None, "chunked_local", 64, (1000, 1000), (128, 256)),
+    ("softcap", "late_rows", 128, (1000, 1000), 128),
+    ("relative_bias", "causal", 128, (1000, 1000), 64),  # (query blocks of 64: the Triton forward)
+]
+GPU_BOUND = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
+def test_flex_on_gpu(case, dtype):
+    score, mask, head_dim, (seqlen_q, seqlen_k), block_size = case
+    torch.manual_seed(seqlen_q + head_dim)
+    q = torch.randn(2, 8, seqlen_q, head_dim, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, 2, seqlen_k, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+    length = max(seqlen_q, seqlen_k)
+    score_mod = {None: None, "alibi": alibi(torch.rand(8, device="cuda") / 32), "softcap": softcap(2.0),
+                 "relative_bias": relative_bias(torch.randn(8, seqlen_q + seqlen_k - 1, device="cuda"),
+                                                seqlen_k)}[score]
+    mask_mod = {None: None, "causal": causal, "sliding_window": sliding_window(200),
+                "chunked_local": chunked_local(300),
+                "document": document(torch.randint(0, 5, (2, length), device="cuda").sort(-1).values),
+                "prefix_lm": prefix_lm(torch.tensor([length // 3, 100], device="cuda")),
+                "late_rows": late_rows(300)}[mask]
+    check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_size=block_size, enable_gqa=True,
+          bound=GPU_BOUND[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_learnable_bias_on_gpu(mask, head_dim, dtype):
+    """A learnable relative-position bias through the Hopper kernels (the dK/dV kernel adds its gradient),
+    with grouped-query heads and ragged lengths, against the oracle's gradients."""
+    torch.manual_seed(head_dim)
+    seqlen_q, seqlen_k = 1000, 777
+    q = torch.randn(2, 8, seqlen_q, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, 2, seqlen_k, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    table = torch.randn(8, seqlen_q + seqlen_k - 1, device="cuda", requires_grad=True)
+    block_mask = None if mask is None else cuflash.create_block_mask(causal, 2, 8, seqlen_q, seqlen_k)
+    out = cuflash.flex_attention(q, k, v, relative_bias(table, seqlen_k), block_mask, enable_gqa=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v, table)]
+    ref, _ = oracle(*refs[:3], relative_bias(refs[3], seqlen_k), None if mask is None else causal)
+    ref.backward(dout.double())
+    for name, ours, theirs in (("out", out, ref), *zip(("dq", "dk", "dv", "table"), (q.grad, k.grad, v.grad,
+                                                                                     table.grad),
+                                                        (t.grad for t in refs))):
+        assert rel_err(ours.detach(), theirs) < GPU_BOUND[dtype], name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -132,6 +132,47 @@ def test_select_falls_back_and_keeps_determinism():
     assert select(problem(q, q, q, asked, q), asked) == Plan(*(Tiles(32, 16, 4, 2),) * 3)
 
 
+def test_calls_with_mods_take_the_gluon_kernels_where_the_blocks_fit():
+    """With mods the forward keeps its Gluon candidate (two consumers; with a block mask, key tiles within
+    a key block, where a work item's 128 query rows lie in one query block and no band is asked for), so
+    does dK/dV up to head dim 128 (dQ fused but in a deterministic backward; with a block mask, 128-key
+    items within a key block, 64-row query tiles within query blocks); the rest takes Triton tiles within
+    the blocks (two stages at head dim 256)."""
+    from cuflash.kernels import gluon
+    from cuflash.kernels.plan import Entry, select
+    from cuflash.kernels.variant import problem
+    from cuflash.mods import BlockSparsity, Mod, Mods
+
+    q = torch.randn(1, 512, 2, 64, dtype=torch.bfloat16)
+    tiles = Tiles(128, 64, 8, 3)
+    cell = Entry((gluon.Forward(3, 128, 3), tiles), (gluon.Dkdv(fuse_dq=False), tiles), (gluon.Dq(), tiles))
+    score = Mod.of(lambda score, b, h, q_idx, kv_idx: score * 2, "score")
+
+    def blocks(q_block, kv_block):
+        lists = (torch.zeros(1, 2, 4, dtype=torch.int32), torch.zeros(1, 2, 4, 4, dtype=torch.int32))
+        return BlockSparsity(q_block, kv_block, *lists, *lists, *lists, *lists)
+
+    def plan(mods, x=q, **options):
+        params = AttentionParams(0.1, mods=mods, **options)
+        return select(problem(x, x, x, params, x), params, cell)
+    fused = gluon.Dkdv(fuse_dq=True)
+    assert plan(Mods(score=score)) == Plan(gluon.Forward(2, 128, 3), fused, None)
+    assert plan(Mods(score=score), window_right=0) == Plan(gluon.Forward(2, 128, 3), fused, None)
+    assert plan(Mods(score=score), deterministic=True) == Plan(gluon.Forward(2, 128, 3), gluon.Dkdv(), tiles)
+    assert plan(Mods(score=score, blocks=blocks(128, 128))) == Plan(gluon.Forward(2, 128, 3), fused, None)
+    assert plan(Mods(score=score, blocks=blocks(256, 64))) == Plan(gluon.Forward(2, 64, 3), Tiles(128, 64, 8, 3),
+                                                                   Tiles(128, 64, 8, 3))
+    assert plan(Mods(score=score, blocks=blocks(64, 256))) == Plan(Tiles(64, 64, 8, 3), fused, None)
+    assert plan(Mods(score=score, blocks=blocks(384, 96))) == Plan(gluon.Forward(2, 32, 3), Tiles(128, 32, 8, 3),
+                                                                   Tiles(128, 32, 8, 3))
+    small = Tiles(64, 64, 8, 3)
+    assert plan(Mods(score=score, blocks=blocks(64, 128))) == Plan(small, fused, None)  # half a forward item
+    assert plan(Mods(score=score, blocks=blocks(128, 16))).forward == Tiles(128, 16, 8, 3)  # tiles under 32 keys
+    assert plan(Mods(score=score, blocks=blocks(128, 128)), window_right=0) == Plan(tiles, tiles, tiles)  # a band
+    wide = torch.randn(1, 512, 2, 256, dtype=torch.bfloat16)
+    assert plan(Mods(score=score), wide) == Plan(gluon.Forward(2, 128, 3), Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 2))
+
+
 def test_user_tiles_that_overflow_shared_memory_are_refused_before_compiling(monkeypatch):
     """Tiles a call asks for whose streamed tiles alone exceed the GPU's shared memory raise a
     FlashAttentionError naming them at planning (a compile of them can run for minutes); the forward

@@ -16,6 +16,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -302,7 +303,9 @@ def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: 
 
 
 def write_csv(rows: list[dict], path) -> None:
-    """run_case's rows as a CSV, one column per key any row has (rows with a note lack the timings)."""
+    """run_case's rows as a CSV, one column per key any row has (rows with a note lack the timings), in a
+    folder made if need be (out_folder checks that it can be, and makes nothing)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()

@@ -69,7 +69,7 @@ def select(prob: Problem, params: AttentionParams, entry: Entry | None = None) -
     first candidate of each pass that its kernel family accepts."""
     entry = entry or table_entry(prob, params)
     if params.mods is not None:
-        entry = _within_blocks(entry, params)
+        entry = _within_blocks(entry, params, prob.block_d)
     seqlens = (prob.seqlen_q, prob.seqlen_k)
     plain = gluon.accepts(prob, params)
     streamed = () if params.block_table is not None else (prob.k, prob.v)
@@ -86,9 +86,17 @@ def select(prob: Problem, params: AttentionParams, entry: Entry | None = None) -
     return Plan(forward, dkdv, _first(entry.dq, plain, seqlens, (prob.k, prob.v), prob))
 
 
-def _within_blocks(entry: Entry, params: AttentionParams) -> Entry:
-    """The entry's Triton tiles (the kernels that compile mods), each pass's tiles within one block of the
-    call's block mask: a query tile inside one query block, a key tile inside one key block."""
+def _within_blocks(entry: Entry, params: AttentionParams, block_d: int) -> Entry:
+    """The entry for a call with mods: the kernels that compile them, each pass's tiles within one block
+    of the call's block mask (a query tile inside one query block, a key tile inside one key block).
+    The forward keeps its Gluon candidate, with two consumer warpgroups (the mods' registers beside the
+    scores) and, with a block mask, key tiles within a key block, where a work item's 128 query rows lie
+    in one query block and no band is asked for (its tile walk is the band's or the block mask's). So
+    does the backward's dK/dV up to head dim 128, with dQ fused (unfused in a deterministic backward:
+    Triton's dQ), where a work item's 128 keys lie in one key block and its 64-row query tiles in query
+    blocks, and no band is asked for; the rest takes Triton tiles. At head dim 256 the Triton tiles buffer
+    two stages, not three: a score_mod's loads and its gradient's took dQ's 128 x 32 tiles to 256 KB of
+    shared memory."""
     blocks = params.mods.blocks if params.mods is not None else None
     if blocks is not None and (blocks.q_block % 16 or blocks.kv_block % 16):
         fail(ErrorCode.INVALID_ARGUMENT, f"block_mask's BLOCK_SIZE is ({blocks.q_block}, {blocks.kv_block}); the "
@@ -96,12 +104,30 @@ def _within_blocks(entry: Entry, params: AttentionParams) -> Entry:
 
     def fit(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
         tiles = next(c for c in candidates if isinstance(c, Tiles))
+        if block_d >= 256:
+            tiles = dataclasses.replace(tiles, num_stages=min(tiles.num_stages, 2))
         if blocks is None:
             return (tiles,)
         block_m = min(tiles.block_m, blocks.q_block & -blocks.q_block)  # (the largest power of 2 dividing it)
         block_n = min(tiles.block_n, blocks.kv_block & -blocks.kv_block)
         return (dataclasses.replace(tiles, block_m=block_m, block_n=block_n, warp_specialize=False),)
-    return Entry(fit(entry.forward), fit(entry.dkdv), fit(entry.dq))
+
+    def fit_gluon(candidate: Candidate) -> tuple[Candidate, ...]:
+        if isinstance(candidate, gluon.Forward):
+            if blocks is None:
+                return (dataclasses.replace(candidate, consumers=2),)
+            block_n = min(candidate.block_n, blocks.kv_block & -blocks.kv_block)
+            if blocks.q_block % (2 * gluon.ROWS) or block_n < 32 or params.banded:
+                return ()
+            return (dataclasses.replace(candidate, consumers=2, block_n=block_n),)
+        if isinstance(candidate, gluon.Dkdv) and block_d <= 128 and (
+                blocks is None or not (blocks.kv_block % (2 * gluon.ROWS) or blocks.q_block % gluon.ROWS
+                                       or params.banded)):
+            return (dataclasses.replace(candidate, fuse_dq=True),)
+        return ()
+    def fitted(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
+        return (*(g for c in candidates for g in fit_gluon(c)), *fit(candidates))
+    return Entry(fitted(entry.forward), fitted(entry.dkdv), fit(entry.dq))
 
 
 def _first(candidates: tuple[Candidate, ...], gluon_accepts: bool, seqlens: tuple[int, int],

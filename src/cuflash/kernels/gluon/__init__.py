@@ -15,6 +15,9 @@ from ..device import tma_addressable
 from ..variant import Problem
 
 
+ROWS = 64  # query rows per consumer warpgroup: one wgmma M (common.ROWS)
+
+
 @dataclass(frozen=True)
 class Forward:
     """consumers: warpgroups of 64 query rows each (2, or 3 where their registers hold D=64);
@@ -52,13 +55,14 @@ class Dq:
 
 def accepts(prob: Problem, params: AttentionParams) -> bool:
     """Whether the Gluon kernels compute the call: the plain attention (causal or not, GQA, a positive
-    softmax_scale, no mods) of 16-bit inputs with head dim 64, 128 or 256 (a backward at 256: dK/dV
-    unfused) that the tensor memory accelerator can address (with dO in a backward), under a Triton
-    whose Gluon they were written against (3.6 run, 3.9 compiled; Gluon changed its API between the
-    releases that have it, so older ones take the Triton kernels)."""
+    softmax_scale; mods in the forward: plan.py keeps no Gluon backward for them, and fits the forward's
+    tiles to a block mask's blocks) of 16-bit inputs with head dim 64, 128 or 256 (a backward at 256:
+    dK/dV unfused) that the tensor memory accelerator can address (with dO in a backward), under a
+    Triton whose Gluon they were written against (3.6 run, 3.9 compiled; Gluon changed its API between
+    the releases that have it, so older ones take the Triton kernels)."""
     plain = (params.window_left < 0 and params.window_right in (-1, 0) and params.softcap == 0
              and params.alibi_slopes is None and params.attn_mask is None and params.dropout_p == 0
-             and params.softmax_scale > 0 and params.mods is None)
+             and params.softmax_scale > 0)
     streamed: tuple[torch.Tensor, ...] = (prob.q, prob.k, prob.v)
     if prob.dout is not None:
         streamed = (*streamed, prob.dout)

@@ -44,10 +44,10 @@ from ...params import AttentionParams
 from ..compat import barrier, tma_load
 from ..constants import LOG2E
 from ..device import cdiv, num_sms, scratch
-from ..variant import Problem, lse_strides, logit_scales
+from ..variant import Problem, lse_strides, logit_scales, mod_args
 from . import Dkdv, Dq
-from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, load_kv, load_pair, query_item, ring, \
-    tiles_of, work
+from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, listed_walk, load_kv, load_pair, \
+    query_item, ring, tile_key, tiles_of, work
 
 
 @gluon.jit
@@ -117,8 +117,8 @@ def _share_ds(ds, it, fused, WG: gl.constexpr):
 
 
 @gluon.jit
-def _add_dq(it, j, fused, HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr):
-    """dQ of query tile j (ring position `it`) = dS K over both consumers' keys, in parts of 64
+def _add_dq(it, row, fused, HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr):
+    """dQ of the query tile from row `row` (ring position `it`) = dS K over both consumers' keys, in parts of 64
     columns, the parts dealt to the consumers in turn (D=128: one each per tile; D=64: the whole
     tile every other tile). A part is scaled and added to the fp32 dQ in global memory by a TMA
     reduction that runs while the consumer goes on."""
@@ -136,19 +136,21 @@ def _add_dq(it, j, fused, HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.c
             dq = warpgroup_mma_wait(0, deps=(dq,))
             tma.store_wait(0)
             barrier()  # the thread that issued the last reduction has seen it leave shared memory
-            copy_out(dq_desc, [off_b, j * ROWS, off_h, part * ROWS], dq_smem.index(WG), dq * softmax_scale, True)
+            copy_out(dq_desc, [off_b, row, off_h, part * ROWS], dq_smem.index(WG), dq * softmax_scale, True)
     mbarrier.arrive(ds_free.index(buf), count=1)
 
 
 @gluon.jit
-def _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL: gl.constexpr, ITEM: gl.constexpr):
+def _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL: gl.constexpr, ITEM: gl.constexpr,
+          ALTERNATE: gl.constexpr = False):
     """(first key, batch, KV head, first and end query tile) of work item w: ITEM keys. The key
     tiles of one (batch, KV head) are consecutive items. Under a causal mask the query tiles above
-    the first key's diagonal are skipped, and heavy and light key tiles alternate (the first, the
-    last, the second, ...), so that a pair of items costs about the same everywhere."""
+    the first key's diagonal are skipped, and (also with ALTERNATE: a block mask) heavy and light key
+    tiles alternate (the first, the last, the second, ...), so that a pair of items costs about the
+    same everywhere."""
     tile = w % n_n
     bhk = w // n_n
-    if CAUSAL:
+    if CAUSAL or ALTERNATE:
         tile = gl.where(tile % 2 == 0, tile // 2, n_n - 1 - tile // 2)
     start_n = tile * ITEM
     lo = 0
@@ -158,10 +160,12 @@ def _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL: gl.constexpr, ITEM: gl.con
 
 
 @gluon.jit
-def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, SPARSE_Q: gl.constexpr,
+          SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr):
     (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
      do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do, stride_dk,
-     stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+     stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
+     mods, blocks) = args
     init_desc = _init_descriptor(AccInit, batch * nheads, padded_q)
     q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D)
     do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_do, ROWS, HEAD_D)
@@ -173,14 +177,18 @@ def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr
     it = 0  # query tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
     for c in range(count(items)):
-        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL, ITEM)
+        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL, ITEM, SPARSE_KV > 0)
         _load_held(done, k_desc, v_desc, start_n, off_b, off_hk, k_smem, v_smem, kv_ready, kv_free)
         for g in range(group):
             off_h = off_hk * group + g
             bh = off_b * nheads + off_h
+            walk = None
+            if SPARSE_KV:  # the query tiles the block mask lists for this head
+                walk = listed_walk(blocks, off_b, off_h, start_n, SPARSE_KV, SPARSE_Q, HAS_FULL, ROWS)
+                lo, hi = 0, walk[0]
             for j in range(lo, hi):
-                load_pair(it, q_desc, do_desc, [off_b, j * ROWS, off_h, 0], q_smem, do_smem, q_ready, do_ready,
-                           empty, STAGES, (init_desc, init_smem, bh, batch * nheads + bh))
+                load_pair(it, q_desc, do_desc, [off_b, tile_key(j, walk, ROWS, SPARSE_Q), off_h, 0], q_smem, do_smem,
+                          q_ready, do_ready, empty, STAGES, (init_desc, init_smem, bh, batch * nheads + bh))
                 it += 1
         done += 1
 
@@ -205,40 +213,79 @@ def _start(row_smem, layout: gl.constexpr):
 
 @gluon.jit
 def _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, first, last, keys,
-           offset, qk_scale, MASKED: gl.constexpr, FUSED: gl.constexpr, STAGES: gl.constexpr,
-           HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
-    """Query tiles [first, last) of one head, tile j in the ring's position base + j. MASKED
-    applies the causal diagonal. FUSED also adds dQ = dS K to global memory (dS for the keys past
-    seqlen_k is not 0, but their K rows are: zero-filled). The accumulators of S^T and dP^T start at
-    -lse / softmax_scale and -delta per column, which the loader brings with Q and dO: the scores
-    come out shifted by lse, dP^T less delta, and no register holds the 32 values per thread that
-    lse and delta take in S^T's layout."""
+           offset, qk_scale, item_mods, walk, MASKED: gl.constexpr, FUSED: gl.constexpr, STAGES: gl.constexpr,
+           HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
+           SCORE_MOD: gl.constexpr, SCORE_MOD_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, SPARSE_Q: gl.constexpr = 0):
+    """Query tiles [first, last) of one head, tile j in the ring's position base + j (its rows:
+    common.tile_key). MASKED applies the causal diagonal. FUSED also adds dQ = dS K to global memory
+    (dS for the keys past seqlen_k is not 0, but their K rows are: zero-filled). The accumulators of
+    S^T and dP^T start at -lse / softmax_scale and -delta per column, which the loader brings with Q
+    and dO: the scores come out shifted by lse, dP^T less delta, and no register holds the 32 values
+    per thread that lse and delta take in S^T's layout. With mods (_modded_p) S^T starts at 0 instead."""
     for j in range(first, last):
         stage = (base + j) % STAGES
         phase = ((base + j) // STAGES) & 1
         q = q_smem.index(stage)
         do = do_smem.index(stage)
         mbarrier.wait(q_ready.index(stage), phase)
-        s = warpgroup_mma(k, q.permute((1, 0)), _start(init_smem.index(2 * stage), s_layout), is_async=True)
+        if SCORE_MOD is None and MASK_MOD is None:
+            s = warpgroup_mma(k, q.permute((1, 0)), _start(init_smem.index(2 * stage), s_layout), is_async=True)
+        else:
+            s = warpgroup_mma(k, q.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout), use_acc=False,
+                              is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         dp = warpgroup_mma(v, do.permute((1, 0)), _start(init_smem.index(2 * stage + 1), s_layout), is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
-        x = s * qk_scale
-        if MASKED:  # query row i sees key n where n <= i + offset
-            cols = j * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
-            x = gl.where(gl.expand_dims(cols + offset, 0) >= gl.expand_dims(keys, 1), x, float("-inf"))
-        p = gl.exp2(x)
+        if SCORE_MOD is None and MASK_MOD is None:
+            x = s * qk_scale
+            if MASKED:  # query row i sees key n where n <= i + offset
+                cols = j * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+                x = gl.where(gl.expand_dims(cols + offset, 0) >= gl.expand_dims(keys, 1), x, float("-inf"))
+            p = gl.exp2(x)
+        else:
+            cols = tile_key(j, walk, ROWS, SPARSE_Q) + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+            x, p = _modded_p(s, init_smem.index(2 * stage), keys, cols, offset, item_mods, MASKED, s_layout,
+                             SCORE_MOD, MASK_MOD)
         dv = warpgroup_mma(gl.convert_layout(p.to(q.dtype), a_layout), do, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=(dp,))
-        ds = (p * dp).to(q.dtype)
+        ds = p * dp
+        if SCORE_MOD is not None:  # the gradient of the mod's input; its captured tensors' added to theirs
+            ds = SCORE_MOD_GRAD(x, item_mods[0], item_mods[1], gl.expand_dims(cols, 0), gl.expand_dims(keys, 1),
+                                item_mods[2], ds, item_mods[5])
+        ds = ds.to(q.dtype)
         if FUSED:
             _share_ds(ds, base + j, fused, WG)
         dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(empty.index(stage), count=1)
         if FUSED:
-            _add_dq(base + j, j, fused, HEAD_D, WG, s_layout)
+            _add_dq(base + j, tile_key(j, walk, ROWS, SPARSE_Q), fused, HEAD_D, WG, s_layout)
     return dk, dv
+
+
+@gluon.jit
+def _modded_p(s, init_smem, keys, cols, offset, item_mods, MASKED: gl.constexpr, s_layout: gl.constexpr,
+              SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr):
+    """P^T of a tile under mods, from S^T = K Q^T (keys `keys` by query rows `cols`): (the score_mod's
+    input, the scaled score x, and P^T = exp(mod(x) - lse)), the mask_mod's hidden keys, those past the
+    causal diagonal (MASKED) and past seqlen_k (so that no gradient reaches a captured tensor from
+    them) at 0. item_mods = (batch, head, score_mod's and mask_mod's arguments, seqlen_k,
+    softmax_scale, gradient buffers); init_smem: -lse / softmax_scale per column (_start)."""
+    b, h, score_args, mask_args, seqlen_k, softmax_scale = (item_mods[0], item_mods[1], item_mods[2], item_mods[3],
+                                                            item_mods[4], item_mods[6])
+    q_idx = gl.expand_dims(cols, 0)
+    kv_idx = gl.expand_dims(keys, 1)
+    x = s * softmax_scale
+    y = x
+    if SCORE_MOD is not None:
+        y = SCORE_MOD(x, b, h, q_idx, kv_idx, score_args)
+    visible = kv_idx < seqlen_k
+    if MASK_MOD is not None:
+        visible = visible & MASK_MOD(b, h, q_idx, kv_idx, mask_args)
+    if MASKED:  # query row i sees key n where n <= i + offset
+        visible = visible & (q_idx + offset >= kv_idx)
+    y = gl.where(visible, y, float("-inf"))
+    return x, gl.exp2((y + _start(init_smem, s_layout) * softmax_scale) * LOG2E)
 
 
 @gluon.jit
@@ -318,13 +365,17 @@ def _store_half(T, strides, off_b, off_hk, start_n, seqlen_k, tile, WG: gl.const
 
 @gluon.jit
 def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-             WG: gl.constexpr, SPLIT_D: gl.constexpr):
+             WG: gl.constexpr, SPLIT_D: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_MOD_GRAD: gl.constexpr,
+             MASK_MOD: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr):
     """A consumer warpgroup's work items: each takes its own 64 of an item's 128 keys and all of dK's
     and dV's columns (_tiles), or with SPLIT_D both take the item's 64 keys and half the columns each
-    (_split_d_tiles)."""
+    (_split_d_tiles; no mods there: plan.py). Per head sharing the KV head, the query tiles that see
+    part of the keys (the causal diagonal; a block mask's partly seen tiles, through the mask_mod)
+    and those that see all (a block mask's wholly seen ones, without it)."""
     (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
      do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do, stride_dk,
-     stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale) = args
+     stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
+     mods, blocks) = args
     PARTS: gl.constexpr = k_smem.shape[0] // kv_ready.shape[0]  # 64-key tiles a work item holds (as _load)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS // 2 if SPLIT_D else ROWS, 16])
@@ -343,7 +394,8 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
     it = 0  # query tiles consumed so far: the ring's position
     done = 0  # work items done so far
     for c in range(count(items)):
-        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL, PARTS * ROWS)
+        start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL, PARTS * ROWS,
+                                               SPARSE_KV > 0)
         key0 = start_n + (0 if SPLIT_D else WG * ROWS)  # this warpgroup's first key
         keys = key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         # Query tiles before `full` hold rows that do not see every key of this warpgroup.
@@ -356,7 +408,7 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
         k = k_smem.index(PARTS * kb + (0 if SPLIT_D else WG))
         v = v_smem.index(PARTS * kb + (0 if SPLIT_D else WG))
         mbarrier.wait(kv_ready.index(kb), (done // KV_BUFFERS) & 1)
-        base = it - lo  # tile j of head g at ring position it + g * (hi - lo) + j - lo
+        base = it - lo  # tile j of head g at ring position it + (the tiles of heads before g) + j - lo
         for g in range(group):
             if SPLIT_D:
                 pds = (ds_smem, ds_ready, ds_free)
@@ -364,18 +416,31 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
                                         base, lo, full, keys, offset, qk_scale, True, STAGES, HEAD_D, WG, s_layout)
                 dk, dv = _split_d_tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, pds,
                                         base, full, hi, keys, offset, qk_scale, False, STAGES, HEAD_D, WG, s_layout)
+                base += hi - lo
             else:
+                off_h = off_hk * group + g
                 fused = None
                 if FUSED:
-                    fused = (ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_hk * group + g,
-                             softmax_scale)
-                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base, lo,
-                                full, keys, offset, qk_scale, True, FUSED, STAGES, HEAD_D, WG, s_layout, a_layout)
-                dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base,
-                                full, hi, keys, offset, qk_scale, False, FUSED, STAGES, HEAD_D, WG, s_layout,
-                                a_layout)
-            base += hi - lo
-        it += group * (hi - lo)
+                    fused = (ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_h, softmax_scale)
+                item_mods = (off_b, off_h, mods[0], mods[1], seqlen_k, mods[2], softmax_scale)
+                if SPARSE_KV:  # (the loader's walk)
+                    walk = listed_walk(blocks, off_b, off_h, start_n, SPARSE_KV, SPARSE_Q, HAS_FULL, ROWS)
+                    dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base,
+                                    0, walk[1], keys, offset, qk_scale, item_mods, walk, False, FUSED, STAGES, HEAD_D,
+                                    WG, s_layout, a_layout, SCORE_MOD, SCORE_MOD_GRAD, MASK_MOD, SPARSE_Q)
+                    dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base,
+                                    walk[1], walk[0], keys, offset, qk_scale, item_mods, walk, False, FUSED, STAGES,
+                                    HEAD_D, WG, s_layout, a_layout, SCORE_MOD, SCORE_MOD_GRAD, None, SPARSE_Q)
+                    base += walk[0]
+                else:
+                    dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base,
+                                    lo, full, keys, offset, qk_scale, item_mods, None, True, FUSED, STAGES, HEAD_D,
+                                    WG, s_layout, a_layout, SCORE_MOD, SCORE_MOD_GRAD, MASK_MOD)
+                    dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base,
+                                    full, hi, keys, offset, qk_scale, item_mods, None, False, FUSED, STAGES, HEAD_D,
+                                    WG, s_layout, a_layout, SCORE_MOD, SCORE_MOD_GRAD, MASK_MOD)
+                    base += hi - lo
+        it = base + lo
         if SPLIT_D:
             # This consumer's products are done with K and V: the loader may fetch the next item's
             # while dK's and dV's halves are stored straight from the registers.
@@ -397,11 +462,14 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
 
 
 @gluon.jit
-def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc,
-                          stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_a, padded_q, batch,
-                          nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
+def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc, BlockNum, BlockIdx, FullNum, FullIdx, score_args,
+                          mask_args, score_grads,
+                          stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_a, stride_blocks,
+                          padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
                           CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                          KV_BUFFERS: gl.constexpr, SPLIT_D: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                          KV_BUFFERS: gl.constexpr, SPLIT_D: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          SCORE_MOD: gl.constexpr, SCORE_MOD_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
+                          HAS_FULL: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr):
     # SPLIT_D (dkdv_launch): both consumers take the same 64 keys, each half of dK's and dV's columns;
     # else each takes its own 64 of an item's 128.
     # kv_free: both consumers' dK and dV have left the item's K/V buffer (split D: both are done with it).
@@ -419,10 +487,13 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc,
     args = (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free,
             q_ready, do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do,
             stride_dk, stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
-            softmax_scale)
-    gl.warp_specialize([(_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 0, SPLIT_D)),
-                        (_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 1, SPLIT_D)),
-                        (_load, (args, CAUSAL, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
+            softmax_scale, (score_args, mask_args, score_grads), (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks))
+    gl.warp_specialize([(_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 0, SPLIT_D, SCORE_MOD, SCORE_MOD_GRAD,
+                                    MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL)),
+                        (_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 1, SPLIT_D, SCORE_MOD, SCORE_MOD_GRAD,
+                                    MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL)),
+                        (_load, (args, CAUSAL, HEAD_D, STAGES, SPARSE_Q, SPARSE_KV, HAS_FULL))], [4, 1],
+                       [CONSUMER_REGS, 24])
 
 
 @gluon.jit
@@ -578,8 +649,10 @@ def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dkdv
     # at D=256 with the Q/dO ring and the P^T and dS^T tiles).
     kv_buffers = 1 if (acc is not None and prob.head_dim == 128) or split_d else 2
     acc_strides = box_strides(prob, acc) if acc is not None else (0, 0, 0)
+    mods = mod_args(params, prob, "dkdv")
+    del mods["SPARSE"], mods["EVEN_BLOCKS"]  # (SPARSE_KV > 0; AccInit's padding and K's zero-fill bound the blocks)
     return _attn_bwd_dkdv_hopper, (min(cdiv(items, 2), num_sms(dk.device)),), dict(
-        **_shared_args(tensors, prob, params), AccInit=init, padded_q=init.shape[2], DK=dk, DV=dv, DQAcc=acc,
+        **mods, **_shared_args(tensors, prob, params), AccInit=init, padded_q=init.shape[2], DK=dk, DV=dv, DQAcc=acc,
         stride_dk=box_strides(prob, dk), stride_dv=box_strides(prob, dv), stride_a=acc_strides,
         FUSED=cfg.fuse_dq, STAGES=cfg.stages, KV_BUFFERS=kv_buffers, SPLIT_D=split_d)
 

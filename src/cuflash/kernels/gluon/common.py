@@ -7,9 +7,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from ..compat import barrier, tma_add, tma_load, tma_store
+from ..lists import listed_blocks
 from ..variant import Problem
+from . import ROWS as _ROWS
 
-ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M
+ROWS = gl.constexpr(_ROWS)  # query rows per consumer warpgroup: one wgmma M
 
 
 @gluon.jit
@@ -36,27 +38,67 @@ def tiles_of(seqlen, batch, heads, ROWS_PER_ITEM: gl.constexpr):
 
 @gluon.jit
 def load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready, v_ready, kv_empty,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The loader's copies of a work item's n_tiles K/V tiles into the ring from position `it`; returns
-    the ring's position after them."""
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, walk=None, SPARSE_KV: gl.constexpr = 0):
+    """The loader's copies of a work item's n_tiles K/V tiles into the ring from position `it` (the
+    keys from 0 on; with SPARSE_KV, those a block mask lists, `walk` from listed_walk); returns the
+    ring's position after them."""
     for j in range(n_tiles):
-        load_pair(it, k_desc, v_desc, [off_b, j * BLOCK_N, off_hk, 0], k_smem, v_smem, k_ready, v_ready, kv_empty,
-                  STAGES)
+        load_pair(it, k_desc, v_desc, [off_b, tile_key(j, walk, BLOCK_N, SPARSE_KV), off_hk, 0], k_smem, v_smem,
+                  k_ready, v_ready, kv_empty, STAGES)
         it += 1
     return it
 
 
 @gluon.jit
+def listed_walk(blocks, off_b, off_h, start, BLOCK: gl.constexpr, LISTED: gl.constexpr, HAS_FULL: gl.constexpr,
+                TILE: gl.constexpr):
+    """The tiles that a block mask lists for the BLOCK-wide block holding index `start` (a query row in
+    the forward, a key in dK/dV) of one (batch, head), blocks = (its lists' Num, Idx, FullNum, FullIdx
+    and their strides): (tiles listed, of them the partly seen ones, which come first, then where each
+    list's indices are: partial (pointer, stride), full (pointer, stride)). A listed block is
+    LISTED // TILE tiles."""
+    row = start // BLOCK
+    n_part, part, part_stride = listed_blocks(blocks[0], blocks[1], blocks[4], False, off_b, off_h, row)
+    if HAS_FULL:
+        n_whole, whole, whole_stride = listed_blocks(blocks[2], blocks[3], blocks[4], True, off_b, off_h, row)
+    else:
+        n_whole, whole, whole_stride = 0, part, part_stride
+    PER_BLOCK: gl.constexpr = LISTED // TILE
+    return (n_part + n_whole) * PER_BLOCK, n_part * PER_BLOCK, part, part_stride, whole, whole_stride
+
+
+@gluon.jit
+def tile_key(j, walk, TILE: gl.constexpr, LISTED: gl.constexpr):
+    """The first index (a key in the forward, a query row in dK/dV) of a work item's tile j: j * TILE,
+    or (LISTED, the lists' block size) of the j-th tile that `walk` (listed_walk) lists, 0 where it
+    lists none (the forward's loader still loads a tile: see query_item)."""
+    if LISTED:
+        PER_BLOCK: gl.constexpr = LISTED // TILE
+        block = j // PER_BLOCK
+        key = j * 0  # (a tensor, as the branches' keys)
+        if j < walk[0]:
+            if j < walk[1]:
+                key = gl.load(walk[2] + block * walk[3]) * LISTED + (j % PER_BLOCK) * TILE
+            else:
+                key = gl.load(walk[4] + (block - walk[1] // PER_BLOCK) * walk[5]) * LISTED + (j % PER_BLOCK) * TILE
+    else:
+        key = j * TILE
+    return key
+
+
+@gluon.jit
 def query_item(w, n_m, nheads, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-               CONSUMERS: gl.constexpr):
+               CONSUMERS: gl.constexpr, ALTERNATE: gl.constexpr = False):
     """(first query row, batch, head, K/V tiles to visit) of work item w. The query tiles of one
-    (batch, head) are consecutive items (their K/V stay in L2). Under a causal mask heavy and light
-    tiles alternate (the last, the first, the second last, ...), so that a pair of items costs
-    about the same everywhere and the round-robin over pairs balances the programs."""
+    (batch, head) are consecutive items (their K/V stay in L2). Under a causal mask (and with
+    ALTERNATE, as for a block mask, whose masks mostly grow with the row as a causal one does) heavy
+    and light tiles alternate (the last, the first, the second last, ...), so that a pair of items
+    costs about the same everywhere and the round-robin over pairs balances the programs."""
     bh = w // n_m
     tile = w % n_m
-    if CAUSAL:
+    if CAUSAL or ALTERNATE:
         tile = gl.where(tile % 2 == 0, n_m - 1 - tile // 2, tile // 2)
+    if CAUSAL:
         hi = gl.minimum(gl.maximum((tile + 1) * CONSUMERS * ROWS + offset, 0), seqlen_k)
     else:
         hi = seqlen_k

@@ -29,18 +29,19 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from ...params import AttentionParams
 from ..compat import barrier, tma_load
-from ..constants import LN2
+from ..constants import LN2, LOG2E
 from ..device import cdiv, num_sms, scratch
-from ..variant import Problem, lse_strides, logit_scales
+from ..variant import Problem, lse_strides, logit_scales, mod_args
 from . import Forward
-from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, load_kv, query_item, ring, tiles_of, work
+from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, listed_walk, load_kv, query_item, ring, \
+    tile_key, tiles_of, work
 
 
 @gluon.jit
 def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-          CONSUMERS: gl.constexpr):
+          CONSUMERS: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr):
     (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, stride_q, stride_k,
-     stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale) = args
+     stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, mods, blocks) = args
     q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D)
     k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, BLOCK_N, HEAD_D)
     v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, BLOCK_N, HEAD_D)
@@ -49,7 +50,12 @@ def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexp
     done = 0  # work items loaded so far
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     for k in range(count(items)):
-        start_m, off_b, off_h, n_tiles = query_item(work(k), n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS)
+        start_m, off_b, off_h, n_tiles = query_item(work(k), n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS,
+                                                    SPARSE_KV > 0)
+        walk = None
+        if SPARSE_KV:  # the tiles the block mask lists (at least one: see query_item)
+            walk = listed_walk(blocks, off_b, off_h, start_m, SPARSE_Q, SPARSE_KV, HAS_FULL, BLOCK_N)
+            n_tiles = gl.maximum(walk[0], 1)
         off_hk = off_h // (nheads // nheads_k)
         qb = done % Q_BUFFERS
         mbarrier.wait(q_empty.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)
@@ -58,30 +64,41 @@ def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexp
             tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready.index(qb),
                       q_smem.index(qb * CONSUMERS + part).reshape([1, ROWS, 1, HEAD_D]))
         it = load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                     BLOCK_N, STAGES)
+                     BLOCK_N, STAGES, walk, SPARSE_KV)
         done += 1
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, j, rows, seqlen_k, offset, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-             BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """One online-softmax step on the scores of K/V tile j: (p, alpha, m_new, l_new), the maxima in
-    base-2 logits. MASKED applies the key bound and the causal diagonal (tiles that need neither skip
-    the selects). With qk_scale > 0 (accepts) the row maximum of the logits is that of the scores
+def _softmax(s, m_i, l_i, key, rows, seqlen_k, offset, qk_scale, mods, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+             BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr):
+    """One online-softmax step on the scores of the K/V tile from key `key`: (p, alpha, m_new, l_new),
+    the maxima in base-2 logits. MASKED applies the key bound and the causal diagonal (tiles that
+    need neither skip the selects). SCORE_MOD and MASK_MOD are the mods' functions
+    (kernels/triton/mods.py; mods = (batch, head, their argument tuples)): the score_mod sees the
+    scaled score in natural units and its result is taken to base 2; the mask_mod hides keys.
+    Without a score_mod (qk_scale > 0: accepts) the row maximum of the logits is that of the scores
     times qk_scale, so each score is scaled once, inside the exponential's argument (a fused
     multiply-add, spelled out: Triton 3.10 stops contracting a multiply and an add by default),
     not also before the maximum."""
+    cols = key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    scale = qk_scale
+    if SCORE_MOD is not None:
+        s = SCORE_MOD(s * qk_scale, mods[0], mods[1], gl.expand_dims(rows, 1), gl.expand_dims(cols, 0),
+                      mods[2]) * LOG2E
+        scale = 1.0
+    if MASK_MOD is not None:
+        s = gl.where(MASK_MOD(mods[0], mods[1], gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), mods[3]), s,
+                     float("-inf"))
     if MASKED:
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if CAUSAL:  # a row sees keys up to its diagonal and the key bound: one compare a score
             visible = gl.expand_dims(cols, 0) <= gl.expand_dims(gl.minimum(rows + offset, seqlen_k - 1), 1)
         else:
             visible = gl.expand_dims(cols < seqlen_k, 0)
         s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
     # (times -1 folds into the FFMA as a negated operand; Triton's -x is 0 - x, an instruction a row)
-    p = gl.exp2(gl.fma(s, qk_scale, gl.expand_dims(m_safe * -1.0, 1)))
+    p = gl.exp2(gl.fma(s, scale, gl.expand_dims(m_safe * -1.0, 1)))
     alpha = gl.exp2(m_i - m_safe)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
@@ -108,12 +125,14 @@ def _unpack(packed, dtype: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, base, first, last, rows, seqlen_k,
-           offset, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-           STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
+           offset, qk_scale, mods, walk, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+           STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr,
+           SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, SPARSE_KV: gl.constexpr):
     """K/V tiles [first, last) of a work item whose tile 0 sits at position `base` of the buffer
-    ring, software-pipelined: p holds the probabilities of tile j - 1 (packed by _pack) whose
-    product with V is still to do; it runs on the tensor cores while this warpgroup computes the
-    softmax of tile j (S of tile j is issued first, so waiting for all but one product gives S)."""
+    ring (tile j's keys: common.tile_key), software-pipelined: p holds the probabilities of tile
+    j - 1 (packed by _pack) whose product with V is still to do; it runs on the tensor cores while
+    this warpgroup computes the softmax of tile j (S of tile j is issued first, so waiting for all
+    but one product gives S)."""
     zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     for j in range(first, last):
         stage = (base + j) % STAGES
@@ -124,8 +143,9 @@ def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, base
         acc = warpgroup_mma(_unpack(p, v_smem.dtype, p_layout), v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         _release_k(kv_empty, stage, STAGES)
-        p_new, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, rows, seqlen_k, offset, qk_scale, MASKED, CAUSAL,
-                                          BLOCK_N, s_layout)
+        p_new, alpha, m_i, l_i = _softmax(s, m_i, l_i, tile_key(j, walk, BLOCK_N, SPARSE_KV), rows, seqlen_k,
+                                          offset, qk_scale, mods, MASKED, CAUSAL, BLOCK_N, s_layout, SCORE_MOD,
+                                          MASK_MOD)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _release_v(kv_empty, prev, STAGES)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -216,10 +236,57 @@ def _write_out(acc, m_i, l_i, lse_ptrs, row_ok, o_desc, coord, q, k_smem, k_read
 
 
 @gluon.jit
+def _seen(row0, n_tiles, walk, seqlen_q, seqlen_k, offset, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+          SPARSE_KV: gl.constexpr):
+    """Of a work item's tiles, (those that the warpgroup whose rows start at row0 sees, where its loops
+    split them): none past the last query, under a causal mask those up to its last row's diagonal,
+    and, split at, those every row sees whole (below its first row's diagonal, within the keys);
+    with a block mask (SPARSE_KV) those it lists, split at the end of the partly seen ones. The
+    tiles that only other warpgroups' rows see it just releases."""
+    if SPARSE_KV:
+        n_mine = gl.where(row0 < seqlen_q, walk[0], 0)
+        split = gl.minimum(walk[1], n_mine)
+    else:
+        n_mine = gl.where(row0 < seqlen_q, n_tiles, 0)
+        split = seqlen_k // BLOCK_N
+        if CAUSAL:
+            n_mine = gl.minimum(n_mine, gl.cdiv(gl.minimum(gl.maximum(row0 + ROWS + offset, 0), seqlen_k), BLOCK_N))
+            split = gl.minimum(split, gl.maximum(row0 + offset + 1, 0) // BLOCK_N)
+        split = gl.maximum(gl.minimum(split, n_mine), 1)
+    return n_mine, split
+
+
+@gluon.jit
+def _first_tile(m_i, l_i, q, k_smem, k_ready, kv_empty, it, split, rows, seqlen_k, offset, qk_scale, mods, walk,
+                CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+                SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, SPARSE_KV: gl.constexpr):
+    """A work item's tile 0 alone, before the pipelined loops: its S product and masked softmax (it may
+    hold the diagonal or the key bound; with a block mask, the mask_mod only where the tile is listed
+    as partly seen, split > 0). Returns (p packed by _pack, m_i, l_i)."""
+    mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+    s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False)
+    _release_k(kv_empty, it % STAGES, STAGES)
+    key = tile_key(0, walk, BLOCK_N, SPARSE_KV)
+    if SPARSE_KV and MASK_MOD is not None:
+        if split > 0:
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, key, rows, seqlen_k, offset, qk_scale, mods, True, CAUSAL,
+                                          BLOCK_N, s_layout, SCORE_MOD, MASK_MOD)
+        else:
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, key, rows, seqlen_k, offset, qk_scale, mods, True, CAUSAL,
+                                          BLOCK_N, s_layout, SCORE_MOD, None)
+    else:
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, key, rows, seqlen_k, offset, qk_scale, mods, True, CAUSAL,
+                                      BLOCK_N, s_layout, SCORE_MOD, MASK_MOD)
+    return _pack(p, k_smem.dtype), m_i, l_i
+
+
+@gluon.jit
 def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-             CONSUMERS: gl.constexpr, WG: gl.constexpr):
+             CONSUMERS: gl.constexpr, WG: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
+             SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr, EVEN_BLOCKS: gl.constexpr):
     (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, stride_q, stride_k,
-     stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale) = args
+     stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, mods, blocks) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -242,19 +309,16 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
     DEFER: gl.constexpr = HEAD_D == 128 and CAUSAL and (O_IN_K or Q_BUFFERS == 2)
     pending = -1  # the buffer that the last item's O is leaving through, until it goes back
     for k in range(count(items)):
-        start_m, off_b, off_h, n_tiles = query_item(work(k), n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS)
+        start_m, off_b, off_h, n_tiles = query_item(work(k), n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS,
+                                                    SPARSE_KV > 0)
+        walk = None
+        if SPARSE_KV:  # the tiles the block mask lists (the loader's: at least one)
+            walk = listed_walk(blocks, off_b, off_h, start_m, SPARSE_Q, SPARSE_KV, HAS_FULL, BLOCK_N)
+            n_tiles = gl.maximum(walk[0], 1)
         row0 = start_m + WG * ROWS
         rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        # The item's tiles that this warpgroup's rows see (none past the last query, under a causal
-        # mask those up to its last row's diagonal), of them those every row sees whole (below its
-        # first row's diagonal, within the keys). The tiles that only other warpgroups' rows see it
-        # just releases.
-        n_mine = gl.where(row0 < seqlen_q, n_tiles, 0)
-        n_full = seqlen_k // BLOCK_N
-        if CAUSAL:
-            n_mine = gl.minimum(n_mine, gl.cdiv(gl.minimum(gl.maximum(row0 + ROWS + offset, 0), seqlen_k), BLOCK_N))
-            n_full = gl.minimum(n_full, gl.maximum(row0 + offset + 1, 0) // BLOCK_N)
-        n_full = gl.maximum(gl.minimum(n_full, n_mine), 1)
+        n_mine, split = _seen(row0, n_tiles, walk, seqlen_q, seqlen_k, offset, CAUSAL, BLOCK_N, SPARSE_KV)
+        item_mods = (off_b, off_h, mods[0], mods[1])
 
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
@@ -264,25 +328,31 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
         q = q_smem.index(qb * CONSUMERS + WG)
         mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
         if n_mine > 0:
-            # Tile 0 alone (its softmax masked: it may hold the diagonal or the key bound), then
-            # the pipelined loops.
-            mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)),
-                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
-            _release_k(kv_empty, it % STAGES, STAGES)
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N,
-                                          s_layout)
-            p = _pack(p, dtype)
+            # Tile 0 alone, then the pipelined loops: up to the split, the tiles every row sees whole
+            # (unmasked), then those the diagonal or the keys' end cuts; with a block mask the partly
+            # seen tiles (masked, through the mask_mod), then the wholly seen ones (without it, the keys'
+            # end checked unless the blocks are whole).
+            p, m_i, l_i = _first_tile(m_i, l_i, q, k_smem, k_ready, kv_empty, it, split, rows, seqlen_k, offset,
+                                      qk_scale, item_mods, walk, CAUSAL, BLOCK_N, STAGES, s_layout, SCORE_MOD,
+                                      MASK_MOD, SPARSE_KV)
             if DEFER:  # the last item's O has left its buffer during tile 0: the buffer goes back
                 # (before any wait for a tile that the loader may need it for)
                 _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
                 pending = -1
             acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, 1,
-                                      n_full, rows, seqlen_k, offset, qk_scale, False, CAUSAL, BLOCK_N, STAGES,
-                                      s_layout, p_layout, o_layout)
-            acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, n_full,
-                                      n_mine, rows, seqlen_k, offset, qk_scale, True, CAUSAL, BLOCK_N, STAGES,
-                                      s_layout, p_layout, o_layout)
+                                      split, rows, seqlen_k, offset, qk_scale, item_mods, walk, SPARSE_KV > 0,
+                                      CAUSAL, BLOCK_N, STAGES, s_layout, p_layout, o_layout, SCORE_MOD, MASK_MOD,
+                                      SPARSE_KV)
+            if SPARSE_KV:
+                acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it,
+                                          gl.maximum(split, 1), n_mine, rows, seqlen_k, offset, qk_scale, item_mods,
+                                          walk, not EVEN_BLOCKS, CAUSAL, BLOCK_N, STAGES, s_layout, p_layout,
+                                          o_layout, SCORE_MOD, None, SPARSE_KV)
+            else:
+                acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it,
+                                          split, n_mine, rows, seqlen_k, offset, qk_scale, item_mods, walk, True,
+                                          CAUSAL, BLOCK_N, STAGES, s_layout, p_layout, o_layout, SCORE_MOD,
+                                          MASK_MOD, SPARSE_KV)
         if DEFER:  # (where this warpgroup's rows see no tile)
             _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
             pending = -1
@@ -314,12 +384,14 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
 
 
 @gluon.jit
-def _attn_fwd_hopper(Q, K, V, Out, Lse,
-                     stride_q, stride_k, stride_v, stride_o, stride_l,
+def _attn_fwd_hopper(Q, K, V, Out, Lse, BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args,
+                     stride_q, stride_k, stride_v, stride_o, stride_l, stride_blocks,
                      batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
                      CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, EARLY_K: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
+                     HAS_FULL: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
+                     EVEN_BLOCKS: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_D], q_layout)
@@ -330,17 +402,22 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse,
     q_empty = barriers(Q_BUFFERS, CONSUMERS)  # every consumer releases a buffer
     args = (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
             stride_q, stride_k, stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset,
-            qk_scale)
+            qk_scale, (score_args, mask_args), (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks))
     if CONSUMERS == 3:
-        gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 0)),
-                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 1)),
-                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 2)),
-                            (_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS))],
+        gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 0, SCORE_MOD, MASK_MOD,
+                                        SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 1, SCORE_MOD, MASK_MOD,
+                                        SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 2, SCORE_MOD, MASK_MOD,
+                                        SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                            (_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, SPARSE_Q, SPARSE_KV, HAS_FULL))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
-        gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 0)),
-                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 1)),
-                            (_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS))],
+        gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 0, SCORE_MOD, MASK_MOD,
+                                        SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 1, SCORE_MOD, MASK_MOD,
+                                        SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                            (_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, SPARSE_Q, SPARSE_KV, HAS_FULL))],
                            [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -373,9 +450,12 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Forw
     # 64K a program, which the partitions trade: 2 consumers: 3 warpgroups of 168 registers a thread,
     # 240 each for the consumers, 24 for the loader; 3 consumers: 4 of 128, 160 and 24.
     regs, consumer_regs = (168, 240) if cfg.consumers == 2 else (128, 160)
+    mods = mod_args(params, prob, "fwd")
+    del mods["SPARSE"]  # (SPARSE_KV > 0)
     return _attn_fwd_hopper, (min(cdiv(items, 2), num_sms(q.device)),), dict(
-        Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], stride_q=box_strides(prob, q), stride_k=box_strides(prob, k),
-        stride_v=box_strides(prob, v), stride_o=box_strides(prob, out), stride_l=lse_strides(prob, params),
+        **mods, Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], stride_q=box_strides(prob, q),
+        stride_k=box_strides(prob, k), stride_v=box_strides(prob, v), stride_o=box_strides(prob, out),
+        stride_l=lse_strides(prob, params),
         batch=prob.batch, nheads=prob.nheads, nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q,
         seqlen_k=prob.seqlen_k, offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
         CAUSAL=params.window_right == 0, BLOCK_N=cfg.block_n, HEAD_D=prob.head_dim, STAGES=cfg.stages,

@@ -25,9 +25,10 @@ from ...params import AttentionParams
 from ..constants import LOG2E
 from ..device import cdiv
 from ..launch import workspace
+from ..lists import listed_blocks
 from ..variant import Problem, kernel_tensors, lse_strides, mod_args, variant_args, variant_tensors
 from . import Tiles
-from .common import advance, band, dropout_keep, head_options, listed_blocks, load_pair, load_tile, logits, \
+from .common import advance, band, dropout_keep, head_options, load_pair, load_tile, logits, \
     mma, query_program, read_tile, row_source, score_tile, sequence, softcap_grad, store_tile, tile_aranges, \
     tile_ptrs, tile_start
 

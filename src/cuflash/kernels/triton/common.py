@@ -275,18 +275,6 @@ def tile_start(it, listed, BLOCK: tl.constexpr, LISTED: tl.constexpr):
 
 
 @triton.jit
-def listed_blocks(Num, Idx, strides, full: tl.constexpr, off_b, off_h, row):
-    """A block mask's list for block `row` of one (batch, head): (how many blocks, a pointer to the
-    first one's index, the indices' stride); the full blocks' list where full (strides: those of the
-    tile lists BlockNum, BlockIdx, FullNum, FullIdx in turn)."""
-    num_strides = strides[2 * full]
-    idx_strides = strides[2 * full + 1]
-    count = tl.load(Num + off_b * num_strides[0] + off_h * num_strides[1] + row * num_strides[2])
-    first = Idx + off_b * idx_strides[0] + off_h * idx_strides[1] + row * idx_strides[2]
-    return count, first, idx_strides[3]
-
-
-@triton.jit
 def softcap_grad(x, softcap):
     """d(softcap * tanh(y / softcap)) / dy, from the capped logit x = logits(...)."""
     t = x / softcap

@@ -12,9 +12,10 @@ import triton.language as tl
 from ...params import AttentionParams
 from ..constants import LN2, NO_MASK
 from ..device import cdiv
+from ..lists import listed_blocks
 from ..variant import Problem, kernel_tensors, lse_strides, mod_args, variant_args
 from . import Tiles
-from .common import advance, band, dropout_keep, head_options, listed_blocks, load_rows, load_tile, logits, \
+from .common import advance, band, dropout_keep, head_options, load_rows, load_tile, logits, \
     mma, query_program, read_tile, row_source, score_tile, softmax_step, store_tile, tile_aranges, tile_ptrs, \
     tile_start
 

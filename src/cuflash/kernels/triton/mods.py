@@ -156,9 +156,9 @@ class _Writer:
             self.names[id(n)] = self.args.tensor(n.args[0], n.args[1])[0]
             return
         if n.op == "const":
-            expr = f"tl.full([], {_literal(n.args[0])}, {d})"
+            expr = f"tl.cast({_literal(n.args[0])}, {d})"
         elif n.op == "scalar":
-            expr = f"tl.full([], args[{self.args.scalar(n.args[0])}], {d})"
+            expr = f"tl.cast(args[{self.args.scalar(n.args[0])}], {d})"
         elif n.op == "load":
             lines, mask = self.pointer(n, v, self.args.tensor(*n.args[0].args))
             self.lines += lines
