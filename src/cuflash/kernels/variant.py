@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..params import AttentionParams
-from .constants import ADDITIVE_MASK, BOOL_MASK, LOG2E, NO_MASK
+from .constants import ADDITIVE_MASK, BOOL_MASK, EXACT_TANH, FAST_TANH, LOG2E, NO_MASK, NO_SOFTCAP
 from .device import padded_head_dim
 from .triton import mods as mod_code
 
@@ -125,16 +125,17 @@ def mod_args(p: AttentionParams, prob: Problem, pass_: str) -> dict:
     score = None if mods is None else mods.score
     mask = None if mods is None else mods.mask
     blocks = None if mods is None else mods.blocks
+    fast = fast_math(prob.q)
     args: dict = dict(
-        SCORE_MOD=None if score is None else mod_code.forward_function(score.graph),
-        MASK_MOD=None if mask is None else mod_code.forward_function(mask.graph),
+        SCORE_MOD=None if score is None else mod_code.forward_function(score.graph, fast),
+        MASK_MOD=None if mask is None else mod_code.forward_function(mask.graph, fast),
         score_args=(0,) if score is None else mod_code.kernel_args(list(score.tensors), list(score.scalars)),
         mask_args=(0,) if mask is None else mod_code.kernel_args(list(mask.tensors), list(mask.scalars)),
     )
     if pass_ != "fwd":
         grads = pass_ == "dkdv" and mods is not None and mods.grads is not None
         needed = () if score is None else score.requires_grad if grads else (False,) * len(score.tensors)
-        args["SCORE_MOD_GRAD"] = None if score is None else mod_code.backward_function(score.graph, needed)
+        args["SCORE_MOD_GRAD"] = None if score is None else mod_code.backward_function(score.graph, needed, fast)
         args["score_grads"] = mod_code.grad_args(list(mods.grads) if grads and mods is not None and mods.grads
                                                  else [])
     by_key = pass_ == "dkdv"
@@ -150,7 +151,20 @@ def mod_args(p: AttentionParams, prob: Problem, pass_: str) -> dict:
     return args
 
 
-def variant_args(p: AttentionParams) -> dict:
+def fast_math(q: torch.Tensor) -> bool:
+    """Whether the kernels may compute tanh by the GPU's approximation (constants.FAST_TANH): 16-bit
+    queries on the GPU."""
+    return q.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cuda"
+
+
+def softcap_kind(p: AttentionParams, q: torch.Tensor) -> int:
+    """The kernels' SOFTCAP (constants.py): none, or tanh exact or fast (fast_math)."""
+    if p.softcap == 0:
+        return NO_SOFTCAP.value
+    return FAST_TANH.value if fast_math(q) else EXACT_TANH.value
+
+
+def variant_args(p: AttentionParams, prob: Problem) -> dict:
     """The variant's other arguments (strides, scalars, constexpr flags, and None for the tensors
     the call does not have: Triton makes None a constant, and the flags compile their reads away),
     named as in every kernel."""
@@ -171,5 +185,5 @@ def variant_args(p: AttentionParams) -> dict:
         qk_scale=qk_scale, softcap=softcap,
         drop_threshold=int(p.dropout_p * 2**31), drop_scale=1.0 / (1.0 - p.dropout_p),
         VARLEN=p.varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
-        SOFTCAP=p.softcap > 0, ALIBI=slopes is not None, MASK_KIND=mask_kind, DROPOUT=p.dropout_p > 0,
+        SOFTCAP=softcap_kind(p, prob.q), ALIBI=slopes is not None, MASK_KIND=mask_kind, DROPOUT=p.dropout_p > 0,
     )

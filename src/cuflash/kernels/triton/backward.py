@@ -435,7 +435,7 @@ def _shared_args(t: dict, prob: Problem, params: AttentionParams) -> dict:
                 stride_q=prob.strides(q), stride_k=prob.strides(k), stride_v=prob.strides(v),
                 stride_do=prob.strides(dout), stride_l=lse_strides(prob, params),
                 **kernel_tensors(variant_tensors(params)),
-                **variant_args(params), seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
+                **variant_args(params, prob), seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
                 group_size=prob.nheads // prob.nheads_k, softmax_scale=params.softmax_scale,
                 BLOCK_D=prob.block_d, EVEN_D=prob.head_dim == prob.block_d)
 

@@ -3,7 +3,7 @@ ALiBi, masks, sliding window), the band of tiles a window leaves, varlen offsets
 import triton
 import triton.language as tl
 
-from ..constants import BOOL_MASK, LOG2E, NO_MASK
+from ..constants import BOOL_MASK, FAST_TANH, LOG2E, NO_MASK
 
 
 @triton.jit
@@ -178,9 +178,14 @@ def band(start, BLOCK: tl.constexpr, n_other, BLOCK_OTHER: tl.constexpr, c_lo, c
 
 
 @triton.jit
-def tanh(x):
+def tanh(x, FAST: tl.constexpr = False):
     """tanh in fp32 from exp2 (the interpreter has no libdevice): an odd polynomial near 0, where
-    (1 - e^-2|x|) / (1 + e^-2|x|) would lose digits to cancellation."""
+    (1 - e^-2|x|) / (1 + e^-2|x|) would lose digits to cancellation; with FAST (on the GPU) the
+    hardware's tanh.approx.f32, one instruction for the three (exp2, a reciprocal, a select) of the
+    other (constants.FAST_TANH)."""
+    if FAST:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
     ax = tl.abs(x)
     e = tl.math.exp2(ax * (-2.0 * LOG2E))
     big = (1.0 - e) / (1.0 + e)
@@ -194,9 +199,9 @@ def tanh(x):
 def logits(qk, scores, SOFTCAP: tl.constexpr):
     """The logits of a tile in base 2 from q.k, scores = (qk_scale, softcap, ALiBi slope):
     qk * scale * LOG2E, or with SOFTCAP (qk_scale is then scale / softcap, softcap pre-multiplied by
-    LOG2E) softcap * tanh(qk * scale / softcap)."""
+    LOG2E) softcap * tanh(qk * scale / softcap), tanh as the SOFTCAP kind says (constants.py)."""
     if SOFTCAP:
-        return scores[1] * tanh(qk * scores[0])
+        return scores[1] * tanh(qk * scores[0], SOFTCAP == FAST_TANH)
     return qk * scores[0]
 
 

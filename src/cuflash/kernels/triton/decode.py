@@ -29,7 +29,7 @@ from ...params import AttentionParams
 from ..constants import LN2, LOG2E, NO_MASK
 from ..device import cdiv, next_power_of_2, padded_head_dim
 from ..launch import workspace
-from ..variant import logit_scales
+from ..variant import logit_scales, softcap_kind
 from . import DecodeLaunch
 from .common import logits, mma, score_tile, softmax_step
 
@@ -371,7 +371,7 @@ def launches(t: dict, params: AttentionParams, cfg: DecodeLaunch, seqlen_new: in
         BLOCK_B=min(1024, max(16, next_power_of_2(batch))) if repeats else 16, BATCH_CHUNKS=cdiv(batch, 1024) * repeats,
         SEQLENS="CacheSeqlens" in t,
         PAGED=block_table is not None, LEFTPAD="Leftpad" in t, BATCH_IDX="CacheRows" in t,
-        HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0, SOFTCAP=params.softcap > 0,
+        HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0, SOFTCAP=softcap_kind(params, q),
         ALIBI=slopes is not None, SPLIT=splits > 1, PREFETCH_PAGES=cfg.prefetch_pages, APPEND=k_new is not None,
         ROTARY=rotary_end is not None and "CacheSeqlens" in t,
         INPUT_PRECISION=tiles.input_precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages,

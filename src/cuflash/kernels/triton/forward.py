@@ -179,7 +179,7 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, tiles: Ti
     return _attn_fwd, grid, dict(
         **kernel_tensors(tensors), **mod_args(params, prob, "fwd"),
         stride_q=prob.strides(q), stride_k=_kv_strides(prob, k, paged), stride_v=_kv_strides(prob, v, paged),
-        stride_o=prob.strides(out), stride_l=lse_strides(prob, params), **variant_args(params),
+        stride_o=prob.strides(out), stride_l=lse_strides(prob, params), **variant_args(params, prob),
         **({} if paged else {"BlockTable": None}), stride_tb=table.stride(0) if table is not None else 0,
         page_size=k.shape[1] if paged else 0, PAGED=paged,
         nheads=prob.nheads, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,

@@ -39,7 +39,8 @@ _TL_DTYPES = {torch.float32: "tl.float32", torch.float64: "tl.float64", torch.fl
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
           "and": "&", "or": "|", "xor": "^", "lshift": "<<", "rshift": ">>"}
 _UNARY = {"neg": "-{0}", "abs": "tl.abs({0})", "exp": "tl.exp({0})", "exp2": "tl.exp2({0})", "log": "tl.log({0})",
-          "log2": "tl.log2({0})", "log1p": "tl.log(1.0 + {0})", "expm1": "(tl.exp({0}) - 1.0)", "tanh": "tanh({0})",
+          "log2": "tl.log2({0})", "log1p": "tl.log(1.0 + {0})", "expm1": "(tl.exp({0}) - 1.0)",
+          "tanh": "tanh({0}, {fast})",
           "sigmoid": "(1.0 / (1.0 + tl.exp(-{0})))", "sqrt": "tl.sqrt_rn({0})", "rsqrt": "(1.0 / tl.sqrt_rn({0}))",
           "sin": "tl.sin({0})", "cos": "tl.cos({0})", "floor": "tl.floor({0})", "ceil": "tl.ceil({0})",
           "trunc": "tl.where({0} < 0, tl.ceil({0}), tl.floor({0}))", "round": "round_half_even({0})",
@@ -128,8 +129,8 @@ def _literal(value) -> str:
 class _Writer:
     """Python source of one function, one line per node."""
 
-    def __init__(self, graph: ModGraph):
-        self.graph = graph
+    def __init__(self, graph: ModGraph, fast: bool):
+        self.graph, self.fast = graph, fast
         self.lines: list[str] = []
         self.names: dict[int, str] = {}
         self.args = _ArgLayout(graph)
@@ -177,7 +178,7 @@ class _Writer:
         elif n.op == "pow":
             expr = self.pow(n)
         else:
-            expr = _UNARY[n.op].format(self.name(n.args[0]), d=d)
+            expr = _UNARY[n.op].format(self.name(n.args[0]), d=d, fast=self.fast)
         self.lines.append(f"    {v} = ({expr}).to({d})")
 
     def pointer(self, n: Node, prefix: str, where: tuple, ok: str | None = None) -> tuple[list[str], str]:
@@ -249,27 +250,28 @@ def grad_args(grads: list[torch.Tensor]) -> tuple:
     return tuple(out) if out else (0,)
 
 
-def forward_function(graph: ModGraph) -> triton.JITFunction:
-    """The mod as a @triton.jit function (see the module's doc)."""
-    w = _Writer(graph)
+def forward_function(graph: ModGraph, fast: bool = False) -> triton.JITFunction:
+    """The mod as a @triton.jit function (see the module's doc); fast: tanh by the GPU's approximation
+    (common.tanh's FAST, for 16-bit inputs on the GPU)."""
+    w = _Writer(graph, fast)
     for i, n in enumerate(graph.nodes):
         w.emit(n, i)
     params = ", ".join((*graph.inputs, "args"))
     body = w.lines + [f"    return {w.name(graph.output)}"]
-    return _compile(graph, "fwd", f"def {{name}}({params}):\n" + "\n".join(body) + "\n")
+    return _compile(graph, "fwd" + "fast" * fast, f"def {{name}}({params}):\n" + "\n".join(body) + "\n")
 
 
-def backward_function(graph: ModGraph, requires_grad: tuple[bool, ...]) -> triton.JITFunction:
+def backward_function(graph: ModGraph, requires_grad: tuple[bool, ...], fast: bool = False) -> triton.JITFunction:
     """The score_mod's backward (see the module's doc): the gradient of the score from `grad`, the
     gradient of its output, and atomic additions into the buffers of the captured tensors whose flag
-    in requires_grad is set."""
-    w = _Writer(graph)
+    in requires_grad is set; fast as forward_function's (the forward's values recomputed alike)."""
+    w = _Writer(graph, fast)
     for i, n in enumerate(graph.nodes):
         w.emit(n, i)
     body = w.lines + _adjoints(graph, w, requires_grad)
     params = ", ".join((*graph.inputs, "args", "grad", "grads"))
     flags = "".join("1" if r else "0" for r in requires_grad)
-    return _compile(graph, f"bwd{flags}", f"def {{name}}({params}):\n" + "\n".join(body) + "\n")
+    return _compile(graph, f"bwd{flags}" + "fast" * fast, f"def {{name}}({params}):\n" + "\n".join(body) + "\n")
 
 
 def _differentiable(graph: ModGraph, requires_grad: tuple[bool, ...]) -> set[int]:
