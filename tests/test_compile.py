@@ -31,6 +31,20 @@ def test_gradcheck_float64_cpu_path(monkeypatch, causal, custom_op):
         assert torch.autograd.gradcheck(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal), (q, k, v))
 
 
+@pytest.mark.parametrize("custom_op", [False, True], ids=["eager", "custom_op"])
+def test_gradcheck_of_the_lse_cpu_path(monkeypatch, custom_op):
+    """softmax_lse is differentiable through both autograd paths: out and lse together, and lse alone."""
+    monkeypatch.setenv("CUFLASH_BACKEND", "cpu")
+    torch.manual_seed(11)
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 5, 7, 4, 2, 4, dtype=torch.float64, device="cpu"))
+
+    def attention(a, b, c):
+        return cuflash.flash_attn_func(a, b, c, causal=True, return_attn_probs=True)[:2]
+    with _PassThrough() if custom_op else contextlib.nullcontext():
+        assert torch.autograd.gradcheck(attention, (q, k, v))
+        assert torch.autograd.gradcheck(lambda a, b, c: attention(a, b, c)[1], (q, k, v))
+
+
 class _Block(torch.nn.Module):
     """A projection and cuflash attention with the given options, flattened back."""
 

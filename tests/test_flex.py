@@ -326,6 +326,39 @@ def test_lse_and_aux(backend):
     assert rel_err(plain, oracle(q, k, v)[0]) < 1e-5
 
 
+@pytest.mark.parametrize("only_lse", [False, True])
+def test_lse_gradient(backend, only_lse):
+    """The lse is differentiable, as torch's flex_attention's: a loss on out and lse (or on lse alone) gets
+    the oracle's gradients, through a score_mod, a block mask and grouped-query heads; rows that see no key
+    (lse -inf) pass no gradient."""
+    q, k, v = inputs((2, 4, 33, 16), (2, 2, 41, 16), EXACT[backend], only_lse)
+    block_mask = cuflash.create_block_mask(late_rows(5), None, None, 33, 41, device="cpu", BLOCK_SIZE=16)
+    score_mod = alibi(torch.rand(4) / 4)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse = cuflash.flex_attention(*leaves, score_mod=score_mod, block_mask=block_mask, return_lse=True,
+                                      enable_gqa=True)
+    g_out, g_lse = torch.randn_like(out), torch.randn_like(lse)
+    seen = ~lse.isneginf()
+    loss = (lse[seen] * g_lse[seen]).sum() + (0 if only_lse else (out * g_out).sum())
+    loss.backward()
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = oracle(*refs, score_mod=score_mod, mask_mod=late_rows(5))
+    kd = refs[1].repeat_interleave(2, 1)
+    scores = score_mod(refs[0] @ kd.transpose(-1, -2) * 16 ** -0.5,
+                       *(torch.arange(n, dtype=torch.int32).view(shape) for n, shape in (
+                           (2, (-1, 1, 1, 1)), (4, (1, -1, 1, 1)), (33, (-1, 1)), (41, (1, -1)))))
+    visible = late_rows(5)(0, 0, torch.arange(33)[:, None], torch.arange(41)[None, :])
+    ref_lse = scores.masked_fill(~visible, -math.inf)[..., 5:, :].logsumexp(-1)  # (rows 5 on see keys)
+    ref_loss = (ref_lse * g_lse[..., 5:].double()).sum() + (0 if only_lse else (ref_out * g_out.double()).sum())
+    ref_loss.backward()
+    assert torch.equal(seen[..., 5:], torch.ones_like(seen[..., 5:])) and not seen[..., :5].any()
+    for name, ours, theirs in zip(("dq", "dk", "dv"), leaves, refs):
+        if theirs.grad is None:  # (the lse does not depend on v)
+            assert name == "dv" and only_lse and not ours.grad.any()
+        else:
+            assert rel_err(ours.grad, theirs.grad) < BOUND[q.dtype], name
+
+
 # create_block_mask: torch's lists, without torch.compile.
 
 LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",

@@ -280,15 +280,16 @@ def attention_forward(q, k, v, params: AttentionParams, plans: dict | None = Non
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
-def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, plans: dict | None = None):
+def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, plans: dict | None = None,
+                       dlse: torch.Tensor | None = None):
     """Same contract as kernels.attention_backward (plans: as attention_forward's)."""
     if not params.varlen:
-        return _backward(dout, q, k, v, out, lse, params)
+        return _backward(dout, q, k, v, out, lse, params, dlse=dlse)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     for b, q_rows, k_rows, p in _sequences(params):
         dq[q_rows], dk[k_rows], dv[k_rows] = (g[0] for g in _backward(
             dout[None, q_rows], q[None, q_rows], k[None, k_rows], v[None, k_rows], out[None, q_rows],
-            lse[None, :, q_rows], p, b))
+            lse[None, :, q_rows], p, b, None if dlse is None else dlse[None, :, q_rows]))
     return dq, dk, dv
 
 
@@ -330,13 +331,15 @@ def _forward(q, k, v, p: AttentionParams, first_batch: int = 0):
     return out.to(q.dtype).contiguous(), lse.view(batch, nheads, seqlen_q)
 
 
-def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0):
+def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0, dlse: torch.Tensor | None = None):
     batch, seqlen_q, nheads, head_dim = q.shape
     tiles = ScoreTiles(q, k, p, first_batch)
     nheads_k, group, dtype, seqlen_k = tiles.nheads_k, tiles.group, tiles.dtype, tiles.seqlen_k
     qg = _grouped(q, nheads_k, dtype)
     dog = _grouped(dout, nheads_k, dtype)
     delta = (dog * _grouped(out, nheads_k, dtype)).sum(-1)  # (B, Hk, G, Nq)
+    if dlse is not None:  # d lse_i / d s_ij = p_ij: dS = P (dP - delta + dlse)
+        delta -= dlse.reshape(batch, nheads_k, group, seqlen_q).to(dtype)
     lseg = lse.reshape(batch, nheads_k, group, seqlen_q).to(dtype)
     kg = k.to(dtype).transpose(1, 2).contiguous()  # (B, Hk, Nk, D): matmuls on strided K run slower
     vg = v.to(dtype).transpose(1, 2).contiguous()

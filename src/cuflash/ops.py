@@ -82,22 +82,25 @@ def _(q, k, v, *params):
 
 @torch.library.custom_op("cuflash::bwd", mutates_args=())
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, softmax_lse: torch.Tensor, softmax_scale: float,
+                       out: torch.Tensor, softmax_lse: torch.Tensor, softmax_lse_grad: Optional[torch.Tensor],
+                       softmax_scale: float,
                        window_left: int, window_right: int, bottom_right: bool, softcap: float,
                        alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], dropout_p: float,
                        rng_seed: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                        cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
                        deterministic: bool, block_table: Optional[torch.Tensor], block_m: int,
                        block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of attention_forward, shaped like q, k, v."""
+    """Gradients (dq, dk, dv) of attention_forward, shaped like q, k, v, from those of out (dout) and of
+    softmax_lse (softmax_lse_grad, or None)."""
     params = AttentionParams(softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
                              attn_mask, dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              deterministic, block_table, block_m, block_n)
-    return _backward_backend(q, params).attention_backward(dout, q, k, v, out, softmax_lse, params)
+    return _backward_backend(q, params).attention_backward(dout, q, k, v, out, softmax_lse, params,
+                                                           dlse=softmax_lse_grad)
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, softmax_lse, *params):
+def _(dout, q, k, v, out, softmax_lse, softmax_lse_grad, *params):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
@@ -147,9 +150,12 @@ def _eager_only(params: AttentionParams) -> None:
              "on plain tensors")
 
 
-def _contiguous_last(dout: torch.Tensor) -> torch.Tensor:
-    # Gradients can arrive with any strides (a broadcast from .sum() has stride 0 everywhere);
-    # the kernels need a contiguous last dim.
+def _output_grad(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """The gradient of out as the kernels take it: zeros where only softmax_lse has one (autograd gives
+    None); gradients can arrive with any strides (a broadcast from .sum() has stride 0 everywhere), and
+    the kernels need a contiguous last dim."""
+    if dout is None:
+        return torch.zeros_like(out)
     return dout if dout.stride(-1) == 1 else dout.contiguous()
 
 
@@ -160,7 +166,6 @@ def _save(ctx, q, k, v, out, lse, params: AttentionParams, plans: dict | None = 
     ctx.save_for_backward(q, k, v, out, lse, *tensors)
     ctx.params = params.with_tensors((None,) * len(tensors)) if params.holds_tensors else params
     ctx.plans = plans
-    ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zero tensor made for lse's gradient on every backward
 
 
@@ -187,13 +192,13 @@ class _Attention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, params = _restore(ctx)
         captured = () if params.mods is None else params.mods.grad_tensors()
-        if dout is None:  # only lse was differentiated (it has no gradient): every gradient is zero
+        if dout is None and dlse is None:
             return (None,) * (5 + len(captured))
         backend = _backward_backend(q, params, ctx.backend)
-        dout = _contiguous_last(dout)
+        dout = _output_grad(dout, out)
         if captured:  # the backward adds the captured tensors' gradients into fp32 buffers (fp64 for fp64)
             assert params.mods is not None
             buffers = tuple(torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
@@ -201,7 +206,7 @@ class _Attention(torch.autograd.Function):
             params = dataclasses.replace(params, mods=dataclasses.replace(params.mods, grads=buffers))
         recorded = torch.is_grad_enabled()
         with torch.no_grad():
-            grads = backend.attention_backward(dout, q, k, v, out, lse, params, plans=ctx.plans)
+            grads = backend.attention_backward(dout, q, k, v, out, lse, params, plans=ctx.plans, dlse=dlse)
         if captured:
             grads = (*grads, *(b.to(t.dtype) for b, t in zip(buffers, captured)))
         if recorded:
@@ -263,7 +268,7 @@ def backward(dout, q, k, v, out, softmax_lse, params: AttentionParams):
     if bypasses_custom_op(q):
         return _backward_backend(q, params).attention_backward(dout, q, k, v, out, softmax_lse, params)
     _eager_only(params)
-    return attention_backward(dout, q, k, v, out, softmax_lse, *params.as_args())
+    return attention_backward(dout, q, k, v, out, softmax_lse, None, *params.as_args())
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | int,
@@ -292,12 +297,12 @@ def _setup_context(ctx, inputs, output):
     _save(ctx, q, k, v, *output, AttentionParams(*args))
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, dlse):
     fields = len(OP_FIELD_NAMES)
-    if dout is None:  # (as _Attention.backward)
+    if dout is None and dlse is None:  # (as _Attention.backward)
         return (None,) * (3 + fields)
     q, k, v, out, lse, params = _restore(ctx)
-    dq, dk, dv = attention_backward(_contiguous_last(dout), q, k, v, out, lse, *params.as_args())
+    dq, dk, dv = attention_backward(_output_grad(dout, out), q, k, v, out, lse, dlse, *params.as_args())
     return (dq, dk, dv) + (None,) * fields
 
 

@@ -89,15 +89,17 @@ def forward_launch(t: dict, params: AttentionParams, entry: Entry | None) -> tup
 
 
 def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: Entry | None = None,
-                       plans: dict | None = None):
+                       plans: dict | None = None, dlse: torch.Tensor | None = None):
     """Gradients of attention_forward: dq, dk, dv shaped like q, k, v. dout and out are shaped
-    like q, lse like the forward's softmax_lse. plans: attention_forward's, whose out and lse these
-    are."""
+    like q, lse like the forward's softmax_lse, and so dlse, the gradient of lse where it has one.
+    plans: attention_forward's, whose out and lse these are."""
     tensors = dict(Q=q, K=k, V=v, Out=out, DO=dout, Lse=lse.contiguous(),
                    DQ=torch.empty_like(q, memory_format=torch.contiguous_format),
                    DK=torch.empty_like(k, memory_format=torch.contiguous_format),
                    DV=torch.empty_like(v, memory_format=torch.contiguous_format))
-    key = _open_key(plans, params, entry, "backward", (q, k, v, dout), dout.stride(), dout.dtype)
+    if dlse is not None:
+        tensors["DLse"] = dlse.to(torch.float32).contiguous()
+    key = _open_key(plans, params, entry, "backward", (q, k, v, dout), dout.stride(), dout.dtype, dlse is not None)
     plan = kept(plans, key)
     if plan is not None:
         plan(tensors)
@@ -115,7 +117,7 @@ def _backward(t: dict, params: AttentionParams, entry: Entry | None) -> list[tup
     all three in the Triton dK/dV kernel where one key tile holds every key. Workspaces added to t
     are made anew on every call (kernels/launch.py's workspace())."""
     prob = problem(t["Q"], t["K"], t["V"], params, t["DO"])
-    plan = select(prob, params, entry)
+    plan = select(prob, params, entry, one_launch="DLse" not in t)
     dkdv = plan.dkdv
     assert dkdv is not None  # (select plans the backward's passes when the problem has dO)
     if isinstance(dkdv, Tiles) and plan.dq is None:

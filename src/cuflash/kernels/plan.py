@@ -64,9 +64,10 @@ class Plan:
     dq: Tiles | gluon.Dq | None = None
 
 
-def select(prob: Problem, params: AttentionParams, entry: Entry | None = None) -> Plan:
+def select(prob: Problem, params: AttentionParams, entry: Entry | None = None, one_launch: bool = True) -> Plan:
     """The plan for a call: the entry's (by default the table's, or the tiles the call asks for)
-    first candidate of each pass that its kernel family accepts."""
+    first candidate of each pass that its kernel family accepts; one_launch False: not the one-launch
+    backward (which computes delta itself: a backward given the lse's gradient needs the delta pass)."""
     entry = entry or table_entry(prob, params)
     if params.mods is not None:
         entry = _within_blocks(entry, params, prob.block_d)
@@ -76,7 +77,8 @@ def select(prob: Problem, params: AttentionParams, entry: Entry | None = None) -
     forward = _first(entry.forward, plain, seqlens, streamed, prob)
     if prob.dout is None:
         return Plan(forward)
-    dkdv = _first(entry.dkdv, plain, seqlens, (prob.q, prob.dout), prob)
+    dkdv = _first(tuple(c for c in entry.dkdv if one_launch or not isinstance(c, OneLaunch)), plain, seqlens,
+                  (prob.q, prob.dout), prob)
     if isinstance(dkdv, OneLaunch):
         return Plan(forward, dkdv.tiles.on(seqlens, prob.q, prob.dout), None)
     if isinstance(dkdv, gluon.Dkdv) and dkdv.fuse_dq:

@@ -36,11 +36,13 @@ ROWS_PER_PROGRAM = 64  # query rows per program of the delta and cast kernels (t
 
 
 @triton.jit
-def _attn_bwd_delta(Out, DO, Lse, Delta, AccInit, stride_o, stride_do, stride_l, nheads, seqlen_q, head_dim, padded_q,
-                    softmax_scale,
+def _attn_bwd_delta(Out, DO, Lse, DLse, Delta, AccInit, stride_o, stride_do, stride_l, nheads, seqlen_q, head_dim,
+                    padded_q, softmax_scale,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC_INIT: tl.constexpr):
-    """delta of BLOCK_M rows of a (batch, head). ACC_INIT: also the Gluon dK/dV kernel's starting
-    values of its S^T and dP^T accumulators per query row, -lse / softmax_scale and -delta
+    """delta of BLOCK_M rows of a (batch, head), less the lse's own gradient where one is given (DLse,
+    laid out as Lse): d lse_i / d s_ij = p_ij, so dS = P (dP - delta + dlse). ACC_INIT: also the Gluon
+    dK/dV kernel's starting values of its S^T and dP^T accumulators per query row, -lse / softmax_scale
+    and -delta
     (AccInit[0] and [1], each (batch * nheads, padded_q): rows up to a whole tile, which read
     -inf and 0, so that their P is 0)."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -54,6 +56,8 @@ def _attn_bwd_delta(Out, DO, Lse, Delta, AccInit, stride_o, stride_do, stride_l,
     do = read_tile(DO, stride_do, off_b, off_h, 0, start_m, rows, seqlen_q, offs_d, head_dim, True).to(tl.float32)
     delta = tl.sum(o * do, 1)
     row_ptr = off_b * stride_l[0] + off_h * stride_l[1] + offs_m
+    if DLse is not None:
+        delta -= tl.load(DLse + row_ptr, mask=offs_m < seqlen_q, other=0.0)
     tl.store(Delta + row_ptr, delta, mask=offs_m < seqlen_q)
     if ACC_INIT:
         lse = tl.load(Lse + row_ptr, mask=offs_m < seqlen_q, other=float("inf"))
@@ -420,7 +424,7 @@ def delta_launch(t: dict, prob: Problem, params: AttentionParams, acc_init: bool
         # Every element written (the grid covers padded_q rows of each (batch, head)) before the dK/dV kernel reads.
         t["AccInit"] = workspace((2, prob.batch * prob.nheads, padded_q), torch.float32, q.device, zeroed=False)
     return _attn_bwd_delta, (cdiv(rows, ROWS_PER_PROGRAM), batch * prob.nheads), dict(
-        Out=t["Out"], DO=dout, Lse=t["Lse"], Delta=t["Delta"], AccInit=t.get("AccInit"),
+        Out=t["Out"], DO=dout, Lse=t["Lse"], DLse=t.get("DLse"), Delta=t["Delta"], AccInit=t.get("AccInit"),
         stride_o=prob.strides(t["Out"]), stride_do=prob.strides(dout), stride_l=lse_strides(prob, params),
         nheads=prob.nheads,
         seqlen_q=rows, head_dim=prob.head_dim, padded_q=padded_q, softmax_scale=params.softmax_scale,
