@@ -218,6 +218,23 @@ def test_flex_on_gpu(case, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mod", ["shift", "tanh_of_indices", "tanh_of_a_16bit_table"])
+def test_hopper_mod_edges_on_gpu(mod, dtype):
+    """Query blocks longer than the queries (a 128-row block over 50 rows lists a 64-row tile past every
+    query, whose rows must pass no probability: exp(12) overflows fp16), and tanh of operands that are
+    not fp32 (an integer expression, a 16-bit captured table) on the GPU's fast tanh."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, 50, 128, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, 4, 128, 128, device="cuda", dtype=dtype) for _ in range(2))
+    table = torch.randn(4, device="cuda", dtype=dtype)
+    score_mod = {"shift": lambda score, b, h, q_idx, kv_idx: score + 12.0,
+                 "tanh_of_indices": lambda score, b, h, q_idx, kv_idx: score + torch.tanh(q_idx - kv_idx),
+                 "tanh_of_a_16bit_table": lambda score, b, h, q_idx, kv_idx: score + torch.tanh(table[h])}[mod]
+    check(q, k, v, score_mod=score_mod, mask_mod=causal, block_size=128, bound=GPU_BOUND[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("mask", [None, "causal"])
 def test_learnable_bias_on_gpu(mask, head_dim, dtype):

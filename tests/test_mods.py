@@ -48,6 +48,10 @@ def clipped_distance(score, b, h, q_idx, kv_idx):
     return score + (kv_idx - q_idx).clamp(-5, 5) * 0.5 + torch.maximum(-q_idx, kv_idx - 40)
 
 
+def tanh_of_indices(score, b, h, q_idx, kv_idx):  # tanh of an integer expression
+    return score + torch.tanh(q_idx - kv_idx)
+
+
 def softcap(score, b, h, q_idx, kv_idx):
     return 20.0 * torch.tanh(score / 20.0)
 
@@ -74,7 +78,8 @@ def logic(b, h, q_idx, kv_idx):
     return torch.logical_or((h == 1) & (kv_idx % 3 == 0), ~(q_idx < kv_idx)) ^ (b == 1)
 
 
-SCORE_MODS = [rel_bias, chained_index, alibi, learnable_alibi, clipped_distance, softcap, math_ops]
+SCORE_MODS = [rel_bias, chained_index, alibi, learnable_alibi, clipped_distance, tanh_of_indices, softcap,
+              math_ops]
 MASK_MODS = [document, window, logic]
 
 

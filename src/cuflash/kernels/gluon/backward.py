@@ -267,19 +267,21 @@ def _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, f
 def _modded_p(s, init_smem, keys, cols, offset, item_mods, MASKED: gl.constexpr, s_layout: gl.constexpr,
               SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr):
     """P^T of a tile under mods, from S^T = K Q^T (keys `keys` by query rows `cols`): (the score_mod's
-    input, the scaled score x, and P^T = exp(mod(x) - lse)), the mask_mod's hidden keys, those past the
-    causal diagonal (MASKED) and past seqlen_k (so that no gradient reaches a captured tensor from
-    them) at 0. item_mods = (batch, head, score_mod's and mask_mod's arguments, seqlen_k,
-    softmax_scale, gradient buffers); init_smem: -lse / softmax_scale per column (_start)."""
-    b, h, score_args, mask_args, seqlen_k, softmax_scale = (item_mods[0], item_mods[1], item_mods[2], item_mods[3],
-                                                            item_mods[4], item_mods[6])
+    input, the scaled score x, and P^T = exp(mod(x) - lse)), at 0 the mask_mod's hidden keys, those past
+    the causal diagonal (MASKED), past seqlen_k and of rows past seqlen_q (so that no gradient reaches a
+    captured tensor from them; a block mask's last query block may list tiles past AccInit's padded rows,
+    whose boxes read 0, not -lse). item_mods = (batch, head, score_mod's and mask_mod's arguments,
+    seqlen_k, gradient buffers, softmax_scale, seqlen_q); init_smem: -lse / softmax_scale per column
+    (_start)."""
+    b, h, score_args, mask_args, seqlen_k, softmax_scale, seqlen_q = (
+        item_mods[0], item_mods[1], item_mods[2], item_mods[3], item_mods[4], item_mods[6], item_mods[7])
     q_idx = gl.expand_dims(cols, 0)
     kv_idx = gl.expand_dims(keys, 1)
     x = s * softmax_scale
     y = x
     if SCORE_MOD is not None:
         y = SCORE_MOD(x, b, h, q_idx, kv_idx, score_args)
-    visible = kv_idx < seqlen_k
+    visible = (kv_idx < seqlen_k) & (q_idx < seqlen_q)
     if MASK_MOD is not None:
         visible = visible & MASK_MOD(b, h, q_idx, kv_idx, mask_args)
     if MASKED:  # query row i sees key n where n <= i + offset
@@ -422,7 +424,7 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
                 fused = None
                 if FUSED:
                     fused = (ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_h, softmax_scale)
-                item_mods = (off_b, off_h, mods[0], mods[1], seqlen_k, mods[2], softmax_scale)
+                item_mods = (off_b, off_h, mods[0], mods[1], seqlen_k, mods[2], softmax_scale, seqlen_q)
                 if SPARSE_KV:  # (the loader's walk)
                     walk = listed_walk(blocks, off_b, off_h, start_n, SPARSE_KV, SPARSE_Q, HAS_FULL, ROWS)
                     dk, dv = _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, fused, base,
@@ -473,6 +475,8 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc, BlockNum, BlockId
     # SPLIT_D (dkdv_launch): both consumers take the same 64 keys, each half of dK's and dV's columns;
     # else each takes its own 64 of an item's 128.
     # kv_free: both consumers' dK and dV have left the item's K/V buffer (split D: both are done with it).
+    # (A block mask's walk starts every head's query tiles at 0: no causal range beside it; plan.py.)
+    gl.static_assert(not (CAUSAL and SPARSE_KV > 0), "a block mask with causal=True")
     k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, q_ready, do_ready, empty = _buffers(
         Q.dtype.element_ty, HEAD_D, ROWS, STAGES, KV_BUFFERS, 1 if SPLIT_D else 2)
     # Per ring buffer, the boxes of AccInit that come with its Q and its dO.
@@ -650,7 +654,7 @@ def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dkdv
     kv_buffers = 1 if (acc is not None and prob.head_dim == 128) or split_d else 2
     acc_strides = box_strides(prob, acc) if acc is not None else (0, 0, 0)
     mods = mod_args(params, prob, "dkdv")
-    del mods["SPARSE"], mods["EVEN_BLOCKS"]  # (SPARSE_KV > 0; AccInit's padding and K's zero-fill bound the blocks)
+    del mods["SPARSE"], mods["EVEN_BLOCKS"]  # (SPARSE_KV > 0; _modded_p checks both bounds)
     return _attn_bwd_dkdv_hopper, (min(cdiv(items, 2), num_sms(dk.device)),), dict(
         **mods, **_shared_args(tensors, prob, params), AccInit=init, padded_q=init.shape[2], DK=dk, DV=dv, DQAcc=acc,
         stride_dk=box_strides(prob, dk), stride_dv=box_strides(prob, dv), stride_a=acc_strides,

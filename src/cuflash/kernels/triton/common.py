@@ -179,20 +179,24 @@ def band(start, BLOCK: tl.constexpr, n_other, BLOCK_OTHER: tl.constexpr, c_lo, c
 
 @triton.jit
 def tanh(x, FAST: tl.constexpr = False):
-    """tanh in fp32 from exp2 (the interpreter has no libdevice): an odd polynomial near 0, where
-    (1 - e^-2|x|) / (1 + e^-2|x|) would lose digits to cancellation; with FAST (on the GPU) the
-    hardware's tanh.approx.f32, one instruction for the three (exp2, a reciprocal, a select) of the
-    other (constants.FAST_TANH)."""
+    """tanh in fp32 (fp64 for fp64 x) from exp2 (the interpreter has no libdevice): an odd polynomial
+    near 0, where (1 - e^-2|x|) / (1 + e^-2|x|) would lose digits to cancellation; with FAST (on the
+    GPU) the hardware's tanh.approx.f32, one instruction for the three (exp2, a reciprocal, a select)
+    of the other (constants.FAST_TANH). Integer and 16-bit x are taken to fp32 first."""
+    if x.dtype != tl.float64:
+        x = x.to(tl.float32)
     if FAST:
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    ax = tl.abs(x)
-    e = tl.math.exp2(ax * (-2.0 * LOG2E))
-    big = (1.0 - e) / (1.0 + e)
-    x2 = ax * ax
-    small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    t = tl.where(ax < 0.125, small, big)
-    return tl.where(x < 0, -t, t)
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        ax = tl.abs(x)
+        e = tl.math.exp2(ax * (-2.0 * LOG2E))
+        big = (1.0 - e) / (1.0 + e)
+        x2 = ax * ax
+        small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+        t = tl.where(ax < 0.125, small, big)
+        t = tl.where(x < 0, -t, t)
+    return t
 
 
 @triton.jit

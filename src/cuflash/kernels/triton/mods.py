@@ -178,7 +178,8 @@ class _Writer:
         elif n.op == "pow":
             expr = self.pow(n)
         else:
-            expr = _UNARY[n.op].format(self.name(n.args[0]), d=d, fast=self.fast)
+            # (the fast tanh computes in fp32: not for a node in fp64)
+            expr = _UNARY[n.op].format(self.name(n.args[0]), d=d, fast=self.fast and n.dtype != torch.float64)
         self.lines.append(f"    {v} = ({expr}).to({d})")
 
     def pointer(self, n: Node, prefix: str, where: tuple, ok: str | None = None) -> tuple[list[str], str]:
