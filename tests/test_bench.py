@@ -29,6 +29,28 @@ def test_cpu_bench_writes_csv_table_and_plot(tmp_path, capsys):
     assert "cuflash GFLOP/s" in capsys.readouterr().out
 
 
+def test_plot_of_a_flex_sweep(tmp_path):
+    """`python -m cuflash.bench.plot` on `bench --flex`'s CSV (told apart by its columns): a panel per mod
+    and pass, wider with more mods."""
+    pytest.importorskip("matplotlib")
+    from cuflash.bench.plot import main as plot_main
+
+    def sweep(mods):
+        path = tmp_path / f"flex_{len(mods)}.csv"
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["mod", "provider", "seqlen", "head_dim", "fwd_tflops",
+                                                   "bwd_tflops"])
+            writer.writeheader()
+            writer.writerows(dict(mod=m, provider=p, seqlen=n, head_dim=128, fwd_tflops=100 + n / 100,
+                                  bwd_tflops=80) for m in mods for p in ("cuflash-flex", "torch-flex")
+                             for n in (2048, 4096))
+        assert plot_main([str(path)]) == 0
+        from PIL import Image
+        return Image.open(path.with_suffix(".png")).size
+    one, four = sweep(["causal"]), sweep(["causal", "alibi", "softcap", "document"])
+    assert four[0] > 1.9 * one[0] and four[1] > 1.9 * one[1]  # 2 x 1 panels against 4 x 2
+
+
 def test_cpu_bench_variants(tmp_path):
     rc = main(["--device", "cpu", "--providers", "cuflash,sdpa", "--seqlens", "64", "--hdims", "16", "--batch", "1",
                "--nheads", "2", "--dtype", "fp32", "--modes", "fwd", "--iters", "2", "--causal", "true",

@@ -162,5 +162,11 @@ def main(argv=None, prog: str = "python -m cuflash.bench --flex") -> int:
                 rows += done
                 if args.out is not None:  # (after every case: a sweep cut short keeps what it measured)
                     write_csv(rows, args.out / "flex.csv")
+        if args.out is not None:
+            try:
+                from .plot import flex_plot
+                print(f"plot: {flex_plot(args.out / 'flex.csv', args.out / 'flex.png')}")
+            except ImportError:
+                print("plot skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
         return 0
     return run_guarded(prog, sweep)

@@ -1,5 +1,6 @@
 """Plots of a benchmark CSV: TFLOP/s against seqlen, one line per provider, one panel per
-(variant, mode, head dim, causal). Usage: python -m cuflash.bench.plot results.csv [--out results.png]"""
+(variant, mode, head dim, causal), or for `bench --flex`'s CSV (flex_plot) per (mod, pass).
+Usage: python -m cuflash.bench.plot results.csv [--out results.png]"""
 from __future__ import annotations
 
 import argparse
@@ -54,13 +55,52 @@ def plot(csv_path: Path, png_path: Path, title: str = "", metric: str = "tflops"
     return png_path
 
 
+def flex_plot(csv_path: Path, png_path: Path, title: str = "") -> Path:
+    """`bench --flex`'s CSV: TFLOP/s of the visible pairs against the keys, a line per provider, a panel
+    per mod and pass (forward, backward), a row per head dim."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(csv_path) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("fwd_tflops")]
+    mods = list(dict.fromkeys(r["mod"] for r in rows))
+    panels = [(d, m, p) for d in dict.fromkeys(r["head_dim"] for r in rows) for m in mods for p in ("fwd", "bwd")]
+    cols = 2 * len(mods) if len(mods) <= 2 else 4
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.0 * nrows), squeeze=False)
+    for ax, (head_dim, mod, pass_) in zip(axes.flat, panels):
+        mine = [r for r in rows if (r["head_dim"], r["mod"]) == (head_dim, mod)]
+        for provider in dict.fromkeys(r["provider"] for r in mine):
+            pts = sorted((int(r["seqlen"]), float(r[f"{pass_}_tflops"])) for r in mine if r["provider"] == provider)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    linewidth=2.5 if provider == "cuflash-flex" else 1.2, label=provider)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{mod}, {'forward' if pass_ == 'fwd' else 'backward'}, D={head_dim}", fontsize=10)
+        ax.set_xlabel("keys")
+        ax.set_ylabel("TFLOP/s (visible pairs)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cuflash.bench.plot", description=__doc__)
     p.add_argument("csv", type=Path)
     p.add_argument("--out", type=Path, default=None, help="PNG path (default: beside the CSV)")
     p.add_argument("--title", default="")
     args = p.parse_args(argv)
-    print(plot(args.csv, args.out or args.csv.with_suffix(".png"), args.title))
+    with open(args.csv) as f:
+        flex = "fwd_tflops" in (csv.DictReader(f).fieldnames or ())
+    print((flex_plot if flex else plot)(args.csv, args.out or args.csv.with_suffix(".png"), args.title))
     return 0
 
 
