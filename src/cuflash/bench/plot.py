@@ -12,29 +12,19 @@ from pathlib import Path
 def plot(csv_path: Path, png_path: Path, title: str = "", metric: str = "tflops") -> Path:
     """metric: "tflops" (the y axis from 0) or "ms" (time per call, log scale: providers far apart,
     as the CPU and GPU of `cuflash experiment`)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     with open(csv_path) as f:
         rows = [r for r in csv.DictReader(f) if r.get("tflops")]
     panels = list(dict.fromkeys((r.get("variant", "none"), r["mode"], r["head_dim"], r["causal"]) for r in rows))
-    cols = min(4, len(panels))
-    nrows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
     if metric == "ms":
         unit, scale = "ms per call", 1.0
     else:
         unit = "TFLOP/s" if any(float(r["tflops"]) > 1 for r in rows) else "GFLOP/s"
         scale = 1.0 if unit == "TFLOP/s" else 1e3
+    plt, fig, axes = _figure(len(panels), min(4, len(panels)), (4.2, 3.4))
     for ax, panel in zip(axes.flat, panels):
         variant, mode, head_dim, causal = panel
         mine = [r for r in rows if (r.get("variant", "none"), r["mode"], r["head_dim"], r["causal"]) == panel]
-        for provider in dict.fromkeys(r["provider"] for r in mine):
-            pts = sorted((int(r["seqlen"]), float(r[metric]) * scale) for r in mine if r["provider"] == provider)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    linewidth=2.5 if provider == "cuflash" else 1.2, label=provider)
-        ax.set_xscale("log", base=2)
+        _lines(ax, mine, lambda r: float(r[metric]) * scale, "cuflash")
         name = "" if variant == "none" else f"{variant}, "
         ax.set_title(f"{name}{mode}, D={head_dim}, {'causal' if causal == 'True' else 'non-causal'}", fontsize=10)
         ax.set_xlabel("seqlen")
@@ -43,45 +33,51 @@ def plot(csv_path: Path, png_path: Path, title: str = "", metric: str = "tflops"
             ax.set_yscale("log")
         else:
             ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return png_path
+    return _save(plt, fig, axes, len(panels), title, png_path)
 
 
 def flex_plot(csv_path: Path, png_path: Path, title: str = "") -> Path:
     """`bench --flex`'s CSV: TFLOP/s of the visible pairs against the keys, a line per provider, a panel
     per mod and pass (forward, backward), a row per head dim."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     with open(csv_path) as f:
         rows = [r for r in csv.DictReader(f) if r.get("fwd_tflops")]
     mods = list(dict.fromkeys(r["mod"] for r in rows))
     panels = [(d, m, p) for d in dict.fromkeys(r["head_dim"] for r in rows) for m in mods for p in ("fwd", "bwd")]
-    cols = 2 * len(mods) if len(mods) <= 2 else 4
-    nrows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.0 * nrows), squeeze=False)
+    plt, fig, axes = _figure(len(panels), 2 * len(mods) if len(mods) <= 2 else 4, (3.6, 3.0))
     for ax, (head_dim, mod, pass_) in zip(axes.flat, panels):
         mine = [r for r in rows if (r["head_dim"], r["mod"]) == (head_dim, mod)]
-        for provider in dict.fromkeys(r["provider"] for r in mine):
-            pts = sorted((int(r["seqlen"]), float(r[f"{pass_}_tflops"])) for r in mine if r["provider"] == provider)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    linewidth=2.5 if provider == "cuflash-flex" else 1.2, label=provider)
-        ax.set_xscale("log", base=2)
+        _lines(ax, mine, lambda r: float(r[f"{pass_}_tflops"]), "cuflash-flex")
         ax.set_title(f"{mod}, {'forward' if pass_ == 'fwd' else 'backward'}, D={head_dim}", fontsize=10)
         ax.set_xlabel("keys")
         ax.set_ylabel("TFLOP/s (visible pairs)")
         ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    return _save(plt, fig, axes, len(panels), title, png_path)
+
+
+def _figure(panels: int, cols: int, size: tuple[float, float]):
+    """(pyplot, figure, axes grid) of `panels` panels in rows of `cols`, each `size` inches."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nrows = (panels + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(size[0] * cols, size[1] * nrows), squeeze=False)
+    return plt, fig, axes
+
+
+def _lines(ax, rows: list[dict], value, highlight: str) -> None:
+    """A line per provider of rows, value(row) against seqlen (log 2), the `highlight` provider's bold."""
+    for provider in dict.fromkeys(r["provider"] for r in rows):
+        pts = sorted((int(r["seqlen"]), value(r)) for r in rows if r["provider"] == provider)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                linewidth=2.5 if provider == highlight else 1.2, label=provider)
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+
+
+def _save(plt, fig, axes, panels: int, title: str, png_path: Path) -> Path:
+    """The figure, its unused panels blanked, the legend in the first, written to png_path."""
+    for ax in list(axes.flat)[panels:]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     if title:
