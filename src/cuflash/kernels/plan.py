@@ -127,6 +127,7 @@ def _within_blocks(entry: Entry, params: AttentionParams, block_d: int) -> Entry
                                        or params.banded)):
             return (dataclasses.replace(candidate, fuse_dq=True),)
         return ()
+
     def fitted(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
         return (*(g for c in candidates for g in fit_gluon(c)), *fit(candidates))
     return Entry(fitted(entry.forward), fitted(entry.dkdv), fit(entry.dq))
