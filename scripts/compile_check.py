@@ -6,7 +6,7 @@ ptxas where the benchmark shapes compile fine: this finds them for free before a
 the GPU machine's Triton in a separate environment:
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0
     PYTHONPATH=src /tmp/t36/bin/python scripts/compile_check.py [--dtype bf16,fp32] [--hdims 64,96,128,256]
-        [--options plain,causal,window,softcap,dropout,varlen,score_mod,mask_mod,block_mask]
+        [--options plain,causal,window,softcap,alibi,dropout,varlen,score_mod,mask_mod,block_mask]
 """
 import argparse
 import itertools
@@ -57,7 +57,8 @@ plan.arch = lambda device: 90  # the decode tiles of Hopper for the CPU tensors 
 SHAPES = [(1, 1, 4, 4), (1, 1000, 4, 2), (1000, 1, 4, 4), (17, 17, 4, 1), (300, 300, 4, 2), (1, 300, 4, 1),
           (300, 1, 4, 4), (1000, 1000, 4, 2), (3000, 3000, 2, 2), (1, 3000, 4, 1)]
 OPTIONS = {"plain": {}, "causal": dict(window_right=0), "window": dict(window_left=256, window_right=0),
-           "softcap": dict(softcap=30.0), "dropout": dict(dropout_p=0.1), "varlen": {},
+           "softcap": dict(softcap=30.0), "alibi": dict(alibi_slopes=torch.rand(4)), "dropout": dict(dropout_p=0.1),
+           "varlen": {}, "varlen alibi": dict(alibi_slopes=torch.rand(4), window_right=0),
            "varlen causal": dict(window_right=0), "score_mod": {}, "mask_mod": dict(window_right=0), "block_mask": {}}
 
 
@@ -111,10 +112,10 @@ def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
     return None
 
 
-def compile_decode(dtype, d, paged: bool, tensor_seqlens: bool) -> str | None:
+def compile_decode(dtype, d, paged: bool, tensor_seqlens: bool, scored: bool) -> str | None:
     """Compiles a decode step's kernels (the causal decode appending 2 new tokens and checking the
-    index tensors' values, the split combine) for a cache of 4 KV heads read by 8 query heads;
-    returns the failure, or None."""
+    index tensors' values, the split combine; scored: with softcap and ALiBi) for a cache of 4 KV heads
+    read by 8 query heads; returns the failure, or None."""
     q = torch.randn(2, 2, 8, d, dtype=dtype)
     k_new, v_new = (torch.randn(2, 2, 4, d, dtype=dtype) for _ in range(2))
     shape = (8, 64, 4, d) if paged else (2, 256, 4, d)
@@ -122,8 +123,9 @@ def compile_decode(dtype, d, paged: bool, tensor_seqlens: bool) -> str | None:
     table = torch.arange(8, dtype=torch.int32).view(2, 4) if paged else None
     seqlens = torch.tensor([5, 100], dtype=torch.int32) if tensor_seqlens else 100
     try:
+        options = dict(softcap=30.0, alibi_slopes=torch.rand(8)) if scored else {}
         attention.decode_forward(q, k_cache, v_cache, seqlens, 2, None, None, table, AttentionParams(d ** -0.5,
-                                 window_right=0), 0, k_new, v_new)
+                                 window_right=0, **options), 0, k_new, v_new)
     except Exception as exc:  # a compiler pass or ptxas failing
         lines = str(exc).strip().splitlines() or [""]
         return f"decode: {type(exc).__name__}: {lines[-1][:120]}"
@@ -147,13 +149,14 @@ def main():
         if error:
             failed += 1
             print(f"FAIL {dtype} D={d} {name} {shape}: {error}", flush=True)
-    for dtype, d, paged, tensor_seqlens in itertools.product(dtypes, map(int, args.hdims.split(",")), (False, True),
-                                                             (False, True)):
+    for dtype, d, paged, tensor_seqlens, scored in itertools.product(dtypes, map(int, args.hdims.split(",")),
+                                                                     (False, True), (False, True), (False, True)):
         total += 1
-        error = compile_decode(dtype, d, paged, tensor_seqlens)
+        error = compile_decode(dtype, d, paged, tensor_seqlens, scored)
         if error:
             failed += 1
-            print(f"FAIL {dtype} D={d} decode paged={paged} tensor seqlens={tensor_seqlens}: {error}", flush=True)
+            print(f"FAIL {dtype} D={d} decode paged={paged} tensor seqlens={tensor_seqlens} scored={scored}: {error}",
+                  flush=True)
     print(f"{failed} of {total} cases failed to compile")
     return 1 if failed else 0
 

@@ -31,7 +31,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
               "errors = [m['compile_case'](dtype, 64, 300, 300, 4, 2, 'causal') for dtype in (torch.bfloat16, "
               "torch.float32)]\n"
               "errors.append(m['compile_case'](torch.bfloat16, 256, 1000, 1000, 4, 2, 'causal'))\n"
-              "errors.append(m['compile_decode'](torch.bfloat16, 128, True, True))\n"
+              "errors.append(m['compile_decode'](torch.bfloat16, 128, True, True, True))\n"
               "assert errors == [None, None, None, None], errors\n")
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root / "src")

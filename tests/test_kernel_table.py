@@ -6,6 +6,7 @@ import torch
 
 import cuflash
 from attn_testing import check_against_oracle, flash_fn, make_qkv, seed_of
+from cuflash.builtin_mods import resolved
 from cuflash.kernels.plan import Plan
 from cuflash.kernels.triton import OneLaunch, Tiles
 from cuflash.kernels.variant import problem
@@ -93,10 +94,14 @@ def test_gluon_kernels_accept_only_what_they_implement(monkeypatch):
     with pytest.raises(ValueError, match="fewer than 3"):
         gluon_forward.launch_args(dict(Q=wide, K=wide, V=wide, Out=wide), problem(wide, wide, wide, causal), causal,
                                   gluon.Forward(2, 64, 3))
-    for params in (AttentionParams(0.1, window_left=64, window_right=0), AttentionParams(0.1, softcap=30.0),
-                   AttentionParams(0.1, dropout_p=0.1), AttentionParams(0.1, alibi_slopes=torch.ones(4)),
+    for params in (AttentionParams(0.1, window_left=64, window_right=0), AttentionParams(0.1, dropout_p=0.1),
                    AttentionParams(0.0)):
         assert not gluon.accepts(problem(q, k, k, params), params)
+    for params in (AttentionParams(0.1, softcap=30.0), AttentionParams(0.1, alibi_slopes=torch.ones(4))):
+        # (the backends take both as score_mods, builtin_mods.resolved; the Gluon kernels compile those)
+        params = resolved(params, q.shape[1], k.shape[1])
+        assert params.mods is not None and params.softcap == 0 and params.alibi_slopes is None
+        assert gluon.accepts(problem(q, k, k, params), params)
     buf = torch.randn(q.numel() + 4, dtype=torch.bfloat16)
     for other in (q.float(), q[..., :96], buf[4:].view(q.shape)):  # fp32, D=96, a base 8 bytes off
         assert not gluon.accepts(problem(other, k, k, causal), causal)
@@ -121,13 +126,13 @@ def test_select_falls_back_and_keeps_determinism():
     q = torch.randn(1, 300, 2, 64, dtype=torch.bfloat16)
     tiles = Tiles(64, 64, 4, 3)
     cell = Entry((gluon.Forward(3, 64, 6), tiles), (gluon.Dkdv(fuse_dq=True), tiles), (gluon.Dq(), tiles))
-    plain, softcap = AttentionParams(0.1), AttentionParams(0.1, softcap=5.0)
+    plain, window = AttentionParams(0.1), AttentionParams(0.1, window_left=8)
     assert select(problem(q, q, q, plain), plain, cell) == Plan(gluon.Forward(3, 64, 6))
     assert select(problem(q, q, q, plain, q), plain, cell) == Plan(gluon.Forward(3, 64, 6), gluon.Dkdv(True), None)
     exact = AttentionParams(0.1, deterministic=True)
     assert select(problem(q, q, q, exact, q), exact, cell) == Plan(gluon.Forward(3, 64, 6), gluon.Dkdv(False),
                                                                    gluon.Dq())
-    assert select(problem(q, q, q, softcap, q), softcap, cell) == Plan(tiles, tiles, tiles)
+    assert select(problem(q, q, q, window, q), window, cell) == Plan(tiles, tiles, tiles)
     asked = AttentionParams(0.1, block_m=32, block_n=16)
     assert select(problem(q, q, q, asked, q), asked) == Plan(*(Tiles(32, 16, 4, 2),) * 3)
 

@@ -5,18 +5,21 @@ Working memory is O(seqlen): one (block_m x block_n) score tile per head at a ti
 fp32 output and gradient accumulators. The query heads that share a KV head are folded into the
 rows of one matrix, so K/V are never repeated and the GQA sums of dK/dV come out of the matmuls.
 Every option of AttentionParams is supported; a varlen batch runs one sequence at a time (a paged
-one gathers each sequence's keys from its pages). Mods (score_mod, mask_mod, a block mask) are
+one gathers each sequence's keys from its pages). Mods (score_mod, mask_mod, a block mask; softcap and
+ALiBi are score_mods, builtin_mods.resolved) are
 computed with torch ops on each tile (mods/evaluate.py), the score_mod's gradient by torch's autograd
 through them, tile by tile; with a block mask the tiles lie within its blocks and those it lists for
 no head are skipped.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 
 from . import blocks as block_lists
+from .builtin_mods import resolved
 from .dropout import head_ids, keep_mask
 from .cache import append_to_cache, cache_slot
 from .dtypes import lse_dtype
@@ -42,27 +45,23 @@ def _rows(x: torch.Tensor, m0: int, m1: int) -> torch.Tensor:
 
 
 class ScoreTiles:
-    """The score tiles of one dense problem: which key tiles a query tile visits, and the logits
-    of a tile with softcap, ALiBi, attn_mask, window/causal mask and the dropout pattern. Tiles are
+    """The score tiles of one dense problem: which key tiles a query tile visits, and the scores
+    of a tile with the mods, attn_mask, window/causal mask and the dropout pattern. Tiles are
     handled as (B, Hk, G, bm, bn) views of the (B, Hk, G*bm, bn) matmul results."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_batch: int = 0):
         self.batch, self.seqlen_q, self.nheads, _ = q.shape
         self.seqlen_k, self.nheads_k = k.shape[1], k.shape[2]
         self.group = self.nheads // self.nheads_k
-        self.p = p
+        self.dtype = lse_dtype(q.dtype)
+        self.p = p = resolved(p, self.seqlen_q, self.seqlen_k, self.dtype)
         self.block_m, self.block_n = p.block_m or BLOCK_M, p.block_n or BLOCK_N
         self.mods = None if p.mods is None else ModTiles(p.mods, self, first_batch, q.device)
         if p.mods is not None and p.mods.blocks is not None:  # tiles within the blocks
             self.block_m = _divisor(p.mods.blocks.q_block, self.block_m)
             self.block_n = _divisor(p.mods.blocks.kv_block, self.block_n)
         self.offset = self.seqlen_k - self.seqlen_q if p.bottom_right else 0
-        self.dtype = lse_dtype(q.dtype)
         grouped = (self.batch, self.nheads_k, self.group)
-        self.slopes = None
-        if p.alibi_slopes is not None:
-            slopes = p.alibi_slopes.expand(self.batch, self.nheads) if p.alibi_slopes.dim() == 1 else p.alibi_slopes
-            self.slopes = slopes.to(self.dtype).reshape(*grouped, 1, 1)
         self.mask = None
         if p.attn_mask is not None:
             self.mask = p.attn_mask.view(*grouped, self.seqlen_q, self.seqlen_k)
@@ -91,12 +90,6 @@ class ScoreTiles:
             for n0 in range(start, end, self.block_n):
                 yield n0, min(n0 + self.block_n, end), masked
 
-    def logits(self, qk: torch.Tensor) -> torch.Tensor:
-        """softcap * tanh(x / softcap) of the scaled logits x, in place."""
-        if self.p.softcap > 0:
-            qk.div_(self.p.softcap).tanh_().mul_(self.p.softcap)
-        return qk
-
     def score_mod(self, x: torch.Tensor, m0: int, m1: int, n0: int, n1: int, grad: bool = False):
         """Replaces the logits tile x by the score_mod's value of it, in place (none: nothing). grad:
         returns what score_grad takes (the mods' score_grad)."""
@@ -110,13 +103,11 @@ class ScoreTiles:
         return self.mods.score_grad(computed, ds)
 
     def scores(self, x: torch.Tensor, m0: int, m1: int, n0: int, n1: int, masked: bool) -> torch.Tensor:
-        """Adds ALiBi and an additive attn_mask to the logits tile x (after score_mod) and sets hidden
-        keys (mask_mod and the block mask's too) to -inf, in place."""
+        """Adds an additive attn_mask to the logits tile x (after score_mod) and sets hidden keys
+        (mask_mod and the block mask's too) to -inf, in place."""
         p = self.p
         s = x.view(self.batch, self.nheads_k, self.group, m1 - m0, n1 - n0)
         rows, cols = _coords(m0, m1, n0, n1, x.device)
-        if self.slopes is not None:
-            s.sub_(self.slopes * (rows + self.offset - cols).abs().to(s.dtype))
         if self.mask is not None:
             tile = self.mask[:, :, :, m0:m1, n0:n1]
             if tile.dtype == torch.bool:
@@ -197,7 +188,7 @@ class ModTiles:
         if mod is None:
             return None
         rows, cols = _coords(m0, m1, n0, n1, s.device, INDEX_DTYPE)
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), _autograd_recorded() if grad else contextlib.nullcontext():
             x = s.clone().requires_grad_() if grad else s
             value = evaluate(mod.graph, (x, self.b, self.h, rows, cols), list(mod.tensors), list(mod.scalars))
         s.copy_(value)
@@ -212,7 +203,8 @@ class ModTiles:
         inputs = (x, *(self.mods.grad_tensors() if grads else ()))
         if not value.requires_grad:  # the mod reads neither the score nor a tensor that needs a gradient
             return torch.zeros_like(ds)
-        found = torch.autograd.grad(value, inputs, ds.view(x.shape).to(value.dtype), allow_unused=True)
+        with _autograd_recorded():
+            found = torch.autograd.grad(value, inputs, ds.view(x.shape).to(value.dtype), allow_unused=True)
         for buffer, g in zip(grads, found[1:]):
             if g is not None:
                 buffer.add_(g)
@@ -239,6 +231,21 @@ class ModTiles:
             s.masked_fill_(hidden, float("-inf"))
 
 
+# The dispatch keys that record autograd graphs, which a custom op's implementation runs without.
+_AUTOGRAD_KEYS = tuple(key for name, key in torch._C.DispatchKey.__members__.items()
+                       if name.startswith("Autograd") or name == "ADInplaceOrView")
+
+
+def _autograd_recorded():
+    """A context in which autograd records again where it was turned off below it: the score_mod's
+    gradient is torch's autograd through the mod's ops, also inside the custom ops (under torch.compile),
+    whose implementation the dispatcher runs with autograd's keys excluded."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
 def attention_probs(q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_batch: int = 0) -> torch.Tensor:
     """The softmax probabilities (B, H, Nq, Nk) of a dense problem (q (B, Nq, H, D), k (B, Nk, Hk, D);
     first_batch: the batch index of q's first sequence, for the dropout pattern) with the masks and
@@ -249,7 +256,7 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_
     seqlen_q, seqlen_k = tiles.seqlen_q, tiles.seqlen_k
     qg = _rows(_grouped(q, tiles.nheads_k, tiles.dtype), 0, seqlen_q) * p.softmax_scale
     kg = k.to(tiles.dtype).transpose(1, 2)
-    x = tiles.logits(qg @ kg.transpose(-1, -2))
+    x = qg @ kg.transpose(-1, -2)
     tiles.score_mod(x, 0, seqlen_q, 0, seqlen_k)
     s = tiles.scores(x, 0, seqlen_q, 0, seqlen_k, True)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
@@ -263,8 +270,9 @@ def _sequences(p: AttentionParams):
     """(b, its query rows, its key rows, its params) for each sequence of a varlen batch."""
     assert p.cu_seqlens_q is not None and p.cu_seqlens_k is not None
     cu_q, cu_k = p.cu_seqlens_q.tolist(), p.cu_seqlens_k.tolist()
+    dense = p.sequence()
     for b in range(len(cu_q) - 1):
-        yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), p.sequence(b)
+        yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), dense
 
 
 def attention_forward(q, k, v, params: AttentionParams, plans: dict | None = None):
@@ -310,7 +318,7 @@ def _forward(q, k, v, p: AttentionParams, first_batch: int = 0):
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(batch, nheads_k, rows, head_dim, dtype=dtype, device=q.device)
         for n0, n1, masked in tiles.blocks(m0, m1):
-            x = tiles.logits(q_blk @ kg[:, :, n0:n1].transpose(-1, -2))
+            x = q_blk @ kg[:, :, n0:n1].transpose(-1, -2)
             tiles.score_mod(x, m0, m1, n0, n1)
             s = tiles.scores(x, m0, m1, n0, n1, masked)
             m_new = torch.maximum(m_i, s.amax(-1))
@@ -353,8 +361,7 @@ def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0,
         dq_blk = torch.zeros_like(q_blk)
         for n0, n1, masked in tiles.blocks(m0, m1):
             k_blk, v_blk = kg[:, :, n0:n1], vg[:, :, n0:n1]
-            x = tiles.logits((q_blk @ k_blk.transpose(-1, -2)).mul_(p.softmax_scale))
-            softcap_grad = 1 - (x / p.softcap) ** 2 if p.softcap > 0 else None
+            x = (q_blk @ k_blk.transpose(-1, -2)).mul_(p.softmax_scale)
             modded = tiles.score_mod(x, m0, m1, n0, n1, grad=True)
             s = tiles.scores(x, m0, m1, n0, n1, masked)
             p_blk = s.sub_(lse_blk[..., None]).exp_()  # lse = +inf gives p = 0
@@ -368,8 +375,6 @@ def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0,
             ds = p_blk.mul_(dp.sub_(delta_blk[..., None]))
             if modded is not None:
                 ds = tiles.score_grad(modded, ds)
-            if softcap_grad is not None:
-                ds.mul_(softcap_grad)
             dq_blk += ds @ k_blk
             dk[:, :, n0:n1] += ds.transpose(-1, -2) @ q_blk
         dq[:, :, :, m0:m1] = dq_blk.view(batch, nheads_k, group, m1 - m0, head_dim)

@@ -210,9 +210,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return out
     probs = q.new_zeros((batch, q.shape[1], max_seqlen_q, max_seqlen_k), dtype=torch.float32)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    dense = p.sequence()
     for b in range(batch):
         q_b, k_b = q[None, cu_q[b]:cu_q[b + 1]], p.sequence_keys(k, b, cu_k[b], cu_k[b + 1])[None]
-        probs[b, :, :q_b.shape[1], :k_b.shape[1]] = attention_probs(q_b.detach(), k_b.detach(), p.sequence(b), b)[0]
+        probs[b, :, :q_b.shape[1], :k_b.shape[1]] = attention_probs(q_b.detach(), k_b.detach(), dense, b)[0]
     return out, lse, probs.to(q.dtype)
 
 

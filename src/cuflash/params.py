@@ -45,6 +45,7 @@ class AttentionParams:
 
     mods: a score_mod, a mask_mod and a block mask (cuflash.mods.Mods), on top of the rest; the score
     the score_mod sees is scale * q.k (after softcap, before ALiBi and attn_mask), as FlexAttention's.
+    The backends compute softcap and ALiBi as score_mods too (builtin_mods.resolved).
     """
 
     softmax_scale: float
@@ -75,13 +76,10 @@ class AttentionParams:
         """Causal or a sliding window: each query sees a band of keys near the diagonal."""
         return self.window_left >= 0 or self.window_right >= 0
 
-    def sequence(self, b: int) -> AttentionParams:
-        """The dense params of sequence b of a varlen batch."""
-        slopes = self.alibi_slopes
-        if slopes is not None and slopes.dim() == 2:
-            slopes = slopes[b:b + 1]
-        return dataclasses.replace(self, alibi_slopes=slopes, cu_seqlens_q=None, cu_seqlens_k=None,
-                                   block_table=None)
+    def sequence(self) -> AttentionParams:
+        """The dense params of one sequence of a varlen batch (whose index the backends pass on: ALiBi's
+        (batch, nheads) slopes and the mods read it)."""
+        return dataclasses.replace(self, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None)
 
     def sequence_keys(self, t: torch.Tensor, b: int, start: int, end: int) -> torch.Tensor:
         """The keys (or values) of sequence b of a varlen batch, whose prefix sums put them at rows

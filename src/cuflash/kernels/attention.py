@@ -1,12 +1,14 @@
 """The Triton backend's forward, backward and decode: allocate the outputs, ask kernels/plan.py which
 kernels run, and launch them through kernels/launch.py (whose per-signature cache makes the plan
-and the launch arguments once per shape)."""
+and the launch arguments once per shape). The kernels take softcap and ALiBi as score_mods
+(builtin_mods.resolved, after a kept plan is looked for: its key holds the options as given)."""
 from __future__ import annotations
 
 import os
 
 import torch
 
+from ..builtin_mods import resolved
 from ..cache import DecodeStep
 from ..params import AttentionParams
 from .compat import gluon_kernels
@@ -39,6 +41,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     if plan is not None:
         plan(dict(Q=q, K=k, V=v, Out=out, Lse=lse))
         return out, lse
+    params = resolved(params, q.shape[1], k.shape[1])
     tensors = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **variant_tensors(params))
     if params.block_table is not None:
         tensors["BlockTable"] = params.block_table
@@ -104,6 +107,7 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: 
     if plan is not None:
         plan(tensors)
     else:
+        params = resolved(params, q.shape[1], k.shape[1])
         tensors.update(variant_tensors(params))
         with user_tiles_checked(params, q.shape[-1], q.dtype):
             plan = launch((attention_backward, params.key(), entry, tf32(q)), tensors,
@@ -160,7 +164,7 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     given = isinstance(cache_seqlens, torch.Tensor)
-    optional = (cache_seqlens if given else None, leftpad, cache_rows, block_table, params.alibi_slopes, k_new, v_new)
+    optional = (cache_seqlens if given else None, leftpad, cache_rows, block_table, k_new, v_new)
     report = DecodeStep(q.device, any(t is not None for t in optional[:4]), LAUNCH_BLOCKING)
     inputs = (q, k_cache, v_cache, *(t for t in optional if isinstance(t, torch.Tensor)))
     tensors: dict[str, torch.Tensor | int] = dict(Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse, Errors=report.record,
@@ -171,9 +175,11 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     tensors["cache_seqlen"] = seqlen = 0 if given else cache_seqlens
     key = None if tiles is not None else open_key(plans, "decode", inputs, -2**31 <= seqlen < 2**31)
     plan = kept(plans, key)
-    if plan is not None:
+    if plan is not None:  # (plans come with options that hold no tensor: no mod tensor is missing)
         plan(tensors)
     else:
+        params = resolved(params, 0, 0)  # (the decode kernel hands mods each query's key position: no offset)
+        tensors.update(variant_tensors(params))
         cfg = select_decode(q, k_cache, block_table, num_splits, tiles)
         plan = launch((decode_forward, params.key(), cfg, seqlen_new, rotary_end), tensors,
                       lambda: triton_decode.launches(tensors, params, cfg, seqlen_new, rotary_end))

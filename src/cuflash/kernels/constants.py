@@ -6,13 +6,6 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # log(x) == log2(x) * LN2: the log-sum-exp from the base-2 running max and sum.
 LN2 = tl.constexpr(0.6931471805599453)
 
-# softcap kinds (constexpr SOFTCAP): none; tanh computed to fp32 accuracy (fp32 inputs, and Triton's
-# interpreter); or by the GPU's tanh.approx.f32 (16-bit inputs: relative error under 2^-10.9, below a
-# 16-bit score's rounding; FlashAttention's softcap uses it too)
-NO_SOFTCAP = tl.constexpr(0)
-EXACT_TANH = tl.constexpr(1)
-FAST_TANH = tl.constexpr(2)
-
 # attn_mask kinds (constexpr MASK_KIND)
 NO_MASK = tl.constexpr(0)
 BOOL_MASK = tl.constexpr(1)

@@ -96,7 +96,8 @@ def _within_blocks(entry: Entry, params: AttentionParams, block_d: int) -> Entry
     in one query block and no band is asked for (its tile walk is the band's or the block mask's). So
     does the backward's dK/dV up to head dim 128, with dQ fused (unfused in a deterministic backward:
     Triton's dQ), where a work item's 128 keys lie in one key block and its 64-row query tiles in query
-    blocks, and no band is asked for; the rest takes Triton tiles. At head dim 256 the Triton tiles buffer
+    blocks, and no band is asked for; the rest takes Triton tiles (and, without a block mask, the
+    one-launch backward where the table has it). At head dim 256 the Triton tiles buffer
     two stages, not three: a score_mod's loads and its gradient's took dQ's 128 x 32 tiles to 256 KB of
     shared memory."""
     blocks = params.mods.blocks if params.mods is not None else None
@@ -108,8 +109,8 @@ def _within_blocks(entry: Entry, params: AttentionParams, block_d: int) -> Entry
         tiles = next(c for c in candidates if isinstance(c, Tiles))
         if block_d >= 256:
             tiles = dataclasses.replace(tiles, num_stages=min(tiles.num_stages, 2))
-        if blocks is None:
-            return (tiles,)
+        if blocks is None:  # (the one-launch backward walks no lists: it takes mods without a block mask)
+            return (*(c for c in candidates if isinstance(c, OneLaunch)), tiles)
         block_m = min(tiles.block_m, blocks.q_block & -blocks.q_block)  # (the largest power of 2 dividing it)
         block_n = min(tiles.block_n, blocks.kv_block & -blocks.kv_block)
         return (dataclasses.replace(tiles, block_m=block_m, block_n=block_n, warp_specialize=False),)

@@ -1,6 +1,7 @@
 """What the three kernels share at launch: the problem's sizes and the arguments that select and
-feed a variant (varlen, window, softcap, ALiBi, attn_mask, dropout). Each option is a constexpr,
-so the plain path compiles to the same code it had before the options existed."""
+feed a variant (varlen, window, attn_mask, dropout, and the mods, softcap's and ALiBi's among them).
+Each option is a constexpr, so the plain path compiles to the same code it had before the options
+existed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..params import AttentionParams
-from .constants import ADDITIVE_MASK, BOOL_MASK, EXACT_TANH, FAST_TANH, LOG2E, NO_MASK, NO_SOFTCAP
+from .constants import ADDITIVE_MASK, BOOL_MASK, LOG2E, NO_MASK
 from .device import padded_head_dim
 from .triton import mods as mod_code
 
@@ -69,26 +70,21 @@ def lse_strides(prob: Problem, p: AttentionParams) -> tuple[int, int]:
     return prob.nheads * prob.seqlen_q, prob.seqlen_q
 
 
-def logit_scales(p: AttentionParams) -> tuple[float, float]:
-    """(qk_scale, softcap) as the kernels' logits() takes them: logits in base 2; with softcap,
-    tanh takes scale / softcap and its result is scaled back by softcap * LOG2E. With a score_mod
-    the logits stay in natural units (the mod sees scale * q.k, as FlexAttention's), and score_tile
-    turns the mod's result into base 2."""
-    natural = p.mods is not None and p.mods.score is not None
-    to_base = 1.0 if natural else LOG2E.value
-    if p.softcap > 0:
-        return p.softmax_scale / p.softcap, p.softcap * to_base
-    return p.softmax_scale * to_base, 0.0
+def logit_scale(p: AttentionParams) -> float:
+    """The scale of q.k in the kernels: to base-2 logits (exp2 in the softmax), or with a score_mod to
+    natural ones (the mod sees scale * q.k, as FlexAttention's; score_tile turns its result into base 2)."""
+    if p.mods is not None and p.mods.score is not None:
+        return p.softmax_scale
+    return p.softmax_scale * LOG2E.value
 
 
 def _tensor_fields(p: AttentionParams) -> dict:
-    return dict(CuSeqlensQ=p.cu_seqlens_q, CuSeqlensK=p.cu_seqlens_k, Slopes=p.alibi_slopes, Mask=p.attn_mask,
-                Rng=p.rng_seed)
+    return dict(CuSeqlensQ=p.cu_seqlens_q, CuSeqlensK=p.cu_seqlens_k, Mask=p.attn_mask, Rng=p.rng_seed)
 
 
 def variant_tensors(p: AttentionParams) -> dict:
-    """The variant's tensors that this call has (varlen offsets, ALiBi slopes, attn_mask, dropout
-    seed; a block mask's tile lists), by their argument names in every kernel, and the tensors its
+    """The variant's tensors that this call has (varlen offsets, attn_mask, dropout seed; a block
+    mask's tile lists), by their argument names in every kernel, and the tensors its
     mods capture (under names starting with MOD_TENSOR, which no kernel has: they reach the kernels
     inside the mods' argument tuples, mod_args)."""
     tensors = {name: t for name, t in _tensor_fields(p).items() if t is not None}
@@ -152,16 +148,9 @@ def mod_args(p: AttentionParams, prob: Problem, pass_: str) -> dict:
 
 
 def fast_math(q: torch.Tensor) -> bool:
-    """Whether the kernels may compute tanh by the GPU's approximation (constants.FAST_TANH): 16-bit
+    """Whether the mods may compute tanh by the GPU's approximation (triton/common.tanh's FAST): 16-bit
     queries on the GPU."""
     return q.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cuda"
-
-
-def softcap_kind(p: AttentionParams, q: torch.Tensor) -> int:
-    """The kernels' SOFTCAP (constants.py): none, or tanh exact or fast (fast_math)."""
-    if p.softcap == 0:
-        return NO_SOFTCAP.value
-    return FAST_TANH.value if fast_math(q) else EXACT_TANH.value
 
 
 def variant_args(p: AttentionParams, prob: Problem) -> dict:
@@ -175,15 +164,12 @@ def variant_args(p: AttentionParams, prob: Problem) -> dict:
     else:
         mask_kind = BOOL_MASK.value if mask.dtype == torch.bool else ADDITIVE_MASK.value
         mask_strides = mask.stride()
-    slopes = p.alibi_slopes
-    qk_scale, softcap = logit_scales(p)
     return dict(
         **{name: None for name, t in _tensor_fields(p).items() if t is None},
-        stride_slope_b=0 if slopes is None or slopes.dim() == 1 else slopes.stride(0),
         stride_mask=mask_strides,
         bottom_right=int(p.bottom_right), window_left=p.window_left, window_right=p.window_right,
-        qk_scale=qk_scale, softcap=softcap,
+        qk_scale=logit_scale(p),
         drop_threshold=int(p.dropout_p * 2**31), drop_scale=1.0 / (1.0 - p.dropout_p),
         VARLEN=p.varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
-        SOFTCAP=softcap_kind(p, prob.q), ALIBI=slopes is not None, MASK_KIND=mask_kind, DROPOUT=p.dropout_p > 0,
+        MASK_KIND=mask_kind, DROPOUT=p.dropout_p > 0,
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .bounds import check_indices
-from .graph import ModGraph
+from .graph import ModGraph, compose
 from .trace import trace
 
 
@@ -38,6 +38,21 @@ class Mod:
         """What the kernels compile from and take by value: the graph, the captured numbers (launch
         arguments that a launch plan fixes) and which captured tensors need a gradient."""
         return self.graph.key, self.scalars, self.requires_grad
+
+    def then(self, after: Mod) -> Mod:
+        """The score_mod computing `after` on this one's result (graph.compose), with both's captures."""
+        key = (self.graph.key, after.graph.key)
+        graph = _composed.get(key)
+        if graph is None:
+            if len(_composed) >= _COMPOSED_LIMIT:
+                _composed.pop(next(iter(_composed)))
+            graph = _composed[key] = compose(self.graph, after.graph)
+        return Mod(graph, self.tensors + after.tensors, self.scalars + after.scalars)
+
+
+# Composed graphs by their parts' keys: one graph object (and compiled kernel) per composition, made once.
+_composed: dict[tuple[str, str], ModGraph] = {}
+_COMPOSED_LIMIT = 256
 
 
 @dataclass(frozen=True, eq=False)

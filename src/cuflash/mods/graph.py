@@ -82,3 +82,26 @@ def describe(g: ModGraph) -> str:
         lines.append(f"{names[id(n)]}={n.op}({args}):{n.dtype}:{n.compute}")
     lines.append(f"out={names[id(g.output)]}")
     return "\n".join(lines)
+
+
+def compose(first: ModGraph, second: ModGraph) -> ModGraph:
+    """The score_mod computing second(first(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx): second's
+    nodes after first's, its score input replaced by first's output, its captured tensors and numbers
+    numbered after first's (a Mod of it captures first's, then second's)."""
+    assert first.kind == second.kind == "score"
+    tensors, scalars = len(first.tensors), len(first.scalars)
+    remap: dict[int, Node] = {}
+    nodes = list(first.nodes)
+    for n in second.nodes:
+        if n.op == "input" and n.args[0] == 0:
+            remap[id(n)] = first.output
+            continue
+        args = tuple(remap.get(id(a), a) if isinstance(a, Node) else a for a in n.args)
+        if n.op == "tensor":
+            args = (n.args[0] + tensors, *args[1:])
+        elif n.op == "scalar":
+            args = (n.args[0] + scalars,)
+        remap[id(n)] = m = Node(n.op, args, n.dtype, n.compute, n.weak)
+        nodes.append(m)
+    return ModGraph("score", f"{first.name}, then {second.name}", nodes, remap[id(second.output)],
+                    first.tensors + second.tensors, first.scalars + second.scalars)

@@ -44,7 +44,7 @@ from ...params import AttentionParams
 from ..compat import barrier, tma_load
 from ..constants import LOG2E
 from ..device import cdiv, num_sms, scratch
-from ..variant import Problem, lse_strides, logit_scales, mod_args
+from ..variant import Problem, logit_scale, lse_strides, mod_args
 from . import Dkdv, Dq
 from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, listed_walk, load_kv, load_pair, \
     query_item, ring, tile_key, tiles_of, work
@@ -622,7 +622,7 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, Lse, Delta, DQ,
 def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
     q, k, v, dout = (tensors[name] for name in ("Q", "K", "V", "DO"))
     triton.set_allocator(scratch)  # the kernels build their tensor descriptors in global scratch
-    qk_scale, _ = logit_scales(params)
+    qk_scale = logit_scale(params)
     return dict(Q=q, K=k, V=v, DO=dout,
                 stride_q=box_strides(prob, q), stride_k=box_strides(prob, k), stride_v=box_strides(prob, v),
                 stride_do=box_strides(prob, dout), batch=prob.batch, nheads=prob.nheads,

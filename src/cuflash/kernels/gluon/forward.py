@@ -31,7 +31,7 @@ from ...params import AttentionParams
 from ..compat import barrier, tma_load
 from ..constants import LN2, LOG2E
 from ..device import cdiv, num_sms, scratch
-from ..variant import Problem, lse_strides, logit_scales, mod_args
+from ..variant import Problem, logit_scale, lse_strides, mod_args
 from . import Forward
 from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, listed_walk, load_kv, query_item, ring, \
     tile_key, tiles_of, work
@@ -444,7 +444,7 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Forw
         raise ValueError("early_k: O leaves through the item's last K tile here, which must stay until O's copy "
                          "has read it")
     triton.set_allocator(scratch)  # the kernel builds its tensor descriptors in global scratch
-    qk_scale, _ = logit_scales(params)
+    qk_scale = logit_scale(params)
     items = cdiv(prob.seqlen_q, cfg.consumers * ROWS) * prob.batch * prob.nheads
     # The warps (4 per consumer, 1 loader) run as whole warpgroups that share the register file,
     # 64K a program, which the partitions trade: 2 consumers: 3 warpgroups of 168 registers a thread,

@@ -15,7 +15,8 @@ AttentionParams.deterministic keeps the three launches above.
 With P = exp(S - lse):  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),
 dQ = scale * dS K,  dK = scale * dS^T Q.
 Dropout regenerates the forward's keep mask Z: dV = (Z * P)^T dO / (1 - p) and dP is multiplied
-by Z / (1 - p); delta = rowsum(dO * O) still holds. Softcap multiplies dS by 1 - tanh^2.
+by Z / (1 - p); delta = rowsum(dO * O) still holds. A score_mod's gradient (SCORE_MOD_GRAD, generated from
+the mod: kernels/triton/mods.py) takes dS back through the mod, softcap's and ALiBi's too (builtin_mods.py).
 """
 import torch
 import triton
@@ -28,9 +29,8 @@ from ..launch import workspace
 from ..lists import listed_blocks
 from ..variant import Problem, kernel_tensors, lse_strides, mod_args, variant_args, variant_tensors
 from . import Tiles
-from .common import advance, band, dropout_keep, head_options, load_pair, load_tile, logits, \
-    mma, query_program, read_tile, row_source, score_tile, sequence, softcap_grad, store_tile, tile_aranges, \
-    tile_ptrs, tile_start
+from .common import advance, band, dropout_keep, head_options, load_pair, load_tile, mma, \
+    query_program, read_tile, row_source, score_tile, sequence, store_tile, tile_aranges, tile_ptrs, tile_start
 
 ROWS_PER_PROGRAM = 64  # query rows per program of the delta and cast kernels (the Gluon kernels' tile)
 
@@ -82,10 +82,9 @@ def _attn_bwd_dq_cast(DQAcc, DQ, stride_a, stride_dq, nheads, seqlen_q, head_dim
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, listed, bounds, scores, drop,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, listed, bounds, qk_scale, drop,
                          BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-                         HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                         MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                         HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
                          DQ_HERE: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
                          SCORE_MOD_GRAD: tl.constexpr, LISTED: tl.constexpr):
@@ -120,9 +119,9 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi,
             delta = tl.load(delta_ptr + rows, mask=rows < seqlen_q, other=0.0)
         else:
             delta = tl.load(delta_ptr + rows)
-        x_t = logits(mma(k, tl.trans(q), None, INPUT_PRECISION), scores, SOFTCAP)
-        s_t = score_tile(x_t, rows[None, :], offs_n[:, None], bounds, scores, mask, MASKED, HAS_LEFT, HAS_RIGHT,
-                         ALIBI, MASK_KIND, mods, SCORE_MOD, MASK_MOD)
+        x_t = mma(k, tl.trans(q), None, INPUT_PRECISION) * qk_scale
+        s_t = score_tile(x_t, rows[None, :], offs_n[:, None], bounds, mask, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                         mods, SCORE_MOD, MASK_MOD)
         p_t = tl.math.exp2(s_t - lse[None, :] * LOG2E)  # 0 where s = -inf or lse = +inf
         # dV before dP: the faster order of the two dots (docs/tuning.md).
         if DROPOUT:
@@ -137,8 +136,6 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi,
             # Keys past the end (a ragged last key tile) reach no stored dK row, but would reach those sums.
             ds_t = tl.where(offs_n[:, None] < bounds[1], ds_t, 0.0)
             ds_t = SCORE_MOD_GRAD(x_t, mods[0], mods[1], rows[None, :], offs_n[:, None], mods[2], ds_t, mods[4])
-        if SOFTCAP:
-            ds_t *= softcap_grad(x_t, scores[1])
         dk = mma(ds_t.to(q.dtype), q, dk, INPUT_PRECISION)
         if DQ_HERE:
             dq = mma(tl.trans(ds_t).to(k.dtype), k, None, INPUT_PRECISION) * dq_io[4]
@@ -150,10 +147,10 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi,
 
 
 @triton.jit
-def _attn_bwd_dkdv_listed(dk, dv, k, v, rows_in, mask, mods, offs, bounds, scores, drop, lists, column,
+def _attn_bwd_dkdv_listed(dk, dv, k, v, rows_in, mask, mods, offs, bounds, qk_scale, drop, lists, column,
                           BLOCK_M: tl.constexpr, SPARSE_Q: tl.constexpr, HAS_FULL: tl.constexpr,
-                          EVEN_BLOCKS: tl.constexpr, SOFTCAP: tl.constexpr,
-                          ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                          EVEN_BLOCKS: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                          EVEN_D: tl.constexpr,
                           INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, SCORE_MOD: tl.constexpr,
                           MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
     """The query blocks a block mask lists for key block `column` (lists as _attn_fwd_listed's, by key
@@ -162,13 +159,13 @@ def _attn_bwd_dkdv_listed(dk, dv, k, v, rows_in, mask, mods, offs, bounds, score
     count, first, stride = listed_blocks(lists[0], lists[1], lists[4], False, mods[0], mods[1], column)
     dk, dv = _attn_bwd_dkdv_inner(
         dk, dv, k, v, rows_in, (0, 0, 0, 0, 0), mask, mods, offs, 0, count * SPARSE_Q, (first, stride), bounds,
-        scores, drop, BLOCK_M, True, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
+        qk_scale, drop, BLOCK_M, True, False, False, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
         False, False, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, SPARSE_Q)
     if HAS_FULL:
         count, first, stride = listed_blocks(lists[2], lists[3], lists[4], True, mods[0], mods[1], column)
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, rows_in, (0, 0, 0, 0, 0), mask, mods, offs, 0, count * SPARSE_Q, (first, stride), bounds,
-            scores, drop, BLOCK_M, not EVEN_BLOCKS, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+            qk_scale, drop, BLOCK_M, not EVEN_BLOCKS, False, False, MASK_KIND, DROPOUT, EVEN_D,
             INPUT_PRECISION, TMA, False, False, SCORE_MOD, None, SCORE_MOD_GRAD, SPARSE_Q)
     return dk, dv
 
@@ -191,15 +188,15 @@ def _head_rows(q_src, do_src, Lse, Delta, Out, DQ, stride_q, stride_do, stride_o
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
+def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqlensK, Mask, Rng,
                    BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args, score_grads,
                    stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_o, stride_dq, stride_l,
-                   stride_slope_b, stride_mask, stride_blocks,
+                   stride_mask, stride_blocks,
                    nheads_k, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
-                   softmax_scale, qk_scale, softcap, drop_threshold, drop_scale,
+                   softmax_scale, qk_scale, drop_threshold, drop_scale,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                   MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                    EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_GROUP_ACC: tl.constexpr,
                    TMA: tl.constexpr, WS: tl.constexpr, DQ_HERE: tl.constexpr, SCORE_MOD: tl.constexpr,
                    MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr, SPARSE: tl.constexpr, HAS_FULL: tl.constexpr,
@@ -256,19 +253,18 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
         do_src = row_source(DO, stride_do, off_b, off_h, q_first, seqlen_q, head_dim, offs_m, offs_d, BLOCK_M,
                             BLOCK_D, TMA)
         row_first = off_b * stride_l[0] + off_h * stride_l[1] + q_first
-        mask_ptrs, slope, drop_key = head_options(Mask, stride_mask, Slopes, stride_slope_b, Rng, off_b, off_h,
-                                                  off_b * nheads_k * group_size + off_h, ALIBI, MASK_KIND, DROPOUT)
+        mask_ptrs, drop_key = head_options(Mask, stride_mask, Rng, off_b, off_h, off_b * nheads_k * group_size + off_h,
+                                           MASK_KIND, DROPOUT)
         rows_in, dq_io = _head_rows(q_src, do_src, Lse, Delta, Out, DQ, stride_q, stride_do, stride_o, stride_dq,
                                     row_first, off_b, off_h, q_first, offs_m, offs_d, softmax_scale, DQ_HERE)
         mask = (mask_ptrs, stride_mask[2], stride_mask[3])
-        scores = (qk_scale, softcap, slope)
         drop = (drop_key, drop_threshold, drop_scale)
         mods = (off_b.to(tl.int32), off_h.to(tl.int32), score_args, mask_args, score_grads)
         if SPARSE:  # the query blocks the block mask lists: partly seeing this key block, then wholly
             dk_head, dv_head = _attn_bwd_dkdv_listed(
-                dk_head, dv_head, k, v, rows_in, mask, mods, offs, bounds, scores, drop,
+                dk_head, dv_head, k, v, rows_in, mask, mods, offs, bounds, qk_scale, drop,
                 (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks), start_n // SPARSE_KV, BLOCK_M, SPARSE_Q,
-                HAS_FULL, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD,
+                HAS_FULL, EVEN_BLOCKS, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD,
                 MASK_MOD, SCORE_MOD_GRAD)
         else:  # the query tiles in three parts: those a causal diagonal or window's right edge cuts (masked;
             # none without a right edge), those that see every key of the tile (unmasked, the loop that may be
@@ -276,7 +272,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
             for part in tl.static_range(1 - HAS_RIGHT, 3):
                 dk_head, dv_head = _attn_bwd_dkdv_inner(
                     dk_head, dv_head, k, v, rows_in, dq_io, mask, mods, offs, edges[part], edges[part + 1], (0, 0),
-                    bounds, scores, drop, BLOCK_M, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT,
+                    bounds, qk_scale, drop, BLOCK_M, part != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT,
                     EVEN_D, INPUT_PRECISION, TMA, WS & (part == 1), DQ_HERE, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, 0)
         if SPLIT_GROUP_ACC:
             dk += dk_head
@@ -294,10 +290,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, listed, bounds, scores, drop,
+def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, listed, bounds, qk_scale, drop,
                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-                       HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                       MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                       HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                        INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
                        SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr,
                        LISTED: tl.constexpr):
@@ -314,9 +309,9 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, list
         if LISTED:
             k_v_at = advance(k_v, row_strides, tl.cast(start_n, tl.int64), TMA)
         k, v = load_pair(k_v_at, start_n, cols, bounds[1], offs_d, bounds[2], MASKED, not EVEN_D, TMA)
-        x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), scores, SOFTCAP)
-        s = score_tile(x, offs_m[:, None], cols[None, :], bounds, scores, mask, MASKED, HAS_LEFT, HAS_RIGHT, ALIBI,
-                       MASK_KIND, mods, SCORE_MOD, MASK_MOD)
+        x = mma(q, tl.trans(k), None, INPUT_PRECISION) * qk_scale
+        s = score_tile(x, offs_m[:, None], cols[None, :], bounds, mask, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods,
+                       SCORE_MOD, MASK_MOD)
         p = tl.math.exp2(s - lse[:, None])
         dp = mma(do, tl.trans(v), None, INPUT_PRECISION)
         if DROPOUT:
@@ -325,8 +320,6 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, list
         ds = p * (dp - delta[:, None])
         if SCORE_MOD_GRAD is not None:  # (this pass adds no captured tensor's gradient: mods[4] is empty)
             ds = SCORE_MOD_GRAD(x, mods[0], mods[1], offs_m[:, None], cols[None, :], mods[2], ds, mods[4])
-        if SOFTCAP:
-            ds *= softcap_grad(x, scores[1])
         dq = mma(ds.to(k.dtype), k, dq, INPUT_PRECISION)
         if not LISTED:
             k_v = advance(k_v, row_strides, BLOCK_N, TMA)
@@ -334,36 +327,34 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, list
 
 
 @triton.jit
-def _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, scores, drop, lists, row,
+def _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, qk_scale, drop, lists, row,
                         BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, HAS_FULL: tl.constexpr,
-                        EVEN_BLOCKS: tl.constexpr, SOFTCAP: tl.constexpr,
-                        ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                        EVEN_BLOCKS: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, SCORE_MOD: tl.constexpr,
                         MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
     """The key blocks a block mask lists for query block `row`, as _attn_fwd_listed visits them."""
     count, first, stride = listed_blocks(lists[0], lists[1], lists[4], False, mods[0], mods[1], row)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, 0, count * SPARSE_KV, (first, stride),
-                            bounds, scores, drop, BLOCK_N, True, False, False, SOFTCAP, ALIBI, MASK_KIND, DROPOUT,
+                            bounds, qk_scale, drop, BLOCK_N, True, False, False, MASK_KIND, DROPOUT,
                             EVEN_D, INPUT_PRECISION, TMA, False, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, SPARSE_KV)
     if HAS_FULL:
         count, first, stride = listed_blocks(lists[2], lists[3], lists[4], True, mods[0], mods[1], row)
         dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, 0, count * SPARSE_KV, (first, stride),
-                                bounds, scores, drop, BLOCK_N, not EVEN_BLOCKS, False, False, SOFTCAP, ALIBI,
-                                MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, SCORE_MOD, None,
-                                SCORE_MOD_GRAD, SPARSE_KV)
+                                bounds, qk_scale, drop, BLOCK_N, not EVEN_BLOCKS, False, False, MASK_KIND, DROPOUT,
+                                EVEN_D, INPUT_PRECISION, TMA, False, SCORE_MOD, None, SCORE_MOD_GRAD, SPARSE_KV)
     return dq
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Mask, Rng,
+def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Mask, Rng,
                  BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args, score_grads,
-                 stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, stride_slope_b, stride_mask,
+                 stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, stride_mask,
                  stride_blocks,
                  nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
-                 softmax_scale, qk_scale, softcap, drop_threshold, drop_scale,
+                 softmax_scale, qk_scale, drop_threshold, drop_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                  EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
                  SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr, SPARSE: tl.constexpr,
                  HAS_FULL: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
@@ -384,8 +375,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Ma
     delta = tl.load(Delta + row_ptr, mask=offs_m < seqlen_q, other=0.0)
     k_src = row_source(K, stride_k, off_b, off_hk, k_first, seqlen_k, head_dim, offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
     v_src = row_source(V, stride_v, off_b, off_hk, k_first, seqlen_k, head_dim, offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
-    mask_ptrs, slope, drop_key = head_options(Mask, stride_mask, Slopes, stride_slope_b, Rng, off_b, off_h, off_bh,
-                                              ALIBI, MASK_KIND, DROPOUT)
+    mask_ptrs, drop_key = head_options(Mask, stride_mask, Rng, off_b, off_h, off_bh, MASK_KIND, DROPOUT)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # The key tiles in three parts, as in the forward's _attn_fwd.
@@ -395,19 +385,18 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Slopes, Ma
     mask = (mask_ptrs, stride_mask[2], stride_mask[3])
     bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right)
     drop = (drop_key, drop_threshold, drop_scale)
-    scores = (qk_scale, softcap, slope)
     offs = (offs_m, offs_n, offs_d)
     mods = (off_b.to(tl.int32), off_h.to(tl.int32), score_args, mask_args, score_grads)
     if SPARSE:  # the key blocks the block mask lists, as in the forward
-        dq = _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, scores, drop,
+        dq = _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, qk_scale, drop,
                                  (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks), start_m // SPARSE_Q, BLOCK_N,
-                                 SPARSE_KV, HAS_FULL, EVEN_BLOCKS, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+                                 SPARSE_KV, HAS_FULL, EVEN_BLOCKS, MASK_KIND, DROPOUT, EVEN_D,
                                  INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
     else:
         for part in tl.static_range(1 - HAS_LEFT, 3):
             dq = _attn_bwd_dq_inner(
-                dq, q, do, lse, delta, kv, mask, mods, offs, edges[part], edges[part + 1], (0, 0), bounds, scores,
-                drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, MASK_KIND, DROPOUT, EVEN_D,
+                dq, q, do, lse, delta, kv, mask, mods, offs, edges[part], edges[part + 1], (0, 0), bounds, qk_scale,
+                drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, EVEN_D,
                 INPUT_PRECISION, TMA, WS & (part == 1), SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, 0)
     dq_ptrs = tile_ptrs(DQ, stride_dq, off_b, off_h, q_first + start_m, rows, offs_d)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, not EVEN_D)

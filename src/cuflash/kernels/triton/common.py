@@ -1,9 +1,9 @@
-"""Helpers shared by the attention kernels: tile loads/stores, the score of a tile (softcap,
-ALiBi, masks, sliding window), the band of tiles a window leaves, varlen offsets and dropout."""
+"""Helpers shared by the attention kernels: tile loads/stores, the score of a tile (mods, attn_mask,
+sliding window), the band of tiles a window leaves, varlen offsets and dropout."""
 import triton
 import triton.language as tl
 
-from ..constants import BOOL_MASK, FAST_TANH, LOG2E, NO_MASK
+from ..constants import BOOL_MASK, LOG2E, NO_MASK
 
 
 @triton.jit
@@ -182,7 +182,9 @@ def tanh(x, FAST: tl.constexpr = False):
     """tanh in fp32 (fp64 for fp64 x) from exp2 (the interpreter has no libdevice): an odd polynomial
     near 0, where (1 - e^-2|x|) / (1 + e^-2|x|) would lose digits to cancellation; with FAST (on the
     GPU) the hardware's tanh.approx.f32, one instruction for the three (exp2, a reciprocal, a select)
-    of the other (constants.FAST_TANH). Integer and 16-bit x are taken to fp32 first."""
+    of the other, its relative error under 2^-10.9: below a 16-bit input's rounding, so the mods take it
+    for 16-bit inputs (variant.fast_math), as FlashAttention's softcap does. Integer and 16-bit x are
+    taken to fp32 first."""
     if x.dtype != tl.float64:
         x = x.to(tl.float32)
     if FAST:
@@ -197,16 +199,6 @@ def tanh(x, FAST: tl.constexpr = False):
         t = tl.where(ax < 0.125, small, big)
         t = tl.where(x < 0, -t, t)
     return t
-
-
-@triton.jit
-def logits(qk, scores, SOFTCAP: tl.constexpr):
-    """The logits of a tile in base 2 from q.k, scores = (qk_scale, softcap, ALiBi slope):
-    qk * scale * LOG2E, or with SOFTCAP (qk_scale is then scale / softcap, softcap pre-multiplied by
-    LOG2E) softcap * tanh(qk * scale / softcap), tanh as the SOFTCAP kind says (constants.py)."""
-    if SOFTCAP:
-        return scores[1] * tanh(qk * scores[0], SOFTCAP == FAST_TANH)
-    return qk * scores[0]
 
 
 @triton.jit
@@ -226,12 +218,11 @@ def softmax_step(s, m_i, l_i, MAY_BE_EMPTY: tl.constexpr):
 
 
 @triton.jit
-def score_tile(x, rows, cols, bounds, scores, mask, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-               HAS_RIGHT: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, mods=None,
-               SCORE_MOD: tl.constexpr = None, MASK_MOD: tl.constexpr = None):
-    """Logits x (base 2; natural with a SCORE_MOD, whose result is taken to base 2) plus the ALiBi bias
-    (scores[2], the slope pre-multiplied by LOG2E) and an additive mask, -inf where a key is not
-    visible. rows and cols broadcast against each other (the dK/dV kernel passes them transposed).
+def score_tile(x, rows, cols, bounds, mask, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               MASK_KIND: tl.constexpr, mods=None, SCORE_MOD: tl.constexpr = None, MASK_MOD: tl.constexpr = None):
+    """Logits x (base 2; natural with a SCORE_MOD, whose result is taken to base 2: softcap and ALiBi
+    are score_mods, builtin_mods.py) plus an additive mask, -inf where a key is not visible. rows and
+    cols broadcast against each other (the dK/dV kernel passes them transposed).
     bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right); mask = (attn_mask's
     pointer for this head, its row and column strides); mods = (batch, head, the score_mod's and the
     mask_mod's argument tuples), for SCORE_MOD and MASK_MOD (kernels/triton/mods.py; None: none, and for
@@ -240,13 +231,10 @@ def score_tile(x, rows, cols, bounds, scores, mask, MASKED: tl.constexpr, HAS_LE
     mask_mod says so; only MASKED tiles (the band's edges and ragged ends) check the bounds."""
     seqlen_q, seqlen_k, _, offset, window_left, window_right = bounds
     mask_ptrs, stride_mask_m, stride_mask_n = mask
-    slope = scores[2]
     if SCORE_MOD is not None:
         s = SCORE_MOD(x, mods[0], mods[1], rows, cols, mods[2]) * LOG2E
     else:
         s = x
-    if ALIBI:
-        s -= slope * tl.abs(rows + offset - cols).to(tl.float32)
     if MASK_KIND != NO_MASK:
         in_range = (rows < seqlen_q) & (cols < seqlen_k)
         m = tl.load(mask_ptrs + rows.to(tl.int64) * stride_mask_m + cols.to(tl.int64) * stride_mask_n,
@@ -284,28 +272,16 @@ def tile_start(it, listed, BLOCK: tl.constexpr, LISTED: tl.constexpr):
 
 
 @triton.jit
-def softcap_grad(x, softcap):
-    """d(softcap * tanh(y / softcap)) / dy, from the capped logit x = logits(...)."""
-    t = x / softcap
-    return 1.0 - t * t
-
-
-@triton.jit
-def head_options(Mask, stride_mask, Slopes, stride_slope_b, Rng, off_b, off_h, off_bh, ALIBI: tl.constexpr,
-                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr):
+def head_options(Mask, stride_mask, Rng, off_b, off_h, off_bh, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr):
     """What a variant needs per (batch, head): the attn_mask's base pointer (its strides are
-    (batch, head, row, column)), the ALiBi slope (times LOG2E) and the dropout key of head
-    off_bh = batch * nheads + head."""
+    (batch, head, row, column)) and the dropout key of head off_bh = batch * nheads + head."""
     mask_ptrs = 0  # (Mask is None without a mask: a function cannot return None)
     if MASK_KIND != NO_MASK:
         mask_ptrs = Mask + off_b * stride_mask[0] + off_h * stride_mask[1]
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(Slopes + off_b * stride_slope_b + off_h) * LOG2E
     drop_key = 0
     if DROPOUT:
         drop_key = dropout_key(Rng, off_bh)
-    return mask_ptrs, slope, drop_key
+    return mask_ptrs, drop_key
 
 
 @triton.jit

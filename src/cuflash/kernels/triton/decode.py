@@ -29,13 +29,14 @@ from ...params import AttentionParams
 from ..constants import LN2, LOG2E, NO_MASK
 from ..device import cdiv, next_power_of_2, padded_head_dim
 from ..launch import workspace
-from ..variant import logit_scales, softcap_kind
+from ..variant import fast_math, logit_scale
+from .mods import forward_function, kernel_args
 from . import DecodeLaunch
-from .common import logits, mma, score_tile, softmax_step
+from .common import mma, score_tile, softmax_step
 
-# The decode kernel's optional tensor arguments (the index tensors first, then ALiBi's slopes and the
-# new keys and values to append), in the launch's tensors only when given.
-OPTIONAL_TENSORS = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "Slopes", "KNew", "VNew")
+# The decode kernel's optional tensor arguments (the index tensors first, then the new keys and values
+# to append), in the launch's tensors only when given.
+OPTIONAL_TENSORS = ("CacheSeqlens", "Leftpad", "CacheRows", "BlockTable", "KNew", "VNew")
 # cache.IndexKind, as the kernel names them
 _SEQLENS, _LEFTPAD, _ROWS, _REPEATED, _ROTARY, _PAGES = (tl.constexpr(int(kind)) for kind in IndexKind)
 
@@ -151,12 +152,14 @@ def _append(K, V, KNew, VNew, table, row, first, lo, hi, seqlen_k, seqlen_new, o
 
 @triton.jit
 def _attend(Q, K, V, q, table, row, first, lo, hi, tok, off_hk, offs_n, offs_d, d_ok, rows_per_seq, seqlen_q,
-            head_dim, offset, window_left, window_right, scores, stride_k, stride_v, BLOCK_M: tl.constexpr,
+            head_dim, offset, window_left, window_right, qk_scale, mods, stride_k, stride_v, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-            INPUT_PRECISION: tl.constexpr):
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+            SCORE_MOD: tl.constexpr):
     """The online softmax of the tile's queries q over key positions lo .. hi - 1 of the cache:
-    returns the running max m_i and sum l_i (base 2) and the unnormalized output acc."""
+    returns the running max m_i and sum l_i (base 2) and the unnormalized output acc. The score_mod
+    (softcap's and ALiBi's, builtin_mods.py) sees each query at its key position (token + offset) and
+    each key at its position in the sequence; mods = (batch, each row's head, the mod's arguments)."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -177,9 +180,11 @@ def _attend(Q, K, V, q, table, row, first, lo, hi, tok, off_hk, offs_n, offs_d, 
         tile_ok = col_ok[:, None] & d_ok[None, :]
         k_off = block * stride_k[0] + slot * stride_k[1]
         k = tl.load(K + k_off[:, None] + off_hk * stride_k[2] + offs_d[None, :], mask=tile_ok, other=0.0)
-        x = logits(mma(q, tl.trans(k), None, INPUT_PRECISION), scores, SOFTCAP)
+        x = mma(q, tl.trans(k), None, INPUT_PRECISION) * qk_scale
+        if SCORE_MOD is not None:
+            x = SCORE_MOD(x, mods[0], mods[1], tok[:, None] + offset, cols[None, :], mods[2]) * LOG2E
         s = score_tile(x, tok[:, None], cols[None, :], (seqlen_q, hi, head_dim, offset, window_left, window_right),
-                       scores, (Q, 0, 0), True, HAS_LEFT, HAS_RIGHT, ALIBI, NO_MASK)
+                       (Q, 0, 0), True, HAS_LEFT, HAS_RIGHT, NO_MASK)
         m_new, p, alpha, l_i = softmax_step(s, m_i, l_i, True)
         v_off = block * stride_v[0] + slot * stride_v[1]
         v = tl.load(V + v_off[:, None] + off_hk * stride_v[2] + offs_d[None, :], mask=tile_ok, other=0.0)
@@ -209,16 +214,15 @@ def _write(OutPart, LsePart, m_i, l_i, acc, ok, split, off_b, tok, head, row_ok,
 
 
 @triton.jit(do_not_specialize=["cache_seqlen", "step"])
-def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, Slopes, KNew, VNew, Errors,
-                step, stride_q, stride_k, stride_v, stride_o, stride_l, stride_tb, stride_slope_b, stride_kn, stride_vn,
+def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, KNew, VNew, Errors, score_args,
+                step, stride_q, stride_k, stride_v, stride_o, stride_l, stride_tb, stride_kn, stride_vn,
                 batch, nheads_k, seqlen_q, group_size, rows_per_seq, cache_blocks, head_dim, num_splits, cache_seqlen,
-                seqlen_new, seqlens_max, rotary_end, window_left, window_right, qk_scale, softcap,
+                seqlen_new, seqlens_max, rotary_end, window_left, window_right, qk_scale,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
                 PAGE_CHUNKS: tl.constexpr, BLOCK_B: tl.constexpr, BATCH_CHUNKS: tl.constexpr, SEQLENS: tl.constexpr,
                 PAGED: tl.constexpr, LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr,
-                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr, APPEND: tl.constexpr, ROTARY: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr):
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
+                APPEND: tl.constexpr, ROTARY: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr):
     """Program (split, query tile, b * nheads_k + KV head): the tile's BLOCK_M query rows (tokens x
     the query heads of the KV head) of sequence b against the split's share of the sequence's keys,
     its index values checked and its new tokens written first (the module's doc)."""
@@ -236,9 +240,6 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
     d_ok = offs_d < head_dim
     q = tl.load(Q + off_b * stride_q[0] + tok[:, None] * stride_q[1] + head[:, None] * stride_q[2] + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(Slopes + off_b * stride_slope_b + head, mask=row_ok, other=0.0)[:, None] * LOG2E
 
     # The sequence's keys are cache positions first .. cache_seqlens + seqlen_new - 1; query token
     # i sits at key offset + i (bottom-right alignment).
@@ -283,9 +284,9 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
         last_tok = tl.minimum((start_r + BLOCK_M - 1) // group_size, seqlen_q - 1)
         hi = tl.minimum(hi, last_tok + offset + window_right + 1)
     m_i, l_i, acc = _attend(Q, K, V, q, table, row, first, lo, hi, tok, off_hk, offs_n, offs_d, d_ok, rows_per_seq,
-                            seqlen_q, head_dim, offset, window_left, window_right, (qk_scale, softcap, slope), stride_k,
-                            stride_v, BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PREFETCH_PAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                            ALIBI, INPUT_PRECISION)
+                            seqlen_q, head_dim, offset, window_left, window_right, qk_scale,
+                            (off_b.to(tl.int32), head[:, None].to(tl.int32), score_args), stride_k, stride_v, BLOCK_M,
+                            BLOCK_N, BLOCK_D, PAGED, PREFETCH_PAGES, HAS_LEFT, HAS_RIGHT, INPUT_PRECISION, SCORE_MOD)
     _write(OutPart, LsePart, m_i, l_i, acc, ok, split, off_b, tok, head, row_ok, offs_d, d_ok, stride_o, stride_l,
            SPLIT)
 
@@ -347,8 +348,8 @@ def launches(t: dict, params: AttentionParams, cfg: DecodeLaunch, seqlen_new: in
     else:
         out_strides = (0, *out_part.stride()[:3])
         lse_strides = (0, lse_part.stride(0), lse_part.stride(2), lse_part.stride(1))
-    block_table, slopes, k_new, v_new = t.get("BlockTable"), params.alibi_slopes, t.get("KNew"), t.get("VNew")
-    qk_scale, softcap = logit_scales(params)
+    block_table, k_new, v_new = t.get("BlockTable"), t.get("KNew"), t.get("VNew")
+    score = None if params.mods is None else params.mods.score
     block_d = padded_head_dim(head_dim)
     block_p, page_chunks = _page_chunks(cfg.share_pages)
     repeats = "CacheRows" in t and k_new is not None  # the kernel looks for two sequences writing one row
@@ -358,23 +359,24 @@ def launches(t: dict, params: AttentionParams, cfg: DecodeLaunch, seqlen_new: in
         stride_q=q.stride()[:3], stride_k=k_cache.stride()[:3], stride_v=v_cache.stride()[:3],
         stride_o=out_strides, stride_l=lse_strides,
         stride_tb=0 if block_table is None else block_table.stride(0),
-        stride_slope_b=0 if slopes is None or slopes.dim() == 1 else slopes.stride(0),
         stride_kn=(0, 0, 0) if k_new is None else k_new.stride()[:3],
         stride_vn=(0, 0, 0) if v_new is None else v_new.stride()[:3],
         batch=batch, nheads_k=nheads_k, seqlen_q=seqlen_q, group_size=nheads // nheads_k,
         rows_per_seq=k_cache.shape[1], cache_blocks=k_cache.shape[0], head_dim=head_dim, num_splits=splits,
         cache_seqlen=t["cache_seqlen"], seqlen_new=seqlen_new, seqlens_max=capacity - seqlen_new,
         rotary_end=0 if rotary_end is None else rotary_end,
-        window_left=params.window_left, window_right=params.window_right, qk_scale=qk_scale, softcap=softcap,
+        window_left=params.window_left, window_right=params.window_right, qk_scale=logit_scale(params),
         BLOCK_M=cfg.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d, BLOCK_P=block_p, PAGE_CHUNKS=page_chunks,
         # (constant unless used: each value is a kernel of its own)
         BLOCK_B=min(1024, max(16, next_power_of_2(batch))) if repeats else 16, BATCH_CHUNKS=cdiv(batch, 1024) * repeats,
         SEQLENS="CacheSeqlens" in t,
         PAGED=block_table is not None, LEFTPAD="Leftpad" in t, BATCH_IDX="CacheRows" in t,
-        HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0, SOFTCAP=softcap_kind(params, q),
-        ALIBI=slopes is not None, SPLIT=splits > 1, PREFETCH_PAGES=cfg.prefetch_pages, APPEND=k_new is not None,
+        HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0, SPLIT=splits > 1,
+        PREFETCH_PAGES=cfg.prefetch_pages, APPEND=k_new is not None,
         ROTARY=rotary_end is not None and "CacheSeqlens" in t,
         INPUT_PRECISION=tiles.input_precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        SCORE_MOD=None if score is None else forward_function(score.graph, fast_math(q)),
+        score_args=(0,) if score is None else kernel_args(list(score.tensors), list(score.scalars)),
     )
     launches: list[tuple] = [decode]
     if splits == 1:
