@@ -142,7 +142,7 @@ def test_calls_with_mods_take_the_gluon_kernels_where_the_blocks_fit():
     a key block, where a work item's 128 query rows lie in one query block and no band is asked for), so
     does dK/dV up to head dim 128 (dQ fused but in a deterministic backward; with a block mask, 128-key
     items within a key block, 64-row query tiles within query blocks); the rest takes Triton tiles within
-    the blocks (two stages at head dim 256)."""
+    the blocks (two stages at head dim 256), or without a block mask the one-launch backward where listed."""
     from cuflash.kernels import gluon
     from cuflash.kernels.plan import Entry, select
     from cuflash.kernels.variant import problem
@@ -176,6 +176,12 @@ def test_calls_with_mods_take_the_gluon_kernels_where_the_blocks_fit():
     assert plan(Mods(score=score, blocks=blocks(128, 128)), window_right=0) == Plan(tiles, tiles, tiles)  # a band
     wide = torch.randn(1, 512, 2, 256, dtype=torch.bfloat16)
     assert plan(Mods(score=score), wide) == Plan(gluon.Forward(2, 128, 3), Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 2))
+    # the one-launch backward stays first where the table lists it, but not with a block mask (it walks no lists)
+    whole = OneLaunch(Tiles(64, 128, 8, 2))
+    cell = Entry(cell.forward, (whole, *cell.dkdv), cell.dq)
+    short = torch.randn(1, 100, 2, 64, dtype=torch.bfloat16)  # (one key tile holds every key)
+    assert plan(Mods(score=score), short).dkdv == whole.tiles.on((100, 100), short, short)
+    assert plan(Mods(score=score, blocks=blocks(128, 128)), short).dkdv == fused
 
 
 def test_user_tiles_that_overflow_shared_memory_are_refused_before_compiling(monkeypatch):

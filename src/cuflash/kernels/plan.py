@@ -97,7 +97,7 @@ def _within_blocks(entry: Entry, params: AttentionParams, block_d: int) -> Entry
     does the backward's dK/dV up to head dim 128, with dQ fused (unfused in a deterministic backward:
     Triton's dQ), where a work item's 128 keys lie in one key block and its 64-row query tiles in query
     blocks, and no band is asked for; the rest takes Triton tiles (and, without a block mask, the
-    one-launch backward where the table has it). At head dim 256 the Triton tiles buffer
+    one-launch backward first where the table has it). At head dim 256 the Triton tiles buffer
     two stages, not three: a score_mod's loads and its gradient's took dQ's 128 x 32 tiles to 256 KB of
     shared memory."""
     blocks = params.mods.blocks if params.mods is not None else None
@@ -109,8 +109,8 @@ def _within_blocks(entry: Entry, params: AttentionParams, block_d: int) -> Entry
         tiles = next(c for c in candidates if isinstance(c, Tiles))
         if block_d >= 256:
             tiles = dataclasses.replace(tiles, num_stages=min(tiles.num_stages, 2))
-        if blocks is None:  # (the one-launch backward walks no lists: it takes mods without a block mask)
-            return (*(c for c in candidates if isinstance(c, OneLaunch)), tiles)
+        if blocks is None:
+            return (tiles,)
         block_m = min(tiles.block_m, blocks.q_block & -blocks.q_block)  # (the largest power of 2 dividing it)
         block_n = min(tiles.block_n, blocks.kv_block & -blocks.kv_block)
         return (dataclasses.replace(tiles, block_m=block_m, block_n=block_n, warp_specialize=False),)
@@ -130,7 +130,9 @@ def _within_blocks(entry: Entry, params: AttentionParams, block_d: int) -> Entry
         return ()
 
     def fitted(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
-        return (*(g for c in candidates for g in fit_gluon(c)), *fit(candidates))
+        # (the one-launch backward walks no lists: it takes mods without a block mask, first where listed)
+        whole = tuple(c for c in candidates if isinstance(c, OneLaunch)) if blocks is None else ()
+        return (*whole, *(g for c in candidates for g in fit_gluon(c)), *fit(candidates))
     return Entry(fitted(entry.forward), fitted(entry.dkdv), fit(entry.dq))
 
 
