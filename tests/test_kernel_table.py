@@ -142,7 +142,8 @@ def test_calls_with_mods_take_the_gluon_kernels_where_the_blocks_fit():
     a key block, where a work item's 128 query rows lie in one query block and no band is asked for), so
     does dK/dV up to head dim 128 (dQ fused but in a deterministic backward; with a block mask, 128-key
     items within a key block, 64-row query tiles within query blocks); the rest takes Triton tiles within
-    the blocks (two stages at head dim 256), or without a block mask the one-launch backward where listed."""
+    the blocks (two stages at head dim 256 where a mod reads a tensor per score), or without a block mask
+    the one-launch backward where listed."""
     from cuflash.kernels import gluon
     from cuflash.kernels.plan import Entry, select
     from cuflash.kernels.variant import problem
@@ -175,7 +176,10 @@ def test_calls_with_mods_take_the_gluon_kernels_where_the_blocks_fit():
     assert plan(Mods(score=score, blocks=blocks(128, 16))).forward == Tiles(128, 16, 8, 3)  # tiles under 32 keys
     assert plan(Mods(score=score, blocks=blocks(128, 128)), window_right=0) == Plan(tiles, tiles, tiles)  # a band
     wide = torch.randn(1, 512, 2, 256, dtype=torch.bfloat16)
-    assert plan(Mods(score=score), wide) == Plan(gluon.Forward(2, 128, 3), Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 2))
+    assert plan(Mods(score=score), wide) == Plan(gluon.Forward(2, 128, 3), tiles, tiles)
+    table = torch.randn(2, 512)  # read per score (ModGraph.gathers): two stages at head dim 256
+    bias = Mod.of(lambda score, b, h, q_idx, kv_idx: score + table[h, (q_idx - kv_idx).abs()], "score")
+    assert plan(Mods(score=bias), wide) == Plan(gluon.Forward(2, 128, 3), Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 2))
     # the one-launch backward stays first where the table lists it, but not with a block mask (it walks no lists)
     whole = OneLaunch(Tiles(64, 128, 8, 2))
     cell = Entry(cell.forward, (whole, *cell.dkdv), cell.dq)

@@ -176,6 +176,30 @@ def test_traces_are_cached_by_what_the_mod_computes():
         mod_code.forward_function(trace(same_again, "score")[0].graph)
 
 
+def test_composed_mods_compute_one_after_the_other():
+    """Mod.then (softcap and ALiBi around a user's score_mod, builtin_mods.resolved): one graph whose
+    value is the second mod's of the first's, with both's captures, made once per pair."""
+    first, second = Mod.of(softcap, "score"), Mod.of(rel_bias, "score")
+    both = first.then(second)
+    assert both.graph is first.then(second).graph
+    assert both.tensors == first.tensors + second.tensors and both.scalars == first.scalars + second.scalars
+    score = torch.randn(6, 9) * 30
+    b, h, q, kv = _indices(6, 9)
+    expected = _vmapped(rel_bias, _vmapped(softcap, score, b, h, q, kv), b, h, q, kv)
+    got = evaluate(both.graph, (score, b, h, q, kv), list(both.tensors), list(both.scalars))
+    assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got, _vmapped(softcap, _vmapped(rel_bias, score, b, h, q, kv), b, h, q, kv))
+
+
+@pytest.mark.parametrize("fn, gathers", [(rel_bias, True), (chained_index, True), (math_ops, True),
+                                         (document, True), (alibi, False), (learnable_alibi, False),
+                                         (softcap, False), (window, False), (logic, False)],
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_a_graph_knows_whether_it_reads_a_tensor_per_score(fn, gathers):
+    """ModGraph.gathers (plan.py buffers fewer stages for those): a load indexed by q_idx or kv_idx."""
+    assert Mod.of(fn, "mask" if fn in MASK_MODS else "score").graph.gathers is gathers
+
+
 @pytest.mark.parametrize("mod, kind, message", [
     (lambda s, b, h, q, k: torch.cumsum(s, 0), "score", "calls cumsum"),
     (lambda s, b, h, q, k: s if q > k else -s, "score", "control flow"),

@@ -98,16 +98,19 @@ def _within_blocks(entry: Entry, params: AttentionParams, block_d: int) -> Entry
     Triton's dQ), where a work item's 128 keys lie in one key block and its 64-row query tiles in query
     blocks, and no band is asked for; the rest takes Triton tiles (and, without a block mask, the
     one-launch backward first where the table has it). At head dim 256 the Triton tiles buffer
-    two stages, not three: a score_mod's loads and its gradient's took dQ's 128 x 32 tiles to 256 KB of
-    shared memory."""
+    two stages, not three, where a mod reads a captured tensor per score (ModGraph.gathers): a relative
+    bias's loads and its gradient's took dQ's 128 x 32 tiles to 256 KB of shared memory; a slope per head
+    (ALiBi) costs none, and the third stage was 9-14% of the D=256 backward."""
     blocks = params.mods.blocks if params.mods is not None else None
+    gathers = params.mods is not None and any(mod is not None and mod.graph.gathers
+                                              for mod in (params.mods.score, params.mods.mask))
     if blocks is not None and (blocks.q_block % 16 or blocks.kv_block % 16):
         fail(ErrorCode.INVALID_ARGUMENT, f"block_mask's BLOCK_SIZE is ({blocks.q_block}, {blocks.kv_block}); the "
              "kernels take blocks of a multiple of 16 query rows and keys (torch's default is 128)")
 
     def fit(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
         tiles = next(c for c in candidates if isinstance(c, Tiles))
-        if block_d >= 256:
+        if block_d >= 256 and gathers:
             tiles = dataclasses.replace(tiles, num_stages=min(tiles.num_stages, 2))
         if blocks is None:
             return (tiles,)

@@ -71,6 +71,20 @@ class ModGraph:
         position = self.inputs.index(name)
         return any(n.op == "input" and n.args[0] == position for n in self.nodes)
 
+    @property
+    def gathers(self) -> bool:
+        """Whether it loads a captured tensor at an index computed from q_idx or kv_idx (an element per
+        score: a bias table by distance, document ids), not one value per program (a slope per head)."""
+        positions = {self.inputs.index("q_idx"), self.inputs.index("kv_idx")}
+        varying: set[int] = set()
+        for n in self.nodes:
+            if n.op == "input" and n.args[0] in positions or any(
+                    id(a) in varying for a in n.args[1 if n.op == "load" else 0:] if isinstance(a, Node)):
+                if n.op == "load":
+                    return True
+                varying.add(id(n))
+        return False
+
 
 def describe(g: ModGraph) -> str:
     """The graph as text, one line per node, with nodes named by position: two mods with equal texts
