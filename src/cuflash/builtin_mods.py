@@ -22,3 +22,10 @@ def chunked_local(chunk: int, offset: int | torch.Tensor, mask_mod=None):
         seen = (kv_idx - position >= -into) & (kv_idx - position < chunk - into)
         return seen if mask_mod is None else seen & mask_mod(b, h, q_idx, kv_idx)
     return attention_chunk
+
+
+def chunked_local_captures(chunk: int, offset: int | torch.Tensor, mask_mod=None) -> dict:
+    """What the function chunked_local(chunk, offset, mask_mod) makes captures, by name: under
+    torch.compile, where that function would be made in the graph, its captures are read from here
+    (mods/compiled.py)."""
+    return {"chunk": chunk, "offset": offset, "per_sequence": isinstance(offset, torch.Tensor), "mask_mod": mask_mod}

@@ -12,6 +12,7 @@ no head are skipped.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -144,6 +145,17 @@ class ScoreTiles:
         return scale.reshape(self.batch, self.nheads_k, -1, n1 - n0)
 
 
+@contextlib.contextmanager
+def _recording():
+    """Grad mode on, and autograd's dispatch keys back where a custom op's implementation runs (which
+    excludes them: the ops would record nothing there): the score_mod's gradient is torch's autograd
+    through its ops (ModTiles.score_grad), under the custom ops too."""
+    excluded = torch._C._dispatch_tls_local_exclude_set() - torch._C.DispatchKeySet(
+        torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
+        yield
+
+
 def _coords(m0: int, m1: int, n0: int, n1: int, device, dtype=torch.int64):
     """The query rows m0:m1 as a column and the keys n0:n1 as a row."""
     return (torch.arange(m0, m1, dtype=dtype, device=device)[:, None],
@@ -167,6 +179,15 @@ class ModTiles:
         self.b = torch.arange(first_batch, first_batch + tiles.batch, dtype=INDEX_DTYPE, device=device)
         self.b = self.b.view(-1, 1, 1, 1, 1)
         self.h = torch.arange(tiles.nheads, dtype=INDEX_DTYPE, device=device).view(1, *self.grouped[1:], 1, 1)
+        # The score_mod's captured tensors; in a backward that computes the gradients of those that ask for one
+        # (mods.grads), leaves standing for those, which its ops are recorded from (score_grad: inside a custom
+        # op the tensors themselves do not require grad).
+        self.tensors = [] if mods.score is None else list(mods.score.tensors)
+        self.leaves: tuple[torch.Tensor, ...] = ()
+        if mods.score is not None and mods.grads:
+            self.tensors = [t.detach().requires_grad_() if needed else t
+                            for t, needed in zip(self.tensors, mods.score.requires_grad)]
+            self.leaves = tuple(t for t, needed in zip(self.tensors, mods.score.requires_grad) if needed)
         self.states = self.kinds = None
         blocks = mods.blocks
         if blocks is not None:
@@ -197,9 +218,9 @@ class ModTiles:
         if mod is None:
             return None
         rows, cols = _coords(m0, m1, n0, n1, s.device, INDEX_DTYPE)
-        with torch.set_grad_enabled(grad):
+        with _recording() if grad else torch.no_grad():
             x = s.clone().requires_grad_() if grad else s
-            value = evaluate(mod.graph, (x, self.b, self.h, rows, cols), list(mod.tensors), list(mod.scalars))
+            value = evaluate(mod.graph, (x, self.b, self.h, rows, cols), self.tensors, list(mod.scalars))
         s.copy_(value)
         return (x, value) if grad else None
 
@@ -209,10 +230,10 @@ class ModTiles:
         returned); the gradients of the captured tensors that ask for one are added to mods.grads."""
         x, value = computed
         grads = self.mods.grads or ()  # (none: no gradient of the captured tensors is asked for)
-        inputs = (x, *(self.mods.grad_tensors() if grads else ()))
         if not value.requires_grad:  # the mod reads neither the score nor a tensor that needs a gradient
             return torch.zeros_like(ds)
-        found = torch.autograd.grad(value, inputs, ds.view(x.shape).to(value.dtype), allow_unused=True)
+        with _recording():
+            found = torch.autograd.grad(value, (x, *self.leaves), ds.view(x.shape).to(value.dtype), allow_unused=True)
         for buffer, g in zip(grads, found[1:]):
             if g is not None:
                 buffer.add_(g)
