@@ -109,6 +109,22 @@ def test_flash_attn_func_compiles(backend):
     agree(ours, run(varlen, leaves, [table]), BOUND[dtype])
 
 
+def test_lse_gradient_under_compile():
+    """return_lse's lse is differentiable under torch.compile as eagerly (its gradient joins the
+    backward op's), the bias table's gradient with it."""
+    torch.manual_seed(4)
+    table = torch.randn(2, 47, dtype=torch.float64, requires_grad=True)
+    score_mod = relative_bias(table, 24)
+    q, k, v = (torch.randn(1, 2, 24, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    weights = torch.linspace(-1, 1, 24, dtype=torch.float64)
+
+    def loss(q, k, v):
+        out, lse = cuflash.flex_attention(q, k, v, score_mod=score_mod, return_lse=True)
+        return out.sum(-1) + lse * weights
+    ours = run(torch.compile(loss, fullgraph=True, backend="aot_eager"), [q, k, v], [table])
+    assert all(torch.equal(a, b) for a, b in zip(ours, run(loss, [q, k, v], [table])))
+
+
 class _Attention(torch.nn.Module):
     """A projection and attention with a learnable relative bias: the score_mod made once, in __init__,
     over the parameter (a mod made in forward would be made in the compiled graph)."""
