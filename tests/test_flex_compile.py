@@ -199,9 +199,10 @@ def test_captures_are_guarded():
 
 
 def test_mods_that_run_eagerly():
-    """Mods made in the compiled function (Dynamo gives no access to their closure), a partial, and one
-    reading a tensor through another object run eagerly: with fullgraph=True torch.compile says why,
-    without it the call is a graph break and gives the eager result. create_block_mask too."""
+    """Mods made in the compiled function (Dynamo gives no access to their closure), a partial, one
+    reading a tensor through another object, and return_attn_probs with mods run eagerly: with
+    fullgraph=True torch.compile says why, without it the call is a graph break and gives the eager
+    result. create_block_mask too."""
     q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))
     table = torch.randn(2)
     holder = torch.nn.Linear(1, 2)
@@ -218,12 +219,18 @@ def test_mods_that_run_eagerly():
     def through_object(q, k, v, table):
         return cuflash.flex_attention(q, k, v, score_mod=held_bias)
 
+    def near(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 3
+
+    def probabilities(q, k, v, table):  # (the probabilities' mods are computed eagerly only)
+        return cuflash.flash_attn_func(q, k, v, causal=True, mask_mod=near, return_attn_probs=True)[2]
+
     def block_mask_inside(q, k, v, table):
         mask = cuflash.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 24, 24, "cpu")
         return cuflash.flex_attention(q, k, v, block_mask=mask)
 
     cases = ((made_inside, EAGER_REASON), (partial_mod, EAGER_REASON), (through_object, EAGER_REASON),
-             (block_mask_inside, "cuflash.create_block_mask runs eagerly"))
+             (probabilities, EAGER_REASON), (block_mask_inside, "cuflash.create_block_mask runs eagerly"))
     for fn, reason in cases:
         with pytest.raises(torch._dynamo.exc.Unsupported, match=reason[:40]):
             torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, table)

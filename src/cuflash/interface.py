@@ -87,6 +87,16 @@ def _graph_mods(device: torch.device, score_mod, mask_mod, chunk: int, offset: i
     return None if score is None and mask is None else Mods(packed=packed(score, mask, None))
 
 
+def _eagerly(score_mod, mask_mod, attention_chunk, return_attn_probs) -> bool:
+    """Under torch.compile: whether a call runs eagerly instead (a graph break): one with mods that cannot
+    enter the graph (mods/compiled.py), or with mods and return_attn_probs (the probabilities' mods are
+    computed eagerly only: cpu.attention_probs takes traced mods)."""
+    if not torch.compiler.is_compiling():
+        return False
+    probs = return_attn_probs is True and (score_mod is not None or mask_mod is not None or bool(attention_chunk))
+    return probs or runs_eagerly(score_mod, mask_mod)
+
+
 def _check_device(q: torch.Tensor) -> None:
     backend_name(q.device, q.dtype)  # raises if no backend can run here
 
@@ -133,7 +143,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         (out, softmax_lse (batch, nheads, seqlen_q) fp32, probs (batch, nheads, seqlen_q, seqlen_k)).
         Rows that see no key give out = 0 and softmax_lse = +inf.
     """
-    if torch.compiler.is_compiling() and runs_eagerly(score_mod, mask_mod):
+    if _eagerly(score_mod, mask_mod, attention_chunk, return_attn_probs):
         return _flash_attn_func_eagerly(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                         deterministic, return_attn_probs, score_mod=score_mod, mask_mod=mask_mod,
                                         attention_chunk=attention_chunk)
@@ -202,7 +212,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out (total_q, nheads, headdim); with return_attn_probs, (out, softmax_lse (nheads, total_q)
         fp32, probs (batch, nheads, max_seqlen_q, max_seqlen_k), zero-padded).
     """
-    if torch.compiler.is_compiling() and runs_eagerly(score_mod, mask_mod):
+    if _eagerly(score_mod, mask_mod, attention_chunk, return_attn_probs):
         return _flash_attn_varlen_func_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                                deterministic, return_attn_probs, block_table, score_mod=score_mod,

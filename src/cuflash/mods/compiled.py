@@ -27,10 +27,11 @@ from ..errors import ErrorCode, FlashAttentionError, fail
 from . import needs_grad, registered
 from .trace import at, traced_graph
 
-EAGER_REASON = ("cuflash: a score_mod or mask_mod that cannot enter a compiled graph runs eagerly here: one made "
-                "inside the compiled function, a functools.partial, bound method or callable object, or one reading "
-                "a tensor through another object; define it as a plain function outside the compiled function, "
-                "capturing its tensors directly (docs/programmable.md)")
+EAGER_REASON = ("cuflash: a call with a score_mod or mask_mod that cannot enter a compiled graph runs eagerly here: "
+                "one made inside the compiled function, a functools.partial, bound method or callable object, or one "
+                "reading a tensor through another object; define it as a plain function outside the compiled "
+                "function, capturing its tensors directly (docs/programmable.md). (flash_attn_func's "
+                "return_attn_probs=True with mods runs eagerly too.)")
 
 
 def runs_eagerly(score_mod, mask_mod) -> bool:
