@@ -6,7 +6,8 @@ ptxas where the benchmark shapes compile fine: this finds them for free before a
 the GPU machine's Triton in a separate environment:
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0
     PYTHONPATH=src /tmp/t36/bin/python scripts/compile_check.py [--dtype bf16,fp32] [--hdims 64,96,128,256]
-        [--options plain,causal,window,softcap,alibi,dropout,varlen,score_mod,mask_mod,block_mask]
+        [--options plain,causal,window,softcap,alibi,attn_mask,additive_mask,dropout,varlen,score_mod,mask_mod,
+         block_mask]
 """
 import argparse
 import itertools
@@ -59,7 +60,8 @@ SHAPES = [(1, 1, 4, 4), (1, 1000, 4, 2), (1000, 1, 4, 4), (17, 17, 4, 1), (300, 
 OPTIONS = {"plain": {}, "causal": dict(window_right=0), "window": dict(window_left=256, window_right=0),
            "softcap": dict(softcap=30.0), "alibi": dict(alibi_slopes=torch.rand(4)), "dropout": dict(dropout_p=0.1),
            "varlen": {}, "varlen alibi": dict(alibi_slopes=torch.rand(4), window_right=0),
-           "varlen causal": dict(window_right=0), "score_mod": {}, "mask_mod": dict(window_right=0), "block_mask": {}}
+           "varlen causal": dict(window_right=0), "score_mod": {}, "mask_mod": dict(window_right=0), "block_mask": {},
+           "attn_mask": {}, "additive_mask": {}}
 
 
 def _mods(name: str, nq: int, nk: int, h: int):
@@ -87,6 +89,9 @@ def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
         opts["rng_seed"] = torch.zeros(2, dtype=torch.int64)
     if name in ("score_mod", "mask_mod", "block_mask"):
         opts["mods"] = _mods(name, nq, nk, h)
+    if name in ("attn_mask", "additive_mask"):  # SDPA's, (batch, nheads, nq, nk): bool, or bf16 added
+        mask = torch.rand(2, h, nq, nk) > 0.3
+        opts["attn_mask"] = mask if name == "attn_mask" else mask.to(torch.bfloat16)
     if name.startswith("varlen"):
         lens_q, lens_k = [nq, 1, 17], [nk, 9, 17]
         cu_q, cu_k = (torch.tensor([0] + lens).cumsum(0).to(torch.int32) for lens in (lens_q, lens_k))

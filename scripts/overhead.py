@@ -101,7 +101,7 @@ layers = {
     "launcher (kernels.attention_forward: a launch plan)": lambda: ka.attention_forward(q, k, v, p),
     "backward launcher (kernels.attention_backward)":
         lambda: ka.attention_backward(dout, q, k, v, out, lse, p),
-    "custom op (torch.library dispatch)": lambda: ops.attention_forward(q, k, v, *p.as_args()),
+    "custom op (torch.library dispatch)": lambda: ops.attention_forward(q, k, v, *ops.op_args(p)),
     "ops.forward (eager: autograd.Function)": lambda: ops.forward(q, k, v, p),
     "ops.forward, top-left causal (SDPA's)": lambda: ops.forward(q, k, v, AttentionParams(0.125, window_right=0,
                                                                                            bottom_right=False)),

@@ -106,7 +106,7 @@ def test_eager_path_and_the_custom_op_agree(backend, monkeypatch):
     params = AttentionParams(0.25, window_right=0)
     assert ops.bypasses_custom_op(q)
     direct = run_and_grad(lambda *t: ops.forward(*t, params)[0], q, k, v, torch.ones(1, 19, 4, 16))
-    through_op = run_and_grad(lambda *t: ops.attention_forward(*t, *params.as_args())[0], q, k, v,
+    through_op = run_and_grad(lambda *t: ops.attention_forward(*t, *ops.op_args(params))[0], q, k, v,
                               torch.ones(1, 19, 4, 16))
     for a, b in zip(direct, through_op):
         assert torch.equal(a, b)

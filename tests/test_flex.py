@@ -491,10 +491,13 @@ def test_bad_arguments():
 
 
 def test_mods_refused_under_torch_func():
-    """The custom ops take no mods yet: a transform that goes through them says so."""
+    """The custom ops have no functorch rules: a transform that goes through them with mods says so
+    (without mods torch raises its own error there)."""
     q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(FlashAttentionError, match="not supported under torch.compile, torch.func"):
+    with pytest.raises(FlashAttentionError, match="not supported under torch.func transforms"):
         torch.func.grad(lambda x: cuflash.flex_attention(x, q, q, score_mod=softcap(3.0)).sum())(q)
+    with pytest.raises(FlashAttentionError, match="not supported under torch.func transforms"):
+        torch.func.vmap(lambda x: cuflash.flex_attention(x, q, q, score_mod=softcap(3.0)))(q[None])
 
 
 def test_a_block_masks_lists_are_kept_until_changed(backend):

@@ -33,6 +33,13 @@ def chunked_local(chunk: int, offset: int | torch.Tensor, mask_mod=None):
     return attention_chunk
 
 
+def chunked_local_captures(chunk: int, offset: int | torch.Tensor, mask_mod=None) -> dict:
+    """What the function chunked_local(chunk, offset, mask_mod) makes captures, by name: under
+    torch.compile, where that function would be made in the graph, its captures are read from here
+    (mods/compiled.py)."""
+    return {"chunk": chunk, "offset": offset, "per_sequence": isinstance(offset, torch.Tensor), "mask_mod": mask_mod}
+
+
 def softcap(cap: float):
     """Gemma 2's logit soft-capping (flash-attn's softcap): the score x becomes cap * tanh(x / cap), the
     division a product with 1 / cap (a division per score costs the kernels several instructions)."""

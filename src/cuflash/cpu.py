@@ -127,6 +127,17 @@ class ScoreTiles:
         return scale.reshape(self.batch, self.nheads_k, -1, n1 - n0)
 
 
+@contextlib.contextmanager
+def _recording():
+    """Grad mode on, and autograd's dispatch keys back where a custom op's implementation runs (which
+    excludes them: the ops would record nothing there): the score_mod's gradient is torch's autograd
+    through its ops (ModTiles.score_grad), under the custom ops too."""
+    excluded = torch._C._dispatch_tls_local_exclude_set() - torch._C.DispatchKeySet(
+        torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
+        yield
+
+
 def _coords(m0: int, m1: int, n0: int, n1: int, device, dtype=torch.int64):
     """The query rows m0:m1 as a column and the keys n0:n1 as a row."""
     return (torch.arange(m0, m1, dtype=dtype, device=device)[:, None],
@@ -150,6 +161,15 @@ class ModTiles:
         self.b = torch.arange(first_batch, first_batch + tiles.batch, dtype=INDEX_DTYPE, device=device)
         self.b = self.b.view(-1, 1, 1, 1, 1)
         self.h = torch.arange(tiles.nheads, dtype=INDEX_DTYPE, device=device).view(1, *self.grouped[1:], 1, 1)
+        # The score_mod's captured tensors; in a backward that computes the gradients of those that ask for one
+        # (mods.grads), leaves standing for those, which its ops are recorded from (score_grad: inside a custom
+        # op the tensors themselves do not require grad).
+        self.tensors = [] if mods.score is None else list(mods.score.tensors)
+        self.leaves: tuple[torch.Tensor, ...] = ()
+        if mods.score is not None and mods.grads:
+            self.tensors = [t.detach().requires_grad_() if needed else t
+                            for t, needed in zip(self.tensors, mods.score.requires_grad)]
+            self.leaves = tuple(t for t, needed in zip(self.tensors, mods.score.requires_grad) if needed)
         self.states = self.kinds = None
         blocks = mods.blocks
         if blocks is not None:
@@ -180,9 +200,9 @@ class ModTiles:
         if mod is None:
             return None
         rows, cols = _coords(m0, m1, n0, n1, s.device, INDEX_DTYPE)
-        with torch.set_grad_enabled(grad), _autograd_recorded() if grad else contextlib.nullcontext():
+        with _recording() if grad else torch.no_grad():
             x = s.clone().requires_grad_() if grad else s
-            value = evaluate(mod.graph, (x, self.b, self.h, rows, cols), list(mod.tensors), list(mod.scalars))
+            value = evaluate(mod.graph, (x, self.b, self.h, rows, cols), self.tensors, list(mod.scalars))
         s.copy_(value)
         return (x, value) if grad else None
 
@@ -192,11 +212,10 @@ class ModTiles:
         returned); the gradients of the captured tensors that ask for one are added to mods.grads."""
         x, value = computed
         grads = self.mods.grads or ()  # (none: no gradient of the captured tensors is asked for)
-        inputs = (x, *(self.mods.grad_tensors() if grads else ()))
         if not value.requires_grad:  # the mod reads neither the score nor a tensor that needs a gradient
             return torch.zeros_like(ds)
-        with _autograd_recorded():
-            found = torch.autograd.grad(value, inputs, ds.view(x.shape).to(value.dtype), allow_unused=True)
+        with _recording():
+            found = torch.autograd.grad(value, (x, *self.leaves), ds.view(x.shape).to(value.dtype), allow_unused=True)
         for buffer, g in zip(grads, found[1:]):
             if g is not None:
                 buffer.add_(g)
@@ -221,21 +240,6 @@ class ModTiles:
             hidden = skipped if hidden is None else skipped | (hidden & (state == block_lists.PARTIAL))
         if hidden is not None:
             s.masked_fill_(hidden, float("-inf"))
-
-
-# The dispatch keys that record autograd graphs, which a custom op's implementation runs without.
-_AUTOGRAD_KEYS = tuple(key for name, key in torch._C.DispatchKey.__members__.items()
-                       if name.startswith("Autograd") or name == "ADInplaceOrView")
-
-
-def _autograd_recorded():
-    """A context in which autograd records again where it was turned off below it: the score_mod's
-    gradient is torch's autograd through the mod's ops, also inside the custom ops (under torch.compile),
-    whose implementation the dispatcher runs with autograd's keys excluded."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in _AUTOGRAD_KEYS:
-        exclude = exclude.remove(key)
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_batch: int = 0) -> torch.Tensor:

@@ -33,8 +33,11 @@ class FlashAttentionError(ValueError, RuntimeError):
     written for it catches that."""
 
     def __init__(self, code: ErrorCode, message: str):
-        super().__init__(f"[{code.name}] {message}")
+        # args set, not passed to super().__init__: torch.compile traces this (a bad argument in a compiled
+        # call), and Dynamo cannot trace the builtin __init__ of ValueError or RuntimeError.
+        self.args = (f"[{code.name}] {message}",)
         self.code = code
+        self.message = message
 
 
 def fail(code: ErrorCode, message: str) -> NoReturn:

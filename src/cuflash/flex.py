@@ -1,6 +1,7 @@
 """FlexAttention's API (torch.nn.attention.flex_attention) on cuflash's attention: flex_attention with
-a score_mod and a block mask, eager (no torch.compile) and with a backward on the CPU too, and
-create_block_mask, which builds torch's own BlockMask without torch.compile.
+a score_mod and a block mask, eagerly (no torch.compile needed) or under torch.compile, with a
+backward on the CPU too, and create_block_mask, which builds torch's own BlockMask without
+torch.compile.
 
 The mods a Flex user writes are traced into graphs of elementwise operations (cuflash.mods) and
 travel in AttentionParams.mods: the CPU path computes them with torch ops tile by tile, the Triton
@@ -19,7 +20,8 @@ from . import ops
 from .backend import backend_name
 from .blocks import classify, ordered, transposed
 from .errors import ErrorCode, fail
-from .mods import BlockSparsity, Mod, Mods
+from .mods import BlockSparsity, Mod, Mods, packed
+from .mods.compiled import EAGER_REASON, graph_mod, runs_eagerly
 from .mods.evaluate import evaluate
 from .mods.trace import INDEX_DTYPE
 from .params import AttentionParams
@@ -30,7 +32,8 @@ MASK_CHUNK = 1 << 22  # mask elements create_block_mask computes at a time (whol
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
                    return_lse=False, kernel_options=None, *, return_aux=None):
-    """torch.nn.attention.flex_attention.flex_attention, eager, with a backward on every backend.
+    """torch.nn.attention.flex_attention.flex_attention, eager or compiled (docs/programmable.md), with a
+    backward on every backend.
 
     Args:
         query: (B, Hq, L, E); key: (B, Hkv, S, E); value: (B, Hkv, S, Ev), any strides, fp16/bf16/fp32
@@ -54,6 +57,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         out (B, Hq, L, E); with return_lse (out, lse); with return_aux (out, AuxOutput(lse, None)).
         Rows that see no key give 0, and -inf as lse, as torch.
     """
+    if torch.compiler.is_compiling() and runs_eagerly(score_mod, getattr(block_mask, "mask_mod", None)):
+        return _flex_attention_eagerly(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                       kernel_options, return_aux=return_aux)
     enable_gqa, return_lse = check_bool("enable_gqa", enable_gqa), check_bool("return_lse", return_lse)
     with_lse = _lse_asked(return_lse, return_aux)
     _check_kernel_options(kernel_options)
@@ -71,6 +77,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if return_aux is not None:
         return out, torch_flex.AuxOutput(lse=lse if with_lse else None)
     return (out, lse) if return_lse else out
+
+
+# Under torch.compile, a call whose mods cannot enter the graph (mods/compiled.py) runs eagerly: a graph break.
+_flex_attention_eagerly = torch.compiler.disable(flex_attention, reason=EAGER_REASON)
 
 
 def _lse_asked(return_lse: bool, return_aux) -> bool:
@@ -123,10 +133,23 @@ def _flash_layout(query, key, value, enable_gqa: bool) -> tuple[torch.Tensor, to
 
 def _mods(score_mod, block_mask, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
           device: torch.device) -> Mods:
-    """The call's Mods: the traced score_mod, and the block mask's mask_mod and tile lists."""
+    """The call's Mods: the traced score_mod, and the block mask's mask_mod and tile lists; under
+    torch.compile, packed (mods/compiled.py)."""
+    if block_mask is not None:
+        _check_block_mask(block_mask, seqlen_q, seqlen_k, device)
+    if torch.compiler.is_compiling():
+        return Mods(packed=packed(None if score_mod is None else graph_mod(score_mod, "score", device),
+                                  None if block_mask is None else graph_mod(block_mask.mask_mod, "mask", device),
+                                  None if block_mask is None else block_sparsity(block_mask, batch, nheads)))
     score = None if score_mod is None else traced_mod(score_mod, "score", device)
     if block_mask is None:
         return Mods(score=score)
+    mask = traced_mod(block_mask.mask_mod, "mask", device)
+    return Mods(score=score, mask=mask, blocks=block_sparsity(block_mask, batch, nheads))
+
+
+def _check_block_mask(block_mask, seqlen_q: int, seqlen_k: int, device: torch.device) -> None:
+    """block_mask is a BlockMask made for these lengths, on this device."""
     if not isinstance(block_mask, BlockMask):
         fail(ErrorCode.INVALID_ARGUMENT, "block_mask must be None or a torch.nn.attention.flex_attention.BlockMask "
              f"(create_block_mask's), got {type(block_mask).__name__}")
@@ -136,8 +159,6 @@ def _mods(score_mod, block_mask, batch: int, nheads: int, seqlen_q: int, seqlen_
     if block_mask.kv_num_blocks.device != device:
         fail(ErrorCode.DEVICE_MISMATCH, f"block_mask is on {block_mask.kv_num_blocks.device} but query is on "
              f"{device}")
-    mask = traced_mod(block_mask.mask_mod, "mask", device)
-    return Mods(score=score, mask=mask, blocks=block_sparsity(block_mask, batch, nheads))
 
 
 def traced_mod(fn, kind: str, device: torch.device) -> Mod:
@@ -160,7 +181,10 @@ _SPARSITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def block_sparsity(block_mask: BlockMask, batch: int, nheads: int) -> BlockSparsity:
     """The tile lists of block_mask (made for its seq_lengths), checked, int32, broadcast to
     (batch, nheads, ...); the q_* lists computed from the kv_* ones where it has none. Kept with the
-    BlockMask while its tensors are unchanged."""
+    BlockMask while its tensors are unchanged (eagerly: under torch.compile they are made in the graph,
+    their values unchecked)."""
+    if torch.compiler.is_compiling():
+        return _block_sparsity(block_mask, batch, nheads)
     tensors = [t for t in block_mask.as_tuple() if isinstance(t, torch.Tensor)]
     key = (batch, nheads, tuple(t._version for t in tensors), tuple(id(t) for t in tensors))
     kept = _SPARSITIES.get(block_mask)
@@ -224,6 +248,8 @@ def _lists(name: str, num, idx, nrows: int, ncols: int, batch: int,
         fail(ErrorCode.SHAPE_MISMATCH, f"{what} have shapes {tuple(num.shape)} and {tuple(idx.shape)}; expected "
              f"(B, H, rows) with B 1 or {batch}, H 1 or {nheads} (the query's heads) and at least {nrows} rows")
     num, idx = num[..., :nrows].to(torch.int32), idx[..., :nrows, :].to(torch.int32)
+    if torch.compiler.is_compiling():  # (the values need a host read; a compiled graph trusts them)
+        return num, idx
     listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
     if bool(((num < 0) | (num > idx.shape[-1])).any()) or bool((listed & ((idx < 0) | (idx >= ncols))).any()):
         fail(ErrorCode.INVALID_ARGUMENT, f"{what} list blocks outside the {ncols} blocks of each row (or counts "
@@ -260,6 +286,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     accepted for torch's signature (the result is the same). A block is full where mask_mod sees every
     key of it (a ragged last block never is, as torch), partial where it sees some (with
     separate_full_blocks=False: also where it sees all)."""
+    if torch.compiler.is_compiling():  # (it traces mask_mod and reads the mask: eagerly, a graph break)
+        return _create_block_mask_eagerly(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, _compile,
+                                          separate_full_blocks)
     batch, nheads = _size("B", B), _size("H", H)
     seqlen_q, seqlen_k = _size("Q_LEN", Q_LEN), _size("KV_LEN", KV_LEN)
     q_block, kv_block = _block_size(BLOCK_SIZE, "BLOCK_SIZE")
@@ -272,6 +301,11 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     full_num, full_idx = ordered(full.expand(batch, nheads, -1, -1)) if separate else (None, None)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(q_block, kv_block),
                                     mask_mod=mask_mod, seq_lengths=(seqlen_q, seqlen_k))
+
+
+_create_block_mask_eagerly = torch.compiler.disable(
+    create_block_mask, reason="cuflash.create_block_mask runs eagerly (it traces mask_mod and reads the mask's "
+    "values): make the block mask outside the compiled function")
 
 
 def _block_tables(mod: Mod, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, block: tuple[int, int],

@@ -13,7 +13,8 @@ from .dtypes import lse_dtype
 from .errors import ErrorCode, FlashAttentionError, fail
 from .flex import traced_mod
 from .memo import number, plain_flash_options, remembered, signature
-from .mods import Mods
+from .mods import Mods, packed
+from .mods.compiled import EAGER_REASON, graph_chunked_local, graph_mod, runs_eagerly
 from .params import AttentionParams
 from .validate import (check_alibi, check_attention_chunk, check_attention_inputs, check_attn_mask, check_block_table,
                        check_blocks, check_bool, check_cu_seqlens, check_dropout, check_same, check_softcap,
@@ -61,7 +62,9 @@ def _mods(q: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int, score_mod, 
     chunked_local, which then takes the user's mask_mod in) as Mods without a block mask (the kernels
     apply mask_mod to every tile), traced for q's device and checked for reads outside their captured
     tensors at these sizes (varlen: the longest sequences); None without any. offset: the key position
-    of the first query (chunked_local's)."""
+    of the first query (chunked_local's). Under torch.compile, packed (mods/compiled.py)."""
+    if torch.compiler.is_compiling():
+        return _graph_mods(q.device, score_mod, mask_mod, chunk, offset)
     score = None if score_mod is None else traced_mod(score_mod, "score", q.device)
     mask = None if mask_mod is None else traced_mod(mask_mod, "mask", q.device)  # (the user's errors first)
     if chunk:
@@ -71,6 +74,27 @@ def _mods(q: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int, score_mod, 
     mods = Mods(score=score, mask=mask)
     mods.check(batch, q.shape[-2], seqlen_q, seqlen_k)
     return mods
+
+
+def _graph_mods(device: torch.device, score_mod, mask_mod, chunk: int, offset: int | torch.Tensor) -> Mods | None:
+    """_mods under torch.compile (their read checks run in the custom op, at run time)."""
+    score = None if score_mod is None else graph_mod(score_mod, "score", device)
+    mask: tuple | None = None
+    if chunk:
+        mask = graph_chunked_local(chunk, offset, mask_mod, device)
+    elif mask_mod is not None:
+        mask = graph_mod(mask_mod, "mask", device)
+    return None if score is None and mask is None else Mods(packed=packed(score, mask, None))
+
+
+def _eagerly(score_mod, mask_mod, attention_chunk, return_attn_probs) -> bool:
+    """Under torch.compile: whether a call runs eagerly instead (a graph break): one with mods that cannot
+    enter the graph (mods/compiled.py), or with mods and return_attn_probs (the probabilities' mods are
+    computed eagerly only: cpu.attention_probs takes traced mods)."""
+    if not torch.compiler.is_compiling():
+        return False
+    probs = return_attn_probs is True and (score_mod is not None or mask_mod is not None or bool(attention_chunk))
+    return probs or runs_eagerly(score_mod, mask_mod)
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -108,8 +132,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             query head, q_idx and kv_idx positions from 0 (int32, not shifted by causal's alignment).
             Captured tensors that require grad get their gradients.
         mask_mod: None or mask_mod(b, h, q_idx, kv_idx) -> bool: hides the keys it returns False for,
-            on top of causal and window_size. Both are compiled into the kernels; with either, a call
-            runs eagerly only (not under torch.compile or torch.func).
+            on top of causal and window_size. Both are compiled into the kernels, eagerly and under
+            torch.compile (docs/programmable.md); torch.func transforms refuse them.
         attention_chunk: FlashAttention-3's chunked local attention (Llama 4), an int >= 0, 0 off:
             the keys are cut into chunks of attention_chunk keys and query i, at key position
             i + seqlen_k - seqlen_q, sees only the keys of its chunk (also within causal and
@@ -119,6 +143,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         (out, softmax_lse (batch, nheads, seqlen_q) fp32, probs (batch, nheads, seqlen_q, seqlen_k)).
         Rows that see no key give out = 0 and softmax_lse = +inf.
     """
+    if _eagerly(score_mod, mask_mod, attention_chunk, return_attn_probs):
+        return _flash_attn_func_eagerly(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                        deterministic, return_attn_probs, score_mod=score_mod, mask_mod=mask_mod,
+                                        attention_chunk=attention_chunk)
     with_probs = check_bool("return_attn_probs", return_attn_probs)
     p, plans = _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
                              deterministic, score_mod, mask_mod, attention_chunk)
@@ -126,6 +154,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if with_probs:
         return out, lse, attention_probs(q.detach(), k.detach(), p).to(q.dtype)
     return out
+
+
+# Under torch.compile, a call whose mods cannot enter the graph (mods/compiled.py) runs eagerly: a graph break.
+_flash_attn_func_eagerly = torch.compiler.disable(flash_attn_func, reason=EAGER_REASON)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -180,6 +212,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out (total_q, nheads, headdim); with return_attn_probs, (out, softmax_lse (nheads, total_q)
         fp32, probs (batch, nheads, max_seqlen_q, max_seqlen_k), zero-padded).
     """
+    if _eagerly(score_mod, mask_mod, attention_chunk, return_attn_probs):
+        return _flash_attn_varlen_func_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                               deterministic, return_attn_probs, block_table, score_mod=score_mod,
+                                               mask_mod=mask_mod, attention_chunk=attention_chunk)
     with_probs = check_bool("return_attn_probs", return_attn_probs)
     check_tensor("q", q, 3, "(total_q, nheads, headdim)", empty=True)
     paged = block_table is not None
@@ -215,6 +252,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q_b, k_b = q[None, cu_q[b]:cu_q[b + 1]], p.sequence_keys(k, b, cu_k[b], cu_k[b + 1])[None]
         probs[b, :, :q_b.shape[1], :k_b.shape[1]] = attention_probs(q_b.detach(), k_b.detach(), dense, b)[0]
     return out, lse, probs.to(q.dtype)
+
+
+_flash_attn_varlen_func_eagerly = torch.compiler.disable(flash_attn_varlen_func, reason=EAGER_REASON)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,

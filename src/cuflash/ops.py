@@ -8,6 +8,11 @@ through a plain autograd.Function where a graph is built (none without grad): th
 dispatch costs the host as long as a short sequence's whole forward kernel takes, the Function a
 fraction of it (docs/tuning.md).
 
+A call's mods (score_mod, mask_mod, a block mask: AttentionParams.mods) reach the custom ops packed
+(mods.Packed: a string naming the traced graphs, and lists of the tensors and numbers they capture),
+which torch.compile can put in a graph (mods/compiled.py); the forward op's autograd gives those of
+the score_mod's tensors that require grad their gradients, which the backward op returns.
+
 Backends (backend.py chooses): the Triton kernels (kernels/) and the blocked PyTorch implementation
 in cpu.py.
 """
@@ -22,6 +27,7 @@ from .backend import backend_name
 from .cache import append_to_cache
 from .dtypes import lse_dtype
 from .errors import ErrorCode, fail
+from .mods import Packed
 from .params import OP_FIELD_NAMES, AttentionParams
 
 
@@ -64,20 +70,24 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax
                       rng_seed: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                       cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
                       deterministic: bool, block_table: Optional[torch.Tensor], block_m: int,
-                      block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      block_n: int, mods: Optional[str], mod_tensors: list[torch.Tensor],
+                      mod_scalars: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Nq, H, D), k and v (B, Nk, Hk, D) (varlen: (total, H, D)) -> out shaped like q and
     softmax_lse (B, H, Nq) (varlen: (H, total_q)), fp32. The other arguments are the fields of
-    AttentionParams, in order; forward() and backward() below take the dataclass."""
-    params = AttentionParams(softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
-                             attn_mask, dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             deterministic, block_table, block_m, block_n)
+    AttentionParams, in order, then its mods packed (mods.Packed: None, [], [] without);
+    forward() and backward() below take the dataclass."""
+    params = _op_params((softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, attn_mask,
+                         dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic,
+                         block_table, block_m, block_n, mods, mod_tensors, mod_scalars))
+    if params.mods is not None:  # (checked here, at run time: the sizes are symbolic where the graph is traced)
+        params.mods.check(*_sizes(q, k, params))
     return _backend(q.device, q.dtype).attention_forward(q, k, v, params)
 
 
 @attention_forward.register_fake
-def _(q, k, v, *params):
+def _(q, k, v, *args):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty(AttentionParams(*params).lse_shape(q), dtype=lse_dtype(q.dtype)))
+            q.new_empty(AttentionParams(*args[:len(OP_FIELD_NAMES)]).lse_shape(q), dtype=lse_dtype(q.dtype)))
 
 
 @torch.library.custom_op("cuflash::bwd", mutates_args=())
@@ -89,19 +99,61 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        rng_seed: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                        cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
                        deterministic: bool, block_table: Optional[torch.Tensor], block_m: int,
-                       block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       block_n: int, mods: Optional[str], mod_tensors: list[torch.Tensor], mod_scalars: list[float]
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Gradients (dq, dk, dv) of attention_forward, shaped like q, k, v, from those of out (dout) and of
-    softmax_lse (softmax_lse_grad, or None)."""
-    params = AttentionParams(softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
-                             attn_mask, dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             deterministic, block_table, block_m, block_n)
-    return _backward_backend(q, params).attention_backward(dout, q, k, v, out, softmax_lse, params,
-                                                           dlse=softmax_lse_grad)
+    softmax_lse (softmax_lse_grad, or None), and those of the score_mod's captured tensors that need one
+    (Mods.grad_tensors()), each shaped and typed like its tensor."""
+    params = _op_params((softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, attn_mask,
+                         dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic,
+                         block_table, block_m, block_n, mods, mod_tensors, mod_scalars))
+    return _gradients(_backward_backend(q, params), dout, q, k, v, out, softmax_lse, params, softmax_lse_grad)
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, softmax_lse, softmax_lse_grad, *params):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+def _(dout, q, k, v, out, softmax_lse, softmax_lse_grad, *args):
+    params = _op_params(args)
+    captured = () if params.mods is None else params.mods.grad_tensors()
+    return (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)),
+            [torch.empty_like(t, memory_format=torch.contiguous_format) for t in captured])
+
+
+def _op_params(args: tuple) -> AttentionParams:
+    """The AttentionParams of the custom ops' trailing arguments (op_args)."""
+    *fields, layout, tensors, scalars = args
+    params = AttentionParams(*fields)
+    return params if layout is None else dataclasses.replace(params, mods=Packed(layout, tensors, scalars).unpack())
+
+
+def op_args(params: AttentionParams) -> tuple:
+    """The custom ops' arguments after q, k, v (the backward's: after softmax_lse_grad) of params: its
+    fields but mods (as_args), then its mods packed (Mods.pack). Public: tests and scripts call the ops."""
+    return (*params.as_args(), *(_NO_MODS if params.mods is None else params.mods.pack()))
+
+
+_NO_MODS: tuple = (None, [], [])  # (the ops' mods arguments of a call without any)
+
+
+def _sizes(q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> tuple[int, int, int, int]:
+    """(batch, nheads, seqlen_q, seqlen_k) that a call's mods see (varlen: the longest sequences)."""
+    if params.varlen:
+        assert params.cu_seqlens_q is not None
+        return params.cu_seqlens_q.numel() - 1, q.shape[1], params.max_seqlen_q, params.max_seqlen_k
+    return q.shape[0], q.shape[2], q.shape[1], k.shape[1]
+
+
+def _gradients(backend, dout, q, k, v, out, lse, params: AttentionParams, dlse, plans: dict | None = None) -> tuple:
+    """(dq, dk, dv, [the gradients of the captured tensors that ask for one, params.mods.grad_tensors(),
+    each in its tensor's dtype]) from the backend's backward: it adds those into fp32 buffers (fp64 for
+    fp64 tensors)."""
+    captured = () if params.mods is None else params.mods.grad_tensors()
+    if captured:
+        assert params.mods is not None
+        buffers = tuple(torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
+                        for t in captured)
+        params = dataclasses.replace(params, mods=dataclasses.replace(params.mods, grads=buffers))
+    dq, dk, dv = backend.attention_backward(dout, q, k, v, out, lse, params, plans=plans, dlse=dlse)
+    return dq, dk, dv, [b.to(t.dtype) for b, t in zip(buffers, captured)] if captured else []
 
 
 @torch.library.custom_op("cuflash::decode", mutates_args=())
@@ -142,12 +194,13 @@ def _records_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: At
                                         or (params.mods is not None and bool(params.mods.grad_tensors())))
 
 
-def _eager_only(params: AttentionParams) -> None:
-    """Refuses mods where a call would go through the custom ops, which do not take them."""
-    if params.mods is not None:
-        fail(ErrorCode.UNSUPPORTED_FEATURE, "score_mod, mask_mod and block_mask are not supported under "
-             "torch.compile, torch.func transforms, dispatch modes or tensor subclasses yet: call eagerly "
-             "on plain tensors")
+def _no_functorch_mods(params: AttentionParams) -> None:
+    """Refuses mods under torch.func transforms: the custom ops have no functorch rule (torch's
+    autograd.Function under them needs one; calls without mods fail there with torch's own error)."""
+    if params.mods is not None and torch._C._are_functorch_transforms_active():
+        fail(ErrorCode.UNSUPPORTED_FEATURE, "score_mod, mask_mod and block_mask are not supported under torch.func "
+             "transforms (grad, vmap, ...): cuflash's custom ops have no functorch rules; call eagerly or under "
+             "torch.compile and take gradients with torch.autograd")
 
 
 def _output_grad(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
@@ -159,21 +212,25 @@ def _output_grad(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     return dout if dout.stride(-1) == 1 else dout.contiguous()
 
 
-def _save(ctx, q, k, v, out, lse, params: AttentionParams, plans: dict | None = None) -> None:
-    """What both autograd paths keep for the backward: the tensors (the option tensors among them)
-    through save_for_backward, the params without them, and the forward's launch plans (forward())."""
+def _save(ctx, q, k, v, out, lse, params: AttentionParams, plans: dict | None = None, more: tuple = ()) -> None:
+    """What both autograd paths keep for the backward: the tensors (the option tensors among them, and
+    `more`: the custom op's mod tensors) through save_for_backward, the params without them, and the
+    forward's launch plans (forward())."""
     tensors = params.tensors()
-    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.save_for_backward(q, k, v, out, lse, *tensors, *more)
     ctx.params = params.with_tensors((None,) * len(tensors)) if params.holds_tensors else params
     ctx.plans = plans
+    ctx.more = len(more)
     ctx.set_materialize_grads(False)  # no zero tensor made for lse's gradient on every backward
 
 
 def _restore(ctx) -> tuple:
-    """(q, k, v, out, lse, params) as _save kept them."""
+    """(q, k, v, out, lse, params, more) as _save kept them."""
     q, k, v, out, lse, *tensors = ctx.saved_tensors
+    more = tuple(tensors[len(tensors) - ctx.more:])
+    tensors = tensors[:len(tensors) - ctx.more]
     params = ctx.params.with_tensors(tuple(tensors)) if any(t is not None for t in tensors) else ctx.params
-    return q, k, v, out, lse, params
+    return q, k, v, out, lse, params, more
 
 
 class _Attention(torch.autograd.Function):
@@ -193,22 +250,15 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, params = _restore(ctx)
-        captured = () if params.mods is None else params.mods.grad_tensors()
+        q, k, v, out, lse, params, _ = _restore(ctx)
         if dout is None and dlse is None:
-            return (None,) * (5 + len(captured))
+            return (None,) * (5 + len(() if params.mods is None else params.mods.grad_tensors()))
         backend = _backward_backend(q, params, ctx.backend)
-        dout = _output_grad(dout, out)
-        if captured:  # the backward adds the captured tensors' gradients into fp32 buffers (fp64 for fp64)
-            assert params.mods is not None
-            buffers = tuple(torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
-                            for t in captured)
-            params = dataclasses.replace(params, mods=dataclasses.replace(params.mods, grads=buffers))
         recorded = torch.is_grad_enabled()
         with torch.no_grad():
-            grads = backend.attention_backward(dout, q, k, v, out, lse, params, plans=ctx.plans, dlse=dlse)
-        if captured:
-            grads = (*grads, *(b.to(t.dtype) for b, t in zip(buffers, captured)))
+            dq, dk, dv, captured = _gradients(backend, _output_grad(dout, out), q, k, v, out, lse, params, dlse,
+                                              ctx.plans)
+        grads = (dq, dk, dv, *captured)
         if recorded:
             # create_graph=True: the gradients get a node that raises if they are differentiated again
             # (the kernels' gradients have no gradient), rather than counting as constants.
@@ -244,8 +294,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
             captured = () if params.mods is None else params.mods.grad_tensors()
             return _Attention.apply(q, k, v, params, plans, *captured)
         return _call_backend(q, plans).attention_forward(q, k, v, params, plans=plans)  # no graph to record
-    _eager_only(params)
-    return attention_forward(q, k, v, *params.as_args())
+    _no_functorch_mods(params)
+    return attention_forward(q, k, v, *op_args(params))
 
 
 def forward_kept(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: AttentionParams,
@@ -267,8 +317,8 @@ def backward(dout, q, k, v, out, softmax_lse, params: AttentionParams):
         return tuple(torch.zeros_like(t) for t in (q, k, v))
     if bypasses_custom_op(q):
         return _backward_backend(q, params).attention_backward(dout, q, k, v, out, softmax_lse, params)
-    _eager_only(params)
-    return attention_backward(dout, q, k, v, out, softmax_lse, None, *params.as_args())
+    _no_functorch_mods(params)
+    return attention_backward(dout, q, k, v, out, softmax_lse, None, *op_args(params))[:3]
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | int,
@@ -294,16 +344,29 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *args = inputs
-    _save(ctx, q, k, v, *output, AttentionParams(*args))
+    *fields, layout, mod_tensors, scalars = args
+    _save(ctx, q, k, v, *output, AttentionParams(*fields), more=tuple(mod_tensors))
+    ctx.packed = (layout, scalars)  # (the mods but their tensors, which _save keeps)
 
 
 def _backward(ctx, dout, dlse):
     fields = len(OP_FIELD_NAMES)
     if dout is None and dlse is None:  # (as _Attention.backward)
-        return (None,) * (3 + fields)
-    q, k, v, out, lse, params = _restore(ctx)
-    dq, dk, dv = attention_backward(_output_grad(dout, out), q, k, v, out, lse, dlse, *params.as_args())
-    return (dq, dk, dv) + (None,) * fields
+        return (None,) * (3 + fields) + (None, [None] * ctx.more, _scalars_grad(ctx.packed[1]))
+    q, k, v, out, lse, params, mod_tensors = _restore(ctx)
+    layout, scalars = ctx.packed
+    mods = None if layout is None else Packed(layout, list(mod_tensors), scalars)
+    dq, dk, dv, captured = attention_backward(_output_grad(dout, out), q, k, v, out, lse, dlse, *params.as_args(),
+                                              *(mods or _NO_MODS))
+    # (the mods' tensors get theirs: the score_mod's that ask for one)
+    mod_grads = [] if mods is None else mods.input_grads(captured)
+    return (dq, dk, dv) + (None,) * fields + (None, mod_grads, _scalars_grad(scalars))
+
+
+def _scalars_grad(scalars: list) -> list | None:
+    """The gradient of the forward op's mod_scalars: torch's autograd wrapper takes a list of numbers
+    for a leaf (gradient None) but an empty list for a list of tensors (gradient [])."""
+    return None if scalars else []
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

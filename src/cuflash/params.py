@@ -101,8 +101,8 @@ class AttentionParams:
         return _SCALARS(self) + tuple(t is None for t in _TENSORS(self))
 
     def as_args(self) -> tuple:
-        """The fields of OP_FIELD_NAMES in order: the trailing arguments of the custom ops (which take
-        no mods: a call with mods runs eagerly, ops.forward)."""
+        """The fields of OP_FIELD_NAMES in order: the custom ops' arguments after q, k, v (and before the
+        mods, which they take packed: ops.op_args)."""
         return tuple(getattr(self, name) for name in OP_FIELD_NAMES)  # (traced by torch.compile)
 
     def tensors(self) -> tuple:
@@ -126,7 +126,7 @@ def per_sequence(x: torch.Tensor | int, batch: int, device: torch.device) -> tor
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))
 # The custom ops' arguments, which rebuild the params positionally (AttentionParams(*args)): the fields
-# before mods, the last one.
+# before mods, the last one (the ops take it packed, ops.op_args).
 OP_FIELD_NAMES = FIELD_NAMES[:FIELD_NAMES.index("mods")]
 _TENSOR_NAMES = ("alibi_slopes", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k", "block_table")
 # key()'s field getters, in C (a Python loop over the fields costs microseconds per launch).

@@ -4,14 +4,20 @@ A mod is traced once into a graph of elementwise operations (trace.py, graph.py)
 compile that graph into their score tiles (kernels/triton/mods.py) and the CPU path computes it with torch ops
 (evaluate.py). A call's mods travel in AttentionParams.mods as `Mods`: the traced graphs with the
 tensors and numbers they capture, the block mask's tile lists, and the gradient buffers of captured
-tensors that require grad.
+tensors that require grad. The custom ops (ops.py) take them packed (`Packed`): a string naming the
+graphs, which this module keeps by that name, and the tensors and numbers as lists.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import operator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from ..errors import ErrorCode, fail
 from .bounds import check_indices
 from .graph import ModGraph, compose
 from .trace import trace
@@ -19,20 +25,18 @@ from .trace import trace
 
 @dataclass(frozen=True, eq=False)
 class Mod:
-    """One traced mod and what it captures at this call."""
+    """One traced mod and what it captures at this call. requires_grad: per captured tensor, whether
+    its gradient is asked for (score_mod only), fixed when the Mod is made: the custom ops' tensors
+    ask for none."""
     graph: ModGraph
     tensors: tuple[torch.Tensor, ...]
     scalars: tuple
+    requires_grad: tuple[bool, ...]
 
     @classmethod
     def of(cls, fn, kind: str) -> Mod:
         traced, tensors, scalars = trace(fn, kind)
-        return cls(traced.graph, tuple(tensors), tuple(scalars))
-
-    @property
-    def requires_grad(self) -> tuple[bool, ...]:
-        """Per captured tensor, whether its gradient is asked for (score_mod only)."""
-        return tuple(t.requires_grad and t.dtype.is_floating_point for t in self.tensors)
+        return cls(traced.graph, tuple(tensors), tuple(scalars), needs_grad(tensors))
 
     def key(self) -> tuple:
         """What the kernels compile from and take by value: the graph, the captured numbers (launch
@@ -47,12 +51,18 @@ class Mod:
             if len(_composed) >= _COMPOSED_LIMIT:
                 _composed.pop(next(iter(_composed)))
             graph = _composed[key] = compose(self.graph, after.graph)
-        return Mod(graph, self.tensors + after.tensors, self.scalars + after.scalars)
+        return Mod(graph, self.tensors + after.tensors, self.scalars + after.scalars,
+                   self.requires_grad + after.requires_grad)
 
 
 # Composed graphs by their parts' keys: one graph object (and compiled kernel) per composition, made once.
 _composed: dict[tuple[str, str], ModGraph] = {}
 _COMPOSED_LIMIT = 256
+
+
+def needs_grad(tensors) -> tuple[bool, ...]:
+    """Per captured tensor, whether its gradient is asked for (Mod.requires_grad)."""
+    return tuple(t.requires_grad and t.dtype.is_floating_point for t in tensors)
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,6 +86,13 @@ class BlockSparsity:
     def key(self) -> tuple:
         return self.q_block, self.kv_block, self.full_kv_num is not None, self.q_num is not None
 
+    def lists(self) -> tuple[torch.Tensor | None, ...]:
+        """The tile lists, in field order (None where not given)."""
+        return tuple(getattr(self, name) for name in LIST_NAMES)
+
+
+LIST_NAMES = tuple(f.name for f in dataclasses.fields(BlockSparsity))[2:]
+
 
 @dataclass(frozen=True, eq=False)
 class Mods:
@@ -83,11 +100,13 @@ class Mods:
     the softmax scale); mask: hides the keys it returns False for, in the blocks `blocks` lists as
     partial (without blocks: everywhere); grads: fp32 buffers (fp64 for fp64 tensors), one per
     captured tensor of score whose gradient is asked for, that a backward adds those gradients into
-    (None in a forward)."""
+    (None in a forward). packed: the mods of a call traced by torch.compile, which cannot trace a mod
+    into a Mod: as the custom ops take them (mods/compiled.py), the other fields None."""
     score: Mod | None = None
     mask: Mod | None = None
     blocks: BlockSparsity | None = None
     grads: tuple[torch.Tensor, ...] | None = None
+    packed: Packed | None = None
 
     def key(self) -> tuple:
         return (None if self.score is None else self.score.key(), None if self.mask is None else self.mask.key(),
@@ -112,5 +131,103 @@ class Mods:
             return ()
         return tuple(t for t, needed in zip(self.score.tensors, self.score.requires_grad) if needed)
 
+    def pack(self) -> Packed:
+        """These mods as the custom ops take them."""
+        if self.packed is not None:
+            return self.packed
+        score, mask = self.score, self.mask
+        return packed(None if score is None else (registered(score.graph), score.tensors, score.scalars,
+                                                  score.requires_grad),
+                      None if mask is None else (registered(mask.graph), mask.tensors, mask.scalars),
+                      self.blocks)
 
-__all__ = ["BlockSparsity", "Mod", "ModGraph", "Mods", "trace"]
+
+class Packed(NamedTuple):
+    """A call's mods as the custom ops take them (their last three arguments): `layout` says what the
+    mods are without their tensors and numbers (the graphs by the names registered() gave them, which
+    of score_mod's tensors need a gradient, the block mask's block sizes and which of its lists are
+    given), `tensors` lists the tensors they read (score_mod's captures, mask_mod's, the block mask's
+    lists given), `scalars` the numbers they capture (score_mod's, then mask_mod's)."""
+    layout: str
+    tensors: list[torch.Tensor]
+    scalars: list[float]
+
+    def unpack(self) -> Mods:
+        """The Mods these describe (the graphs registered in this process)."""
+        score, needed, mask, blocks = _parsed(self.layout)
+        tensors, scalars = iter(self.tensors), iter(self.scalars)
+
+        def mod(graph: ModGraph, requires_grad: tuple | None = None) -> Mod:
+            captured = tuple(next(tensors) for _ in graph.tensors)
+            numbers = tuple(int(next(scalars)) if d == torch.int64 else next(scalars) for d in graph.scalars)
+            return Mod(graph, captured, numbers, requires_grad or (False,) * len(captured))
+
+        score_mod = None if score is None else mod(score, needed)
+        mask_mod = None if mask is None else mod(mask)
+        sparsity = None
+        if blocks is not None:
+            q_block, kv_block, given = blocks
+            sparsity = BlockSparsity(q_block, kv_block, *(next(tensors) if g else None for g in given))  # type: ignore[arg-type]
+        return Mods(score=score_mod, mask=mask_mod, blocks=sparsity)
+
+    def input_grads(self, grads: list) -> list[torch.Tensor | None]:
+        """Per tensor of `tensors`, its gradient: grads' in order for score_mod's tensors that need one
+        (the backward op's), None for the others."""
+        needed = _parsed(self.layout)[1] or ()
+        found = iter(grads)
+        return [next(found) if i < len(needed) and needed[i] else None for i in range(len(self.tensors))]
+
+
+def packed(score: tuple | None, mask: tuple | None, blocks: BlockSparsity | None) -> Packed:
+    """Packed of a score_mod (name, tensors, scalars, requires_grad), a mask_mod (name, tensors,
+    scalars) and a block mask, each None where absent; the names are registered()'s."""
+    lists = () if blocks is None else blocks.lists()
+    # (operator.index: under torch.compile, block sizes that Dynamo made symbolic become constants, guarded)
+    layout = ";".join((
+        "" if score is None else score[0], "".join("1" if r else "0" for r in (() if score is None else score[3])),
+        "" if mask is None else mask[0],
+        "" if blocks is None else f"{operator.index(blocks.q_block)},{operator.index(blocks.kv_block)}," + "".join(
+            "0" if t is None else "1" for t in lists)))
+    tensors = [*(score[1] if score else ()), *(mask[1] if mask else ()), *(t for t in lists if t is not None)]
+    scalars = [float(s) for s in (*(score[2] if score else ()), *(mask[2] if mask else ()))]
+    return Packed(layout, tensors, scalars)
+
+
+# Traced graphs by name (registered()), for the custom ops to find from a layout; names by graph key.
+_GRAPHS: dict[str, ModGraph] = {}
+_NAMES: dict[str, str] = {}
+_LAYOUTS: dict[str, tuple] = {}  # _parsed's answers
+
+
+def registered(graph: ModGraph) -> str:
+    """The name under which the custom ops find `graph` (or a graph computing the same: equal keys):
+    a digest of its key, the same in every process."""
+    name = _NAMES.get(graph.key)
+    if name is None:
+        name = f"{graph.kind}-{hashlib.sha256(graph.key.encode()).hexdigest()[:24]}"
+        _GRAPHS[name] = graph
+        _NAMES[graph.key] = name
+    return name
+
+
+def _parsed(layout: str) -> tuple:
+    """(score graph, its tensors' requires_grad, mask graph, (q_block, kv_block, which lists are given))
+    of a layout, each None where absent."""
+    found = _LAYOUTS.get(layout)
+    if found is None:
+        score, needed, mask, blocks = layout.split(";")
+        for name in (score, mask):
+            if name and name not in _GRAPHS:
+                fail(ErrorCode.INVALID_ARGUMENT, f"no mod graph {name!r} was traced in this process: a graph "
+                     "compiled elsewhere with mods needs the mods traced here first (call it again through "
+                     "torch.compile, which traces them)")
+        block_layout = None
+        if blocks:
+            q_block, kv_block, given = blocks.split(",")
+            block_layout = (int(q_block), int(kv_block), tuple(g == "1" for g in given))
+        found = _LAYOUTS[layout] = (_GRAPHS[score] if score else None, tuple(n == "1" for n in needed) or None,
+                                    _GRAPHS[mask] if mask else None, block_layout)
+    return found
+
+
+__all__ = ["BlockSparsity", "Mod", "ModGraph", "Mods", "Packed", "trace"]

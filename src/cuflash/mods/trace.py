@@ -379,12 +379,15 @@ TORCH_OPS = _TORCH  # mods/evaluate.py computes the graph with these
 
 @dataclass(frozen=True)
 class Traced:
-    """A traced mod and where its captures are: `paths` of the tensors (slots in graph order; None: a
-    tensor pinned at trace time, kept in `pinned`), `scalar_paths` of the lifted numbers."""
+    """A traced mod and where its captures are (paths, as _at follows them): `paths` of the tensors
+    (slots in graph order; None: a tensor pinned at trace time, kept in `pinned`), `scalar_paths` of the
+    lifted numbers, `pins` of everything else the trace depends on (numbers baked in, other values,
+    captured functions, tuples and lists, other objects: what a compiled graph guards, mods/compiled.py)."""
     graph: ModGraph
     paths: tuple
     pinned: tuple
     scalar_paths: tuple
+    pins: tuple = ()
     keep: tuple = ()  # what the cache key names by identity, kept alive so that no other object takes its id
 
 
@@ -396,57 +399,74 @@ def _leaves(fn, lift: bool):
     """(path, value) of every tensor and, with lift, every number among fn's top-level captures (its
     closure cells, then the globals its code names), recursing into captured functions, tuples and
     lists (and_masks' list of mods); `key` describes the rest (functions by code, numbers not lifted by
-    value, other objects by identity)."""
+    value, other objects by identity); `pins`: the paths of what the key describes but modules."""
     leaves: list[tuple[tuple, Any]] = []
     key: list = []
+    pins: list[tuple] = []
 
     def walk(value, path, top: bool, depth: int = 0):
         if isinstance(value, torch.Tensor):
             leaves.append((path, value))
             key.append(("t", value.dtype, value.dim()))
-        elif _is_number(value) and top and lift:
+            return
+        if isinstance(value, (types.ModuleType, types.BuiltinFunctionType)):
+            key.append(("m", id(value)))
+            return
+        if _is_number(value) and top and lift:
             leaves.append((path, value))
             key.append(("n", type(value)))
-        elif isinstance(value, (bool, int, float, str, type(None), torch.dtype)):
+            return
+        pins.append(path)
+        if isinstance(value, (bool, int, float, str, type(None), torch.dtype)):
             key.append(("v", type(value), value))
         elif isinstance(value, types.FunctionType) and depth < 8:
             key.append(("f", value.__code__))
-            for i, item in enumerate(_captures(value)):
-                walk(item[1], path + (i,), False, depth + 1)
+            for step, item in _captures(value):
+                walk(item, path + (step,), False, depth + 1)
         elif isinstance(value, (tuple, list)) and depth < 8:
             key.append(("s", len(value)))
             for i, item in enumerate(value):
                 walk(item, path + (i,), False, depth + 1)
-        elif isinstance(value, (types.ModuleType, types.BuiltinFunctionType)):
-            key.append(("m", id(value)))
         else:
             key.append(("o", id(value)))
             leaves.append((path, value))  # (kept alive with the trace; not a tensor)
 
-    for i, (_, value) in enumerate(_captures(fn)):
-        walk(value, (i,), True)
-    return leaves, tuple(key)
+    for step, value in _captures(fn):
+        walk(value, (step,), True)
+    return leaves, tuple(key), tuple(pins)
 
 
-def _captures(fn) -> list[tuple[str, Any]]:
+def _captures(fn) -> list[tuple[tuple[str, str], Any]]:
     """fn's closure cells, then the non-builtin globals its code (and the code of functions nested in
-    it) names, as (name, value)."""
+    it) names, as (step, value): step ("cell", name) or ("global", name), as _at follows it."""
     code = fn.__code__
-    out = [(name, cell.cell_contents) for name, cell in zip(code.co_freevars, fn.__closure__ or ())]
+    out = [(("cell", name), cell.cell_contents) for name, cell in zip(code.co_freevars, fn.__closure__ or ())]
     names: list[str] = []
     stack = [code]
     while stack:
         c = stack.pop()
         names += [n for n in c.co_names if n not in names]
         stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
-    out += [(n, fn.__globals__[n]) for n in names if n in fn.__globals__ and not hasattr(builtins, n)]
+    out += [(("global", n), fn.__globals__[n]) for n in names if n in fn.__globals__ and not hasattr(builtins, n)]
     return out
 
 
-def _at(fn, path):
-    value = _captures(fn)[path[0]][1]
-    for i in path[1:]:
-        value = _captures(value)[i][1] if isinstance(value, types.FunctionType) else value[i]
+def at(fn, path):
+    """The capture of mod fn at `path`, whose steps are ("cell", name): that closure cell of the function
+    reached so far; ("global", name): that global of it; an int: that item of the tuple or list reached
+    so far. fn may also be a dict of a function's captures by name (mods/compiled.py: a built-in mod
+    under torch.compile). Plain attribute reads, so that torch.compile traces them (and guards what
+    they read)."""
+    value = fn
+    for step in path:
+        if isinstance(step, int):
+            value = value[step]
+        elif isinstance(value, dict):
+            value = value[step[1]]
+        elif step[0] == "cell":
+            value = value.__closure__[value.__code__.co_freevars.index(step[1])].cell_contents
+        else:
+            value = value.__globals__[step[1]]
     return value
 
 
@@ -469,31 +489,35 @@ _lock = threading.Lock()
 def trace(fn, kind: str) -> tuple[Traced, list[torch.Tensor], list[float | int]]:
     """The traced graph of mod fn (kind "score" or "mask"), with the tensors and numbers it captures now,
     in the order of the graph's tensor and scalar slots."""
+    traced = traced_graph(fn, kind)
+    tensors = [at(fn, p) if p is not None else t for p, t in zip(traced.paths, traced.pinned)]
+    return traced, tensors, [at(fn, p) for p in traced.scalar_paths]
+
+
+def traced_graph(fn, kind: str) -> Traced:
+    """Mod fn traced (kind "score" or "mask"), from the cache where a mod of its code with captures of the
+    same kinds was traced before."""
     if not callable(fn):
         fail(ErrorCode.INVALID_ARGUMENT, f"{kind}_mod must be a function, got {type(fn).__name__}")
     if not isinstance(fn, types.FunctionType):  # a partial or callable object: traced once per object
         key: tuple = (kind, "object", id(fn))
         traced = _traces.get(key)
-        if traced is None:
-            traced = _remember(key, _trace(fn, kind, [(None, fn)], lift=False))
-        return traced, list(traced.pinned), []
-    leaves, shape = _leaves(fn, lift=True)
+        return traced or _remember(key, _trace(fn, kind, [(None, fn)], (), lift=False))
+    leaves, shape, pins = _leaves(fn, lift=True)
     key = (kind, fn.__code__, shape)
     if key in _traces:
         traced = _traces[key]
     else:
         try:
-            traced = _remember(key, _trace(fn, kind, leaves, lift=True))
+            traced = _remember(key, _trace(fn, kind, leaves, pins, lift=True))
         except _NeedsValues:
             traced = _remember(key, None)
     if traced is None:  # numbers baked in: one trace per value
-        leaves, shape = _leaves(fn, lift=False)
+        leaves, shape, pins = _leaves(fn, lift=False)
         key = (kind, "baked", fn.__code__, shape)
-        traced = _traces.get(key) or _remember(key, _trace(fn, kind, leaves, lift=False))
+        traced = _traces.get(key) or _remember(key, _trace(fn, kind, leaves, pins, lift=False))
     assert traced is not None
-    tensors = [_at(fn, p) if p is not None else t for p, t in zip(traced.paths, traced.pinned)]
-    scalars = [_at(fn, p) for p in traced.scalar_paths]
-    return traced, tensors, scalars
+    return traced
 
 
 def _remember(key: tuple, traced):
@@ -508,11 +532,10 @@ class _NeedsValues(Exception):
     """A lifted number was used in Python control flow: trace again with the numbers baked in."""
 
 
-def _trace(fn, kind: str, leaves, lift: bool) -> Traced:
+def _trace(fn, kind: str, leaves, pins: tuple, lift: bool) -> Traced:
     name = getattr(fn, "__qualname__", type(fn).__name__)
     tensor_paths = {id(v): p for p, v in leaves if isinstance(v, torch.Tensor) and p is not None}
     tracer = _Tracer(kind, name, set(tensor_paths))
-    names = [n for n, _ in _captures(fn)] if isinstance(fn, types.FunctionType) else []
     scalar_paths: list[tuple] = []
     replace: dict[str, Any] = {}
     if lift:
@@ -524,7 +547,7 @@ def _trace(fn, kind: str, leaves, lift: bool) -> Traced:
                 node = tracer.add(Node("scalar", (len(scalar_paths),), dtype, weak=True))
                 scalar_paths.append(path)
                 tracer.scalars.append(dtype)
-                replace[names[path[0]]] = Sym(node, tracer)
+                replace[path[0][1]] = Sym(node, tracer)
     traced_fn = _rebuilt(fn, replace) if replace else fn
     inputs = [Sym(tracer.add(Node("input", (i,), torch.float32 if (kind == "score" and i == 0) else INDEX_DTYPE)),
                   tracer) for i in range(5 if kind == "score" else 4)]
@@ -546,7 +569,7 @@ def _trace(fn, kind: str, leaves, lift: bool) -> Traced:
     paths = tuple(tensor_paths.get(id(tracer.tensors[i])) for i in slots)
     pinned = tuple(tracer.tensors[i] if p is None else None for i, p in zip(slots, paths))
     keep = tuple(v for p, v in leaves if not isinstance(v, torch.Tensor))
-    return Traced(graph, paths, pinned, tuple(scalar_paths), keep)
+    return Traced(graph, paths, pinned, tuple(scalar_paths), pins, keep)
 
 
 def _result(tracer: _Tracer, result) -> Node:
