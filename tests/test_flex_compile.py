@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.nn.attention import flex_attention as torch_flex
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cuflash
@@ -79,6 +80,15 @@ def test_flex_attention_compiles(backend, compiler):
         expected = run(lambda *t: oracle(*t, score_mod=relative_bias(refs[3], MOST), mask_mod=document(docs))[0],
                        refs[:3], refs[3:], dout.double())
         agree(ours, expected, BOUND[dtype])
+
+
+def test_torch_block_mask_under_compile():
+    """A BlockMask made by torch's create_block_mask (outside the compiled function) works as cuflash's."""
+    docs = torch.randint(0, 3, (1, 40)).sort(-1).values
+    block_mask = torch_flex.create_block_mask(document(docs), 1, None, 40, 40, device="cpu", BLOCK_SIZE=16)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    compiled = torch.compile(cuflash.flex_attention, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q, k, v, block_mask=block_mask), cuflash.flex_attention(q, k, v, block_mask=block_mask))
 
 
 def test_flash_attn_func_compiles(backend):
