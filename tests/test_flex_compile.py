@@ -304,3 +304,25 @@ def test_the_custom_ops_with_mods():
     with pytest.raises(FlashAttentionError, match="no mod graph 'score-0123' was traced in this process") as error:
         Packed("score-0123;;;", [], []).unpack()
     assert error.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_flex_attention_compiles_on_gpu(compiler):
+    """The GPU kernels (Gluon on Hopper) under torch.compile(fullgraph=True): a learnable relative bias and
+    a document block mask of 128-key blocks, bf16, outputs and gradients (the table's too) as eager's."""
+    torch.manual_seed(0)
+    seqlen = 512
+    table = torch.randn(2, 2 * seqlen - 1, device="cuda", requires_grad=True)
+    score_mod = relative_bias(table, seqlen)
+    docs = torch.randint(0, 3, (1, seqlen), device="cuda").sort(-1).values
+    block_mask = cuflash.create_block_mask(document(docs), 1, None, seqlen, seqlen, device="cuda")
+
+    def attention(q, k, v):
+        return cuflash.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    compiled = torch.compile(attention, fullgraph=True, backend=compiler)
+    q, k, v = (torch.randn(1, 2, seqlen, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    agree(run(compiled, [q, k, v], [table], dout), run(attention, [q, k, v], [table], dout), 1e-2)
