@@ -97,12 +97,10 @@ def test_gluon_kernels_accept_only_what_they_implement(monkeypatch):
     for params in (AttentionParams(0.1, window_left=64, window_right=0), AttentionParams(0.1, dropout_p=0.1),
                    AttentionParams(0.0)):
         assert not gluon.accepts(problem(q, k, k, params), params)
-    hidden = torch.rand(2, 4, 600, 600) > 0.5
-    for params in (AttentionParams(0.1, softcap=30.0), AttentionParams(0.1, alibi_slopes=torch.ones(4)),
-                   AttentionParams(0.1, attn_mask=hidden), AttentionParams(0.1, attn_mask=hidden.to(torch.bfloat16))):
-        # (the backends take these as mods, builtin_mods.resolved; the Gluon kernels compile those)
+    for params in (AttentionParams(0.1, softcap=30.0), AttentionParams(0.1, alibi_slopes=torch.ones(4))):
+        # (the backends take both as score_mods, builtin_mods.resolved; the Gluon kernels compile those)
         params = resolved(params, q.shape[1], k.shape[1])
-        assert params.mods is not None and params.softcap == 0 and params.alibi_slopes is params.attn_mask is None
+        assert params.mods is not None and params.softcap == 0 and params.alibi_slopes is None
         assert gluon.accepts(problem(q, k, k, params), params)
     buf = torch.randn(q.numel() + 4, dtype=torch.bfloat16)
     for other in (q.float(), q[..., :96], buf[4:].view(q.shape)):  # fp32, D=96, a base 8 bytes off

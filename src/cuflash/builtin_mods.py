@@ -2,9 +2,8 @@
 functions that the CPU path and the kernels compute like any user's mod, so that a variant of this
 kind is one function here and its test, with no kernel plumbing.
 
-softcap, ALiBi and SDPA's attn_mask are AttentionParams fields (the custom ops carry them, the entry
-points validate them); `resolved` turns them into the call's score_mod and mask_mod, which every backend
-calls at its entry."""
+softcap and ALiBi are AttentionParams fields (the custom ops carry them, the entry points validate
+them); `resolved` turns them into the call's score_mod, which every backend calls at its entry."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,48 +63,23 @@ def alibi(slopes: torch.Tensor, offset: int | torch.Tensor):
     return alibi
 
 
-def sdpa_mask(mask: torch.Tensor):
-    """SDPA's boolean attn_mask as a mask_mod: query row i of head h of batch b sees key j where
-    mask[b, h, i, j] (a (batch, nheads, seqlen_q, seqlen_k) view; broadcast dims have stride 0)."""
-    def attn_mask(b, h, q_idx, kv_idx):
-        return mask[b, h, q_idx, kv_idx]
-    return attn_mask
-
-
-def sdpa_bias(mask: torch.Tensor):
-    """SDPA's floating attn_mask as a score_mod: mask[b, h, i, j] is added to the score."""
-    def attn_mask(score, b, h, q_idx, kv_idx):
-        return score + mask[b, h, q_idx, kv_idx]
-    return attn_mask
-
-
 def resolved(p: AttentionParams, seqlen_q: int, seqlen_k: int, dtype: torch.dtype = torch.float32) -> AttentionParams:
-    """p with its softcap, ALiBi and attn_mask moved into its mods, as AttentionParams orders them: the
-    score_mod computes softcap on scale * q.k, then the user's score_mod, then ALiBi's bias, then a floating
-    attn_mask's; a boolean attn_mask is the mask_mod (the entry points take no mask_mod beside an
-    attn_mask). p itself where it has none of them. seqlen_q, seqlen_k: a dense problem's, whose
-    difference is ALiBi's offset with bottom_right (a varlen batch's come from its cu_seqlens). dtype:
-    the scores' (fp64 on the CPU path's fp64 inputs), in which ALiBi reads its slopes, as the float64
-    oracle does, and to which a wider attn_mask is narrowed."""
-    if p.softcap == 0 and p.alibi_slopes is None and p.attn_mask is None:
+    """p with its softcap and ALiBi moved into its score_mod, as AttentionParams orders them: softcap on
+    scale * q.k, then the user's score_mod, then ALiBi's bias (softcap 0 and alibi_slopes None after);
+    p itself where it has neither. seqlen_q, seqlen_k: a dense problem's, whose difference is ALiBi's
+    offset with bottom_right (a varlen batch's come from its cu_seqlens). dtype: the scores' (fp64 on the
+    CPU path's fp64 inputs), in which ALiBi reads its slopes, as the float64 oracle does."""
+    if p.softcap == 0 and p.alibi_slopes is None:
         return p
     score = None if p.mods is None else p.mods.score
-    mask = None if p.mods is None else p.mods.mask
     if p.softcap > 0:
         capped = Mod.of(softcap(p.softcap), "score")
         score = capped if score is None else capped.then(score)
     if p.alibi_slopes is not None:
         bias = Mod.of(alibi(p.alibi_slopes.detach().to(dtype), _offset(p, seqlen_q, seqlen_k)), "score")
         score = bias if score is None else score.then(bias)
-    if p.attn_mask is not None and p.attn_mask.dtype == torch.bool:
-        assert mask is None, "an attn_mask beside a mask_mod"
-        mask = Mod.of(sdpa_mask(p.attn_mask.detach()), "mask")
-    elif p.attn_mask is not None:  # (an fp64 one in the kernels' fp32: they compute scores in fp32)
-        values = p.attn_mask.detach()
-        added = Mod.of(sdpa_bias(values if values.dtype.itemsize <= dtype.itemsize else values.to(dtype)), "score")
-        score = added if score is None else score.then(added)
-    mods = Mods(score=score, mask=mask) if p.mods is None else dataclasses.replace(p.mods, score=score, mask=mask)
-    return dataclasses.replace(p, softcap=0.0, alibi_slopes=None, attn_mask=None, mods=mods)
+    mods = Mods(score=score) if p.mods is None else dataclasses.replace(p.mods, score=score)
+    return dataclasses.replace(p, softcap=0.0, alibi_slopes=None, mods=mods)
 
 
 def _offset(p: AttentionParams, seqlen_q: int, seqlen_k: int) -> int | torch.Tensor:

@@ -46,8 +46,7 @@ def _rows(x: torch.Tensor, m0: int, m1: int) -> torch.Tensor:
 
 class ScoreTiles:
     """The score tiles of one dense problem: which key tiles a query tile visits, and the scores
-    of a tile with the mods (softcap, ALiBi and attn_mask among them), window/causal mask and the
-    dropout pattern. Tiles are
+    of a tile with the mods, attn_mask, window/causal mask and the dropout pattern. Tiles are
     handled as (B, Hk, G, bm, bn) views of the (B, Hk, G*bm, bn) matmul results."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_batch: int = 0):
@@ -63,6 +62,9 @@ class ScoreTiles:
             self.block_n = _divisor(p.mods.blocks.kv_block, self.block_n)
         self.offset = self.seqlen_k - self.seqlen_q if p.bottom_right else 0
         grouped = (self.batch, self.nheads_k, self.group)
+        self.mask = None
+        if p.attn_mask is not None:
+            self.mask = p.attn_mask.view(*grouped, self.seqlen_q, self.seqlen_k)
         # (batch * nheads + head) of each (B, Hk, G): the dropout stream of that head.
         self.off_bh = None if p.dropout_p == 0 else \
             head_ids(first_batch, self.batch, self.nheads, q.device).view(*grouped, 1, 1)
@@ -101,12 +103,18 @@ class ScoreTiles:
         return self.mods.score_grad(computed, ds)
 
     def scores(self, x: torch.Tensor, m0: int, m1: int, n0: int, n1: int, masked: bool) -> torch.Tensor:
-        """Sets the keys of the logits tile x (after score_mod) that the window or causal bound (in a
-        masked tile), the mask_mod or the block mask hides to -inf, in place."""
+        """Adds an additive attn_mask to the logits tile x (after score_mod) and sets hidden keys
+        (mask_mod and the block mask's too) to -inf, in place."""
         p = self.p
         s = x.view(self.batch, self.nheads_k, self.group, m1 - m0, n1 - n0)
+        rows, cols = _coords(m0, m1, n0, n1, x.device)
+        if self.mask is not None:
+            tile = self.mask[:, :, :, m0:m1, n0:n1]
+            if tile.dtype == torch.bool:
+                s.masked_fill_(~tile, float("-inf"))
+            else:
+                s.add_(tile.to(s.dtype))
         if masked:
-            rows, cols = _coords(m0, m1, n0, n1, x.device)
             hidden = torch.zeros(rows.shape[0], cols.shape[1], dtype=torch.bool, device=x.device)
             if p.window_right >= 0:
                 hidden |= cols > rows + self.offset + p.window_right

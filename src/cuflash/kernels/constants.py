@@ -5,3 +5,8 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 # log(x) == log2(x) * LN2: the log-sum-exp from the base-2 running max and sum.
 LN2 = tl.constexpr(0.6931471805599453)
+
+# attn_mask kinds (constexpr MASK_KIND)
+NO_MASK = tl.constexpr(0)
+BOOL_MASK = tl.constexpr(1)
+ADDITIVE_MASK = tl.constexpr(2)

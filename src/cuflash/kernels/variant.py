@@ -1,5 +1,5 @@
 """What the three kernels share at launch: the problem's sizes and the arguments that select and
-feed a variant (varlen, window, dropout, and the mods: softcap, ALiBi and attn_mask are mods too).
+feed a variant (varlen, window, attn_mask, dropout, and the mods, softcap's and ALiBi's among them).
 Each option is a constexpr, so the plain path compiles to the same code it had before the options
 existed."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..params import AttentionParams
-from .constants import LOG2E
+from .constants import ADDITIVE_MASK, BOOL_MASK, LOG2E, NO_MASK
 from .device import padded_head_dim
 from .triton import mods as mod_code
 
@@ -79,12 +79,12 @@ def logit_scale(p: AttentionParams) -> float:
 
 
 def _tensor_fields(p: AttentionParams) -> dict:
-    return dict(CuSeqlensQ=p.cu_seqlens_q, CuSeqlensK=p.cu_seqlens_k, Rng=p.rng_seed)
+    return dict(CuSeqlensQ=p.cu_seqlens_q, CuSeqlensK=p.cu_seqlens_k, Mask=p.attn_mask, Rng=p.rng_seed)
 
 
 def variant_tensors(p: AttentionParams) -> dict:
-    """The variant's tensors that this call has (varlen offsets, dropout seed; a block mask's tile
-    lists), by their argument names in every kernel, and the tensors its
+    """The variant's tensors that this call has (varlen offsets, attn_mask, dropout seed; a block
+    mask's tile lists), by their argument names in every kernel, and the tensors its
     mods capture (under names starting with MOD_TENSOR, which no kernel has: they reach the kernels
     inside the mods' argument tuples, mod_args)."""
     tensors = {name: t for name, t in _tensor_fields(p).items() if t is not None}
@@ -157,11 +157,19 @@ def variant_args(p: AttentionParams, prob: Problem) -> dict:
     """The variant's other arguments (strides, scalars, constexpr flags, and None for the tensors
     the call does not have: Triton makes None a constant, and the flags compile their reads away),
     named as in every kernel."""
+    mask = p.attn_mask
+    mask_strides: tuple[int, ...] = (0, 0, 0, 0)
+    if mask is None:
+        mask_kind = NO_MASK.value
+    else:
+        mask_kind = BOOL_MASK.value if mask.dtype == torch.bool else ADDITIVE_MASK.value
+        mask_strides = mask.stride()
     return dict(
         **{name: None for name, t in _tensor_fields(p).items() if t is None},
+        stride_mask=mask_strides,
         bottom_right=int(p.bottom_right), window_left=p.window_left, window_right=p.window_right,
         qk_scale=logit_scale(p),
         drop_threshold=int(p.dropout_p * 2**31), drop_scale=1.0 / (1.0 - p.dropout_p),
         VARLEN=p.varlen, HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0,
-        DROPOUT=p.dropout_p > 0,
+        MASK_KIND=mask_kind, DROPOUT=p.dropout_p > 0,
     )

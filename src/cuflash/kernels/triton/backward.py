@@ -29,7 +29,7 @@ from ..launch import workspace
 from ..lists import listed_blocks
 from ..variant import Problem, kernel_tensors, lse_strides, mod_args, variant_args, variant_tensors
 from . import Tiles
-from .common import advance, band, dropout_keep, dropout_stream, load_pair, load_tile, mma, \
+from .common import advance, band, dropout_keep, head_options, load_pair, load_tile, mma, \
     query_program, read_tile, row_source, score_tile, sequence, store_tile, tile_aranges, tile_ptrs, tile_start
 
 ROWS_PER_PROGRAM = 64  # query rows per program of the delta and cast kernels (the Gluon kernels' tile)
@@ -82,9 +82,9 @@ def _attn_bwd_dq_cast(DQAcc, DQ, stride_a, stride_dq, nheads, seqlen_q, head_dim
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mods, offs, lo, hi, listed, bounds, qk_scale, drop,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, listed, bounds, qk_scale, drop,
                          BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-                         HAS_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                         HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
                          DQ_HERE: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
                          SCORE_MOD_GRAD: tl.constexpr, LISTED: tl.constexpr):
@@ -120,7 +120,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mods, offs, lo, hi, liste
         else:
             delta = tl.load(delta_ptr + rows)
         x_t = mma(k, tl.trans(q), None, INPUT_PRECISION) * qk_scale
-        s_t = score_tile(x_t, rows[None, :], offs_n[:, None], bounds, MASKED, HAS_LEFT, HAS_RIGHT,
+        s_t = score_tile(x_t, rows[None, :], offs_n[:, None], bounds, mask, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND,
                          mods, SCORE_MOD, MASK_MOD)
         p_t = tl.math.exp2(s_t - lse[None, :] * LOG2E)  # 0 where s = -inf or lse = +inf
         # dV before dP: the faster order of the two dots (docs/tuning.md).
@@ -147,9 +147,9 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mods, offs, lo, hi, liste
 
 
 @triton.jit
-def _attn_bwd_dkdv_listed(dk, dv, k, v, rows_in, mods, offs, bounds, qk_scale, drop, lists, column,
+def _attn_bwd_dkdv_listed(dk, dv, k, v, rows_in, mask, mods, offs, bounds, qk_scale, drop, lists, column,
                           BLOCK_M: tl.constexpr, SPARSE_Q: tl.constexpr, HAS_FULL: tl.constexpr,
-                          EVEN_BLOCKS: tl.constexpr, DROPOUT: tl.constexpr,
+                          EVEN_BLOCKS: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                           EVEN_D: tl.constexpr,
                           INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, SCORE_MOD: tl.constexpr,
                           MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
@@ -158,14 +158,14 @@ def _attn_bwd_dkdv_listed(dk, dv, k, v, rows_in, mods, offs, bounds, qk_scale, d
     (masked at the queries' end unless EVEN_BLOCKS). One loop per list, each over every tile of it."""
     count, first, stride = listed_blocks(lists[0], lists[1], lists[4], False, mods[0], mods[1], column)
     dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, rows_in, (0, 0, 0, 0, 0), mods, offs, 0, count * SPARSE_Q, (first, stride), bounds,
-        qk_scale, drop, BLOCK_M, True, False, False, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
+        dk, dv, k, v, rows_in, (0, 0, 0, 0, 0), mask, mods, offs, 0, count * SPARSE_Q, (first, stride), bounds,
+        qk_scale, drop, BLOCK_M, True, False, False, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
         False, False, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, SPARSE_Q)
     if HAS_FULL:
         count, first, stride = listed_blocks(lists[2], lists[3], lists[4], True, mods[0], mods[1], column)
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, rows_in, (0, 0, 0, 0, 0), mods, offs, 0, count * SPARSE_Q, (first, stride), bounds,
-            qk_scale, drop, BLOCK_M, not EVEN_BLOCKS, False, False, DROPOUT, EVEN_D,
+            dk, dv, k, v, rows_in, (0, 0, 0, 0, 0), mask, mods, offs, 0, count * SPARSE_Q, (first, stride), bounds,
+            qk_scale, drop, BLOCK_M, not EVEN_BLOCKS, False, False, MASK_KIND, DROPOUT, EVEN_D,
             INPUT_PRECISION, TMA, False, False, SCORE_MOD, None, SCORE_MOD_GRAD, SPARSE_Q)
     return dk, dv
 
@@ -188,15 +188,15 @@ def _head_rows(q_src, do_src, Lse, Delta, Out, DQ, stride_q, stride_do, stride_o
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqlensK, Rng,
+def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqlensK, Mask, Rng,
                    BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args, score_grads,
                    stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_o, stride_dq, stride_l,
-                   stride_blocks,
+                   stride_mask, stride_blocks,
                    nheads_k, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
                    softmax_scale, qk_scale, drop_threshold, drop_scale,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   DROPOUT: tl.constexpr,
+                   MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                    EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_GROUP_ACC: tl.constexpr,
                    TMA: tl.constexpr, WS: tl.constexpr, DQ_HERE: tl.constexpr, SCORE_MOD: tl.constexpr,
                    MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr, SPARSE: tl.constexpr, HAS_FULL: tl.constexpr,
@@ -253,24 +253,26 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
         do_src = row_source(DO, stride_do, off_b, off_h, q_first, seqlen_q, head_dim, offs_m, offs_d, BLOCK_M,
                             BLOCK_D, TMA)
         row_first = off_b * stride_l[0] + off_h * stride_l[1] + q_first
-        drop_key = dropout_stream(Rng, off_b * nheads_k * group_size + off_h, DROPOUT)
+        mask_ptrs, drop_key = head_options(Mask, stride_mask, Rng, off_b, off_h, off_b * nheads_k * group_size + off_h,
+                                           MASK_KIND, DROPOUT)
         rows_in, dq_io = _head_rows(q_src, do_src, Lse, Delta, Out, DQ, stride_q, stride_do, stride_o, stride_dq,
                                     row_first, off_b, off_h, q_first, offs_m, offs_d, softmax_scale, DQ_HERE)
+        mask = (mask_ptrs, stride_mask[2], stride_mask[3])
         drop = (drop_key, drop_threshold, drop_scale)
         mods = (off_b.to(tl.int32), off_h.to(tl.int32), score_args, mask_args, score_grads)
         if SPARSE:  # the query blocks the block mask lists: partly seeing this key block, then wholly
             dk_head, dv_head = _attn_bwd_dkdv_listed(
-                dk_head, dv_head, k, v, rows_in, mods, offs, bounds, qk_scale, drop,
+                dk_head, dv_head, k, v, rows_in, mask, mods, offs, bounds, qk_scale, drop,
                 (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks), start_n // SPARSE_KV, BLOCK_M, SPARSE_Q,
-                HAS_FULL, EVEN_BLOCKS, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD,
+                HAS_FULL, EVEN_BLOCKS, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD,
                 MASK_MOD, SCORE_MOD_GRAD)
         else:  # the query tiles in three parts: those a causal diagonal or window's right edge cuts (masked;
             # none without a right edge), those that see every key of the tile (unmasked, the loop that may be
             # warp-specialized), those a window's left edge or the queries' end cuts (masked)
             for part in tl.static_range(1 - HAS_RIGHT, 3):
                 dk_head, dv_head = _attn_bwd_dkdv_inner(
-                    dk_head, dv_head, k, v, rows_in, dq_io, mods, offs, edges[part], edges[part + 1], (0, 0),
-                    bounds, qk_scale, drop, BLOCK_M, part != 1, HAS_LEFT, HAS_RIGHT, DROPOUT,
+                    dk_head, dv_head, k, v, rows_in, dq_io, mask, mods, offs, edges[part], edges[part + 1], (0, 0),
+                    bounds, qk_scale, drop, BLOCK_M, part != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT,
                     EVEN_D, INPUT_PRECISION, TMA, WS & (part == 1), DQ_HERE, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, 0)
         if SPLIT_GROUP_ACC:
             dk += dk_head
@@ -288,9 +290,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mods, offs, lo, hi, listed, bounds, qk_scale, drop,
+def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, listed, bounds, qk_scale, drop,
                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-                       HAS_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                       HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                        INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
                        SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr,
                        LISTED: tl.constexpr):
@@ -308,7 +310,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mods, offs, lo, hi, listed, bo
             k_v_at = advance(k_v, row_strides, tl.cast(start_n, tl.int64), TMA)
         k, v = load_pair(k_v_at, start_n, cols, bounds[1], offs_d, bounds[2], MASKED, not EVEN_D, TMA)
         x = mma(q, tl.trans(k), None, INPUT_PRECISION) * qk_scale
-        s = score_tile(x, offs_m[:, None], cols[None, :], bounds, MASKED, HAS_LEFT, HAS_RIGHT, mods,
+        s = score_tile(x, offs_m[:, None], cols[None, :], bounds, mask, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods,
                        SCORE_MOD, MASK_MOD)
         p = tl.math.exp2(s - lse[:, None])
         dp = mma(do, tl.trans(v), None, INPUT_PRECISION)
@@ -325,33 +327,34 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mods, offs, lo, hi, listed, bo
 
 
 @triton.jit
-def _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mods, offs, bounds, qk_scale, drop, lists, row,
+def _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, qk_scale, drop, lists, row,
                         BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, HAS_FULL: tl.constexpr,
-                        EVEN_BLOCKS: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                        EVEN_BLOCKS: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, SCORE_MOD: tl.constexpr,
                         MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
     """The key blocks a block mask lists for query block `row`, as _attn_fwd_listed visits them."""
     count, first, stride = listed_blocks(lists[0], lists[1], lists[4], False, mods[0], mods[1], row)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mods, offs, 0, count * SPARSE_KV, (first, stride),
-                            bounds, qk_scale, drop, BLOCK_N, True, False, False, DROPOUT,
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, 0, count * SPARSE_KV, (first, stride),
+                            bounds, qk_scale, drop, BLOCK_N, True, False, False, MASK_KIND, DROPOUT,
                             EVEN_D, INPUT_PRECISION, TMA, False, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, SPARSE_KV)
     if HAS_FULL:
         count, first, stride = listed_blocks(lists[2], lists[3], lists[4], True, mods[0], mods[1], row)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mods, offs, 0, count * SPARSE_KV, (first, stride),
-                                bounds, qk_scale, drop, BLOCK_N, not EVEN_BLOCKS, False, False, DROPOUT,
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, 0, count * SPARSE_KV, (first, stride),
+                                bounds, qk_scale, drop, BLOCK_N, not EVEN_BLOCKS, False, False, MASK_KIND, DROPOUT,
                                 EVEN_D, INPUT_PRECISION, TMA, False, SCORE_MOD, None, SCORE_MOD_GRAD, SPARSE_KV)
     return dq
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Rng,
+def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Mask, Rng,
                  BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args, score_grads,
-                 stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, stride_blocks,
+                 stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, stride_mask,
+                 stride_blocks,
                  nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
                  softmax_scale, qk_scale, drop_threshold, drop_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                 DROPOUT: tl.constexpr,
+                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                  EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
                  SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr, SPARSE: tl.constexpr,
                  HAS_FULL: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
@@ -372,27 +375,28 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Rng,
     delta = tl.load(Delta + row_ptr, mask=offs_m < seqlen_q, other=0.0)
     k_src = row_source(K, stride_k, off_b, off_hk, k_first, seqlen_k, head_dim, offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
     v_src = row_source(V, stride_v, off_b, off_hk, k_first, seqlen_k, head_dim, offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
-    drop_key = dropout_stream(Rng, off_bh, DROPOUT)
+    mask_ptrs, drop_key = head_options(Mask, stride_mask, Rng, off_b, off_h, off_bh, MASK_KIND, DROPOUT)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # The key tiles in three parts, as in the forward's _attn_fwd.
     edges = band(start_m, BLOCK_M, seqlen_k, BLOCK_N, offset - window_left, offset + window_right, HAS_LEFT,
                  HAS_RIGHT)
     kv = ((k_src, v_src), (stride_k[1], stride_v[1]))
+    mask = (mask_ptrs, stride_mask[2], stride_mask[3])
     bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right)
     drop = (drop_key, drop_threshold, drop_scale)
     offs = (offs_m, offs_n, offs_d)
     mods = (off_b.to(tl.int32), off_h.to(tl.int32), score_args, mask_args, score_grads)
     if SPARSE:  # the key blocks the block mask lists, as in the forward
-        dq = _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mods, offs, bounds, qk_scale, drop,
+        dq = _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, qk_scale, drop,
                                  (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks), start_m // SPARSE_Q, BLOCK_N,
-                                 SPARSE_KV, HAS_FULL, EVEN_BLOCKS, DROPOUT, EVEN_D,
+                                 SPARSE_KV, HAS_FULL, EVEN_BLOCKS, MASK_KIND, DROPOUT, EVEN_D,
                                  INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
     else:
         for part in tl.static_range(1 - HAS_LEFT, 3):
             dq = _attn_bwd_dq_inner(
-                dq, q, do, lse, delta, kv, mods, offs, edges[part], edges[part + 1], (0, 0), bounds, qk_scale,
-                drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, DROPOUT, EVEN_D,
+                dq, q, do, lse, delta, kv, mask, mods, offs, edges[part], edges[part + 1], (0, 0), bounds, qk_scale,
+                drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, EVEN_D,
                 INPUT_PRECISION, TMA, WS & (part == 1), SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, 0)
     dq_ptrs = tile_ptrs(DQ, stride_dq, off_b, off_h, q_first + start_m, rows, offs_d)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, not EVEN_D)

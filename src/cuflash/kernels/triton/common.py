@@ -1,9 +1,9 @@
-"""Helpers shared by the attention kernels: tile loads/stores, the score of a tile (mods, sliding
-window), the band of tiles a window leaves, varlen offsets and dropout."""
+"""Helpers shared by the attention kernels: tile loads/stores, the score of a tile (mods, attn_mask,
+sliding window), the band of tiles a window leaves, varlen offsets and dropout."""
 import triton
 import triton.language as tl
 
-from ..constants import LOG2E
+from ..constants import BOOL_MASK, LOG2E, NO_MASK
 
 
 @triton.jit
@@ -218,21 +218,31 @@ def softmax_step(s, m_i, l_i, MAY_BE_EMPTY: tl.constexpr):
 
 
 @triton.jit
-def score_tile(x, rows, cols, bounds, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, mods=None,
-               SCORE_MOD: tl.constexpr = None, MASK_MOD: tl.constexpr = None):
-    """Logits x (base 2; natural with a SCORE_MOD, whose result is taken to base 2: softcap, ALiBi and
-    SDPA's attn_mask are mods too, builtin_mods.py), -inf where a key is not visible. rows and cols
-    broadcast against each other (the dK/dV kernel passes them transposed).
-    bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right); mods = (batch, head, the
-    score_mod's and the mask_mod's argument tuples), for SCORE_MOD and MASK_MOD (kernels/triton/mods.py;
-    None: none, and for tiles a block mask marks full). Key j is visible to query row i when
+def score_tile(x, rows, cols, bounds, mask, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               MASK_KIND: tl.constexpr, mods=None, SCORE_MOD: tl.constexpr = None, MASK_MOD: tl.constexpr = None):
+    """Logits x (base 2; natural with a SCORE_MOD, whose result is taken to base 2: softcap and ALiBi
+    are score_mods, builtin_mods.py) plus an additive mask, -inf where a key is not visible. rows and
+    cols broadcast against each other (the dK/dV kernel passes them transposed).
+    bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right); mask = (attn_mask's
+    pointer for this head, its row and column strides); mods = (batch, head, the score_mod's and the
+    mask_mod's argument tuples), for SCORE_MOD and MASK_MOD (kernels/triton/mods.py; None: none, and for
+    tiles a block mask marks full). Key j is visible to query row i when
     i + offset - window_left <= j <= i + offset + window_right (causal: window_right = 0) and the
     mask_mod says so; only MASKED tiles (the band's edges and ragged ends) check the bounds."""
-    _, seqlen_k, _, offset, window_left, window_right = bounds
+    seqlen_q, seqlen_k, _, offset, window_left, window_right = bounds
+    mask_ptrs, stride_mask_m, stride_mask_n = mask
     if SCORE_MOD is not None:
         s = SCORE_MOD(x, mods[0], mods[1], rows, cols, mods[2]) * LOG2E
     else:
         s = x
+    if MASK_KIND != NO_MASK:
+        in_range = (rows < seqlen_q) & (cols < seqlen_k)
+        m = tl.load(mask_ptrs + rows.to(tl.int64) * stride_mask_m + cols.to(tl.int64) * stride_mask_n,
+                    mask=in_range, other=0)
+        if MASK_KIND == BOOL_MASK:
+            s = tl.where(m != 0, s, float("-inf"))
+        else:
+            s += m.to(tl.float32) * LOG2E
     if MASK_MOD is not None:
         s = tl.where(MASK_MOD(mods[0], mods[1], rows, cols, mods[3]), s, float("-inf"))
     if MASKED:
@@ -262,12 +272,16 @@ def tile_start(it, listed, BLOCK: tl.constexpr, LISTED: tl.constexpr):
 
 
 @triton.jit
-def dropout_stream(Rng, off_bh, DROPOUT: tl.constexpr):
-    """The dropout key of head off_bh = batch * nheads + head (dropout_key), 0 without dropout."""
+def head_options(Mask, stride_mask, Rng, off_b, off_h, off_bh, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr):
+    """What a variant needs per (batch, head): the attn_mask's base pointer (its strides are
+    (batch, head, row, column)) and the dropout key of head off_bh = batch * nheads + head."""
+    mask_ptrs = 0  # (Mask is None without a mask: a function cannot return None)
+    if MASK_KIND != NO_MASK:
+        mask_ptrs = Mask + off_b * stride_mask[0] + off_h * stride_mask[1]
     drop_key = 0
     if DROPOUT:
         drop_key = dropout_key(Rng, off_bh)
-    return drop_key
+    return mask_ptrs, drop_key
 
 
 @triton.jit

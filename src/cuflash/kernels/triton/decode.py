@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ...cache import RECORD_WORDS, IndexKind
 from ...params import AttentionParams
-from ..constants import LN2, LOG2E
+from ..constants import LN2, LOG2E, NO_MASK
 from ..device import cdiv, next_power_of_2, padded_head_dim
 from ..launch import workspace
 from ..variant import fast_math, logit_scale
@@ -184,7 +184,7 @@ def _attend(Q, K, V, q, table, row, first, lo, hi, tok, off_hk, offs_n, offs_d, 
         if SCORE_MOD is not None:
             x = SCORE_MOD(x, mods[0], mods[1], tok[:, None] + offset, cols[None, :], mods[2]) * LOG2E
         s = score_tile(x, tok[:, None], cols[None, :], (seqlen_q, hi, head_dim, offset, window_left, window_right),
-                       True, HAS_LEFT, HAS_RIGHT)
+                       (Q, 0, 0), True, HAS_LEFT, HAS_RIGHT, NO_MASK)
         m_new, p, alpha, l_i = softmax_step(s, m_i, l_i, True)
         v_off = block * stride_v[0] + slot * stride_v[1]
         v = tl.load(V + v_off[:, None] + off_hk * stride_v[2] + offs_d[None, :], mask=tile_ok, other=0.0)

@@ -10,20 +10,20 @@ import triton
 import triton.language as tl
 
 from ...params import AttentionParams
-from ..constants import LN2
+from ..constants import LN2, NO_MASK
 from ..device import cdiv
 from ..lists import listed_blocks
 from ..variant import Problem, kernel_tensors, lse_strides, mod_args, variant_args
 from . import Tiles
-from .common import advance, band, dropout_keep, dropout_stream, load_rows, load_tile, mma, \
+from .common import advance, band, dropout_keep, head_options, load_rows, load_tile, mma, \
     query_program, read_tile, row_source, score_tile, softmax_step, store_tile, tile_aranges, tile_ptrs, \
     tile_start
 
 
 @triton.jit
-def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mods, offs, lo, hi, listed, bounds, qk_scale, drop,
+def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mask, mods, offs, lo, hi, listed, bounds, qk_scale, drop,
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-                    HAS_RIGHT: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+                    HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, PAGED: tl.constexpr,
                     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, LISTED: tl.constexpr):
     """K/V tiles [lo, hi) into the running (acc, m_i, l_i), or (LISTED, the block size of a block mask's
@@ -50,10 +50,10 @@ def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mods, offs, lo, hi, listed, bo
         else:
             k = load_rows(k_at, start_n, cols, seqlen_k, offs_d, head_dim, MASKED, not EVEN_D, TMA)
         x = mma(q, tl.trans(k), None, INPUT_PRECISION) * qk_scale
-        s = score_tile(x, offs_m[:, None], cols[None, :], bounds, MASKED, HAS_LEFT, HAS_RIGHT, mods,
+        s = score_tile(x, offs_m[:, None], cols[None, :], bounds, mask, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods,
                        SCORE_MOD, MASK_MOD)
         m_new, p, alpha, l_i = softmax_step(
-            s, m_i, l_i, MASKED or SCORE_MOD is not None or MASK_MOD is not None)
+            s, m_i, l_i, MASKED or MASK_KIND != NO_MASK or SCORE_MOD is not None or MASK_MOD is not None)
         if DROPOUT:
             # The softmax sum counts every probability; only the output sees the dropped ones.
             p = tl.where(dropout_keep(drop, offs_m[:, None], cols[None, :]), p, 0.0)
@@ -70,10 +70,10 @@ def _attn_fwd_inner(acc, m_i, l_i, q, kv, paging, mods, offs, lo, hi, listed, bo
 
 
 @triton.jit
-def _attn_fwd_listed(acc, m_i, l_i, q, kv, paging, mods, offs, bounds, qk_scale, drop, lists, row,
+def _attn_fwd_listed(acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, qk_scale, drop, lists, row,
                      BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, HAS_FULL: tl.constexpr,
-                     EVEN_BLOCKS: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-                     INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                     EVEN_BLOCKS: tl.constexpr, MASK_KIND: tl.constexpr,
+                     DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
                      PAGED: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
     """The key blocks a block mask lists for query block `row` (lists: its BlockNum, BlockIdx, FullNum,
     FullIdx and their strides): those partly seen, through the mask_mod, then (HAS_FULL) those wholly
@@ -81,27 +81,27 @@ def _attn_fwd_listed(acc, m_i, l_i, q, kv, paging, mods, offs, bounds, qk_scale,
     One loop per list, each over every tile of it."""
     count, first, stride = listed_blocks(lists[0], lists[1], lists[4], False, mods[0], mods[1], row)
     acc, m_i, l_i = _attn_fwd_inner(
-        acc, m_i, l_i, q, kv, paging, mods, offs, 0, count * SPARSE_KV, (first, stride), bounds, qk_scale, drop,
-        BLOCK_N, True, False, False, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, PAGED,
+        acc, m_i, l_i, q, kv, paging, mask, mods, offs, 0, count * SPARSE_KV, (first, stride), bounds, qk_scale, drop,
+        BLOCK_N, True, False, False, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, False, PAGED,
         SCORE_MOD, MASK_MOD, SPARSE_KV)
     if HAS_FULL:
         count, first, stride = listed_blocks(lists[2], lists[3], lists[4], True, mods[0], mods[1], row)
         acc, m_i, l_i = _attn_fwd_inner(
-            acc, m_i, l_i, q, kv, paging, mods, offs, 0, count * SPARSE_KV, (first, stride), bounds, qk_scale,
-            drop, BLOCK_N, not EVEN_BLOCKS, False, False, DROPOUT, EVEN_D, INPUT_PRECISION,
+            acc, m_i, l_i, q, kv, paging, mask, mods, offs, 0, count * SPARSE_KV, (first, stride), bounds, qk_scale,
+            drop, BLOCK_N, not EVEN_BLOCKS, False, False, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION,
             TMA, False, PAGED, SCORE_MOD, None, SPARSE_KV)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Rng, BlockTable,
+def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Mask, Rng, BlockTable,
               BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args,
-              stride_q, stride_k, stride_v, stride_o, stride_l, stride_tb, page_size,
+              stride_q, stride_k, stride_v, stride_o, stride_l, stride_mask, stride_tb, page_size,
               stride_blocks, nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
               qk_scale, drop_threshold, drop_scale,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-              DROPOUT: tl.constexpr,
+              MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
               EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
               PAGED: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr,
               HAS_FULL: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
@@ -125,7 +125,7 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Rng, BlockTable,
         v_src = row_source(V, stride_v, off_b, off_hk, k_first, seqlen_k, head_dim, offs_n, offs_d, BLOCK_N, BLOCK_D,
                            TMA)
     q = read_tile(Q, stride_q, off_b, off_h, q_first, start_m, rows, seqlen_q, offs_d, head_dim, not EVEN_D)
-    drop_key = dropout_stream(Rng, off_bh, DROPOUT)
+    mask_ptrs, drop_key = head_options(Mask, stride_mask, Rng, off_b, off_h, off_bh, MASK_KIND, DROPOUT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -137,20 +137,21 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Rng, BlockTable,
                  HAS_RIGHT)
     kv = (k_src, v_src, stride_k[1], stride_v[1])
     paging = (pages, page_size, stride_k[3], stride_v[3])
+    mask = (mask_ptrs, stride_mask[2], stride_mask[3])
     offs = (offs_m, offs_n, offs_d)
     bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right)
     drop = (drop_key, drop_threshold)
     mods = (off_b.to(tl.int32), off_h.to(tl.int32), score_args, mask_args)
     if SPARSE:  # the key blocks the block mask lists: partly seen, then wholly seen
         acc, m_i, l_i = _attn_fwd_listed(
-            acc, m_i, l_i, q, kv, paging, mods, offs, bounds, qk_scale, drop,
+            acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, qk_scale, drop,
             (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks), start_m // SPARSE_Q, BLOCK_N, SPARSE_KV, HAS_FULL,
-            EVEN_BLOCKS, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, PAGED, SCORE_MOD, MASK_MOD)
+            EVEN_BLOCKS, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, PAGED, SCORE_MOD, MASK_MOD)
     else:
         for part in tl.static_range(1 - HAS_LEFT, 3):
             acc, m_i, l_i = _attn_fwd_inner(
-                acc, m_i, l_i, q, kv, paging, mods, offs, edges[part], edges[part + 1], (0, 0), bounds, qk_scale,
-                drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, DROPOUT, EVEN_D,
+                acc, m_i, l_i, q, kv, paging, mask, mods, offs, edges[part], edges[part + 1], (0, 0), bounds, qk_scale,
+                drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, EVEN_D,
                 INPUT_PRECISION, TMA, WS & (part == 1), PAGED, SCORE_MOD, MASK_MOD, 0)
 
     # Rows that saw no key at all (l_i == 0) get out = 0 and lse = +inf, so that the backward's
