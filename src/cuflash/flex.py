@@ -295,6 +295,8 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     check_bool("_compile", _compile)
     separate = check_bool("separate_full_blocks", separate_full_blocks)
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and device.index is None:  # ("cuda": the current GPU, where its tensors are made)
+        device = torch.device("cuda", torch.cuda.current_device())
     mod = traced_mod(mask_mod, "mask", device)
     seen, full = _block_tables(mod, batch, nheads, seqlen_q, seqlen_k, (q_block, kv_block), device)
     kv_num, kv_idx = ordered((seen & ~full if separate else seen).expand(batch, nheads, -1, -1))
