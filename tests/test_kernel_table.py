@@ -142,7 +142,8 @@ def test_calls_with_mods_take_the_gluon_kernels_where_the_blocks_fit():
     a key block, where a work item's 128 query rows lie in one query block and no band is asked for), so
     does dK/dV up to head dim 128 (dQ fused but in a deterministic backward; with a block mask, 128-key
     items within a key block, 64-row query tiles within query blocks); the rest takes Triton tiles within
-    the blocks (two stages at head dim 256 where a mod reads a tensor per score), or without a block mask
+    the blocks (two stages at head dim 256 where a mod reads a tensor per score or a captured tensor's
+    gradient is asked for), or without a block mask
     the one-launch backward where listed."""
     from cuflash.kernels import gluon
     from cuflash.kernels.plan import Entry, select
@@ -180,6 +181,10 @@ def test_calls_with_mods_take_the_gluon_kernels_where_the_blocks_fit():
     table = torch.randn(2, 512)  # read per score (ModGraph.gathers): two stages at head dim 256
     bias = Mod.of(lambda score, b, h, q_idx, kv_idx: score + table[h, (q_idx - kv_idx).abs()], "score")
     assert plan(Mods(score=bias), wide) == Plan(gluon.Forward(2, 128, 3), Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 2))
+    scale = torch.ones(2, requires_grad=True)  # a gradient added per tile: two stages too
+    learned = Mod.of(lambda score, b, h, q_idx, kv_idx: score * scale[h], "score")
+    assert plan(Mods(score=learned), wide) == Plan(gluon.Forward(2, 128, 3), Tiles(128, 64, 8, 2),
+                                                   Tiles(128, 64, 8, 2))
     # the one-launch backward stays first where the table lists it, but not with a block mask (it walks no lists)
     whole = OneLaunch(Tiles(64, 128, 8, 2))
     cell = Entry(cell.forward, (whole, *cell.dkdv), cell.dq)

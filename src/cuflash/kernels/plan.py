@@ -98,12 +98,15 @@ def _within_blocks(entry: Entry, params: AttentionParams, block_d: int) -> Entry
     Triton's dQ), where a work item's 128 keys lie in one key block and its 64-row query tiles in query
     blocks, and no band is asked for; the rest takes Triton tiles (and, without a block mask, the
     one-launch backward first where the table has it). At head dim 256 the Triton tiles buffer
-    two stages, not three, where a mod reads a captured tensor per score (ModGraph.gathers): a relative
-    bias's loads and its gradient's took dQ's 128 x 32 tiles to 256 KB of shared memory; a slope per head
-    (ALiBi) costs none, and the third stage was 9-14% of the D=256 backward."""
+    two stages, not three, where a mod reads a captured tensor per score (ModGraph.gathers) or a captured
+    tensor's gradient is asked for: a relative bias's loads and its gradient's took dQ's 128 x 32 tiles to
+    256 KB of shared memory; a slope per head (ALiBi) costs none, and the third stage was 9-14% of the
+    D=256 backward."""
     blocks = params.mods.blocks if params.mods is not None else None
-    gathers = params.mods is not None and any(mod is not None and mod.graph.gathers
-                                              for mod in (params.mods.score, params.mods.mask))
+    mods = params.mods
+    # (two stages at head dim 256 where a mod reads a tensor per score or adds a captured tensor's gradient)
+    gathers = mods is not None and (any(mod is not None and mod.graph.gathers for mod in (mods.score, mods.mask))
+                                    or (mods.score is not None and any(mods.score.requires_grad)))
     if blocks is not None and (blocks.q_block % 16 or blocks.kv_block % 16):
         fail(ErrorCode.INVALID_ARGUMENT, f"block_mask's BLOCK_SIZE is ({blocks.q_block}, {blocks.kv_block}); the "
              "kernels take blocks of a multiple of 16 query rows and keys (torch's default is 128)")
