@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import operator
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -48,9 +49,11 @@ class Mod:
         key = (self.graph.key, after.graph.key)
         graph = _composed.get(key)
         if graph is None:
-            if len(_composed) >= _COMPOSED_LIMIT:
-                _composed.pop(next(iter(_composed)))
-            graph = _composed[key] = compose(self.graph, after.graph)
+            graph = compose(self.graph, after.graph)
+            with _composing:  # (threads composing at once: one evicts, each keeps its graph)
+                if len(_composed) >= _COMPOSED_LIMIT:
+                    _composed.pop(next(iter(_composed)))
+                graph = _composed.setdefault(key, graph)
         return Mod(graph, self.tensors + after.tensors, self.scalars + after.scalars,
                    self.requires_grad + after.requires_grad)
 
@@ -58,6 +61,7 @@ class Mod:
 # Composed graphs by their parts' keys: one graph object (and compiled kernel) per composition, made once.
 _composed: dict[tuple[str, str], ModGraph] = {}
 _COMPOSED_LIMIT = 256
+_composing = threading.Lock()
 
 
 def needs_grad(tensors) -> tuple[bool, ...]:
