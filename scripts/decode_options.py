@@ -9,29 +9,7 @@ import torch
 import triton
 
 import cuflash
-
-
-def graph_us(fn, calls=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    best = 1e9
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(5):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / (5 * calls))
-    return best
+from short_kernels import graph_us  # (scripts/ is the path's first entry when run as a script)
 
 
 def eager_us(fn, calls=200):

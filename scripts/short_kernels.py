@@ -1,6 +1,7 @@
 """GPU time per forward call at short sequences (16k tokens, hidden 2048, bf16), host time
 excluded: 20 calls captured in one CUDA graph, fastest of 5 rounds of 5 replays, for cuflash's SDPA
-and torch SDPA's flash and cuDNN backends. Usage, on a GPU: PYTHONPATH=src python3 scripts/short_kernels.py"""
+and torch SDPA's flash and cuDNN backends (graph_us: also scripts/decode_options.py's). Usage, on a GPU:
+PYTHONPATH=src python3 scripts/short_kernels.py"""
 import torch
 import torch.nn.functional as F
 import triton
@@ -34,17 +35,22 @@ def graph_us(fn, calls=20):
     return best
 
 
-print(triton.__version__, torch.cuda.get_device_name())
-print("D   N   causal  cuflash  flash  cudnn  (us per forward, GPU only)")
-for d in (64, 128):
-    for n in (128, 256, 512):
-        for causal in (False, True):
-            b, h = 16384 // n, 2048 // d
-            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            row = [graph_us(lambda: cuflash.scaled_dot_product_attention(q, k, v, is_causal=causal))]
-            for be in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-                def f():
-                    with sdpa_kernel(be):
-                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                row.append(graph_us(f))
-            print(f"{d:3d} {n:4d} {causal!s:6s} " + " ".join(f"{x:7.1f}" for x in row))
+def main():
+    print(triton.__version__, torch.cuda.get_device_name())
+    print("D   N   causal  cuflash  flash  cudnn  (us per forward, GPU only)")
+    for d in (64, 128):
+        for n in (128, 256, 512):
+            for causal in (False, True):
+                b, h = 16384 // n, 2048 // d
+                q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                row = [graph_us(lambda: cuflash.scaled_dot_product_attention(q, k, v, is_causal=causal))]
+                for be in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+                    def f():
+                        with sdpa_kernel(be):
+                            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    row.append(graph_us(f))
+                print(f"{d:3d} {n:4d} {causal!s:6s} " + " ".join(f"{x:7.1f}" for x in row))
+
+
+if __name__ == "__main__":
+    main()
