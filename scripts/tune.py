@@ -1,10 +1,14 @@
 """Sweeps launch configurations of the kernels on the GPU at hand and prints the fastest per
 case, to fill the table in src/cuflash/kernels/plan.py. Run from the source tree:
-PYTHONPATH=src python3 scripts/tune.py [--seqlen 4096[,...]] [--dtype bf16]
-[--table | --loads plain,tma | --loads ws | --loads triton,gluon [--kernels fwd,dkdv,dq]]"""
+PYTHONPATH=src python3 scripts/tune.py [--seqlen 4096[,...]] [--dtype bf16] [--jobs 8]
+[--table | --loads plain,tma | --loads ws | --loads triton,gluon [--kernels fwd,dkdv,dq]]
+--jobs N compiles the sweep's candidates in N processes first (one launch each, sharing Triton's cache),
+then times them one at a time: at head dim 512 a candidate compiles for tens of seconds."""
 import argparse
 import dataclasses
 import itertools
+import subprocess
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +58,15 @@ CANDIDATES = {
              _launches((64, 32, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2),
                        (128, 32, 8, 3), (64, 32, 4, 3))
              + _launches((64, 64, 8, 2), (128, 32, 8, 2), tma=True)),
+    # D=512 (257-512): 64-row tiles hold a 64 x 512 fp32 output in 8 warps; two 512-column tiles a stage
+    "d512": (_launches((64, 32, 8, 2), (64, 32, 8, 1), (64, 64, 8, 1), (64, 16, 4, 2), (64, 32, 4, 2),
+                       (128, 32, 8, 1), (64, 16, 8, 2), (64, 16, 8, 3))
+             + _launches((64, 32, 8, 2), (64, 64, 8, 1), tma=True),
+             _launches((32, 32, 8, 2), (32, 32, 8, 1), (16, 32, 8, 2), (32, 64, 8, 1), (16, 64, 8, 1),
+                       (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2))
+             + _launches((32, 32, 8, 2), (64, 32, 8, 1), tma=True),
+             _launches((64, 16, 8, 2), (64, 32, 8, 1), (64, 16, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2),
+                       (32, 16, 4, 2), (64, 16, 8, 1))),
     # fp32: three TF32 tensor-core passes per dot (tf32x3); IEEE FMA dots measured 5-25x slower
     # (docs/tuning.md).
     "fp32": (_launches((128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2),
@@ -68,7 +81,7 @@ CANDIDATES = {
 
 
 def kind(dtype, d):
-    return "fp32" if dtype == torch.float32 else "d256" if d > 128 else "16-bit"
+    return "fp32" if dtype == torch.float32 else "d512" if d > 256 else "d256" if d > 128 else "16-bit"
 
 
 def bench(fn):
@@ -102,15 +115,16 @@ def time_table(args, dtype):
               f" TFLOP/s", flush=True)
 
 
-def _anchor(dtype):
-    """torch's fastest SDPA backend for the dtype: cuDNN, or the efficient kernel for fp32."""
-    return SDPBackend.EFFICIENT_ATTENTION if dtype == torch.float32 else SDPBackend.CUDNN_ATTENTION
+def _anchor(dtype, d=128):
+    """torch's fastest SDPA backend for the dtype: cuDNN, or the efficient kernel for fp32 and (where
+    cuDNN and the flash backend refuse) head dims above 256."""
+    return SDPBackend.EFFICIENT_ATTENTION if dtype == torch.float32 or d > 256 else SDPBackend.CUDNN_ATTENTION
 
 
 def _sdpa_ms(q, k, v, do, causal):
     """SDPA forward and backward (fwd+bwd minus fwd) of the dtype's anchor backend on the same
     data, (B, H, N, D) views."""
-    backend = _anchor(q.dtype)
+    backend = _anchor(q.dtype, q.shape[-1])
     q, k, v, do = (t.transpose(1, 2).detach().requires_grad_(t is not do) for t in (q, k, v, do))
     with sdpa_kernel(backend):
         fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
@@ -132,7 +146,7 @@ def time_loads(args, dtype):
     passes = {"fwd": "forward", "dkdv": "dkdv", "dq": "dq"}
     for n, d, causal, b, h, q, k, v, do, flops, params in cases(args, dtype):
         anchor_fwd, anchor_bwd = _sdpa_ms(q, k, v, do, causal)
-        print(f"== D={d} N={n} causal={causal}: {_anchor(dtype).name} fwd {flops / anchor_fwd / 1e9:6.1f}"
+        print(f"== D={d} N={n} causal={causal}: {_anchor(dtype, d).name} fwd {flops / anchor_fwd / 1e9:6.1f}"
               f"  bwd {2.5 * flops / anchor_bwd / 1e9:6.1f} TFLOP/s", flush=True)
         cell = _cell(q, d, n, causal)
         out, lse = attention_forward(q, k, v, params)
@@ -161,6 +175,25 @@ def time_loads(args, dtype):
                       f"  {ref / ms:5.2f}x anchor{'' if kernel == 'fwd' else ' (whole backward)'}", flush=True)
 
 
+def warm(args, dtype, part: int, parts: int):
+    """Compiles every `parts`-th candidate of the sweep from the `part`-th (one launch each, untimed)."""
+    for n, d, causal, b, h, q, k, v, do, flops, params in cases(args, dtype):
+        cell = _cell(q, d, n, causal)
+        out, lse = attention_forward(q, k, v, params)
+        fwd_list, dkdv_list, dq_list = CANDIDATES[kind(dtype, d)]
+        runs = [lambda c=c: attention_forward(q, k, v, params, _only(cell, forward=c)) for c in fwd_list]
+        runs += [lambda c=c: attention_backward(do, q, k, v, out, lse, params, _only(cell, dkdv=c, dq=dq_list[0]))
+                 for c in dkdv_list]
+        runs += [lambda c=c: attention_backward(do, q, k, v, out, lse, params, _only(cell, dkdv=dkdv_list[0], dq=c))
+                 for c in dq_list]
+        for run in runs[part::parts]:
+            try:
+                run()
+            except Exception:  # (the timed sweep reports it)
+                pass
+    torch.cuda.synchronize()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seqlen", default="4096", help="one or more, comma-separated")
@@ -170,8 +203,18 @@ def main():
     p.add_argument("--loads", help="time the table's launches with these tile loads: plain, tma, ws; or the "
                                    "kernels: triton, gluon, gluon2, gluon3, fused")
     p.add_argument("--kernels", default="fwd,dkdv,dq", help="which kernels to time (sweep and --loads)")
+    p.add_argument("--jobs", type=int, default=1, help="compile the sweep's candidates in this many processes first")
+    p.add_argument("--warm", help=argparse.SUPPRESS)  # "part/parts": a --jobs worker
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if args.warm:
+        return warm(args, dtype, *map(int, args.warm.split("/")))
+    if args.jobs > 1 and not (args.table or args.loads):
+        argv = [a for a in sys.argv[1:] if not a.startswith("--jobs") and a != str(args.jobs)]
+        workers = [subprocess.Popen([sys.executable, __file__, *argv, "--warm", f"{i}/{args.jobs}"])
+                   for i in range(args.jobs)]
+        for w in workers:
+            w.wait()
     if args.table:
         return time_table(args, dtype)
     if args.loads:
@@ -192,7 +235,7 @@ def main():
               for c in [dq0] + dq_list if "dq" in wanted}
         anchor_fwd, anchor_bwd = _sdpa_ms(q, k, v, do, causal)
         print(f"\n== D={d} causal={causal} N={n} B={b} H={h} {args.dtype} (table: {fwd0} / {dkdv0} / {dq0})"
-              f"\n  {_anchor(dtype).name}: fwd {flops / anchor_fwd / 1e9:6.1f}"
+              f"\n  {_anchor(dtype, d).name}: fwd {flops / anchor_fwd / 1e9:6.1f}"
               f"  bwd {2.5 * flops / anchor_bwd / 1e9:6.1f} TFLOP/s")
         for name, res, mult in (("fwd", fwd, 1.0), ("bwd dkdv sweep", dkdv, 2.5), ("bwd dq sweep", dq, 2.5)):
             for c, ms in sorted(res.items(), key=lambda kv: kv[1]):
@@ -205,7 +248,15 @@ def main():
 
 def _error(cfg, name, dtype, d, causal):
     """Largest relative error (out, or the gradients of a backward sweep) of a launch against the
-    float64 oracle on a 1k problem, the other kernels with the table's launches."""
+    float64 oracle on a 1k problem, the other kernels with the table's launches (nan where they fail)."""
+    try:
+        return _error_of(cfg, name, dtype, d, causal)
+    except Exception as exc:  # the table's own launch not fitting (while its cell is being tuned)
+        print(f"  (error not computed: {type(exc).__name__})")
+        return float("nan")
+
+
+def _error_of(cfg, name, dtype, d, causal):
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(1, 1024, 4, d, dtype=dtype, device="cuda") for _ in range(4))
     params = AttentionParams(d ** -0.5, window_right=0 if causal else -1)

@@ -33,6 +33,16 @@ def test_flash_attn_func(backend, shape, causal, dtype):
     check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal), q, k, v, causal)
 
 
+@pytest.mark.parametrize("head_dim", [264, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_head_dims_above_256(backend, head_dim, dtype):
+    """Head dims 257-512 (the Triton kernels' 512-wide tiles, the CPU path's blocks): causal with seqlen_q !=
+    seqlen_k, GQA, gradients."""
+    torch.manual_seed(head_dim)
+    q, k, v = make_qkv(1, 21, 38, 2, 1, head_dim, dtype, "cpu")
+    check_against_oracle(flash_fn(True), q, k, v, True)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_non_contiguous_inputs(backend, causal):
     torch.manual_seed(1)
@@ -422,7 +432,7 @@ def test_sdpa_takes_a_strided_head_dim(backend, view):
         assert rel_err(x, r) < 1e-5, name
 
 
-HEAD_DIMS = [32, 40, 64, 96, 128, 256]
+HEAD_DIMS = [32, 40, 64, 96, 128, 256, 320, 512]
 
 
 SEQLENS = [1, 17, 128, 1000, 4096]

@@ -101,7 +101,7 @@ def _one_line_exit_2(argv, capsys, word):
 
 
 def test_bad_generate_and_run_arguments_exit_2_with_one_line(tmp_path, problem, capsys, monkeypatch):
-    _one_line_exit_2(["generate", "--head-dim", "300", "--output-dir", str(tmp_path / "a")], capsys, "--head-dim")
+    _one_line_exit_2(["generate", "--head-dim", "600", "--output-dir", str(tmp_path / "a")], capsys, "--head-dim")
     _one_line_exit_2(["generate", "--seq-len", "0", "--output-dir", str(tmp_path / "a")], capsys, "--seq-len")
     assert not (tmp_path / "a").exists()
     blocker = tmp_path / "file"
@@ -115,7 +115,7 @@ def test_bad_generate_and_run_arguments_exit_2_with_one_line(tmp_path, problem, 
     _one_line_exit_2(["run", "--compute", "fa2", "--block-m", "24", "--block-n", "32", "--data", str(problem)],
                      capsys, "block_m")
     meta = json.loads((problem / "meta.json").read_text())
-    (problem / "meta.json").write_text(json.dumps(dict(meta, head_dim=300)))
+    (problem / "meta.json").write_text(json.dumps(dict(meta, head_dim=600)))
     _one_line_exit_2(["run", "--compute", "fa2", "--data", str(problem)], capsys, "head_dim")
     assert sorted(p.name for p in problem.iterdir()) == before
 

@@ -346,7 +346,7 @@ def test_sigint_exits_130_with_one_line(tmp_path):
     (["experiment", "--seqlens", "128,0"], ["--seqlens", ">= 1"]),
     (["bench", "--seqlens", "0"], ["--seqlens", ">= 1"]),
     (["bench", "--modes", "foo"], ["--modes", "fwd+bwd"]),
-    (["bench", "--hdims", "300"], ["--hdims", "1 to 256"]),
+    (["bench", "--hdims", "600"], ["--hdims", "1 to 512"]),
     (["bench", "--iters", "0"], ["--iters", ">= 1"]),
     (["bench", "--batch", "0"], ["--batch", ">= 1"]),
     (["bench", "--providers", "cuflash,fastest"], ["--providers", "sdpa-flash"]),

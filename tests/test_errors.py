@@ -92,13 +92,13 @@ def test_float64_rejected_by_the_kernels(monkeypatch):
 
 def test_head_dim_zero():
     q, k, v = qkv(d=0)
-    with raises(ErrorCode.UNSUPPORTED_HEAD_DIM, "q", "head dim 0", "1 to 256"):
+    with raises(ErrorCode.UNSUPPORTED_HEAD_DIM, "q", "head dim 0", "1 to 512"):
         cuflash.flash_attn_func(q, k, v)
 
 
 def test_head_dim_too_large():
-    q, k, v = qkv(d=264)
-    with raises(ErrorCode.UNSUPPORTED_HEAD_DIM, "q", "264", "1 to 256"):
+    q, k, v = qkv(d=520)
+    with raises(ErrorCode.UNSUPPORTED_HEAD_DIM, "q", "520", "1 to 512"):
         cuflash.flash_attn_func(q, k, v)
 
 

@@ -240,6 +240,7 @@ SPLIT_CASES = {
     "window_alibi_softcap_paged": (4, 2, 2, 16, torch.float32, [33, 64], 16,
                                    dict(causal=True, window_size=(7, 0), softcap=3.0, alibi=True)),
     "hdim40_fp16": (2, 2, 1, 40, torch.float16, [100, 3], 0, dict()),
+    "hdim320_paged": (2, 1, 2, 320, torch.float32, [40, 7], 16, dict(causal=True)),
     "fewer_keys_than_queries": (2, 1, 4, 16, torch.float32, [0, 2], 0, dict(causal=True)),
     # enough sequences x KV heads to fill the interpreter's 4 "SMs": pages read without prefetch
     "pages_of_12_grid_full": (4, 4, 1, 16, torch.float32, [20, 1, 64, 40], 12, dict(causal=True)),
@@ -797,6 +798,8 @@ def test_kvcache_on_gpu(dtype, seqlen_q, layout, num_splits):
     (40, 32, 8, 128, torch.bfloat16, "contiguous"),  # fills the GPU unsplit: the 128-key tiles
     (40, 32, 8, 128, torch.float16, "paged16"),
     (3, 8, 8, 256, torch.float16, "paged256"),
+    (3, 8, 2, 512, torch.bfloat16, "paged16"),  # head dims 257-512: 32-row tiles in 8 warps
+    (2, 4, 4, 320, torch.float32, "contiguous"),
     (2, 12, 4, 40, torch.float32, "contiguous"),
     (5, 16, 2, 64, torch.bfloat16, "paged1"),  # a page per key
     (8, 32, 8, 128, torch.bfloat16, "contiguous_heads_first"),  # transformers' cache layout, transposed

@@ -88,7 +88,7 @@ def info(args) -> int:
     print(f"cuflash {package_version()}, python {platform.python_version()}, torch {torch.__version__}")
     print(f"triton {triton_version()}" if triton_version() else "triton not installed: the CPU path only")
     print("\n".join(devices))
-    print("supported: fp16, bf16, fp32 (fp64 on the CPU path); head dims 1-256; any seqlen_q, seqlen_k; "
+    print("supported: fp16, bf16, fp32 (fp64 on the CPU path); head dims 1-512; any seqlen_q, seqlen_k; "
           "causal (bottom-right for flash_attn_func, top-left for SDPA); MQA/GQA; strided inputs; varlen; "
           "sliding window; ALiBi; softcap; dropout; SDPA attn_mask; KV cache (paged or contiguous); "
           "methods naive, fa1, fa2")

@@ -14,7 +14,8 @@ from .errors import ErrorCode, fail
 # float64 is accepted on the CPU path only (it is what gradcheck needs).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CPU_DTYPES = KERNEL_DTYPES + (torch.float64,)
-MAX_HEAD_DIM = 256
+# Head dims above 256 (up to 512: Gemma-style global layers) run on the Triton kernels only.
+MAX_HEAD_DIM = 512
 
 
 def check_tensor(name: str, t, ndim: int, layout: str, empty: bool = False) -> None:

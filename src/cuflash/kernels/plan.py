@@ -212,6 +212,8 @@ def _table(arch: int, block_d: int, fp32: bool, length: Length, banded: bool):
         # few heads) the one-launch backward.
         dkdv = Tiles(16, 32, 1, 1)
         return (Tiles(32, 16, 1, 1),), (OneLaunch(dkdv), dkdv), (Tiles(32, 16, 1, 1),)
+    if block_d > 256:
+        return _d512(arch, fp32)
     if fp32:
         return _fp32(arch, block_d)
     if arch < 90:
@@ -227,6 +229,18 @@ def _table(arch: int, block_d: int, fp32: bool, length: Length, banded: bool):
     if block_d <= 128:
         return _hopper_d128(hopper, length, banded)
     return _hopper_d256(hopper, length, banded)
+
+
+def _d512(arch: int, fp32: bool):
+    """Head dims 257-512, Triton only. 16-bit: 8 warps hold a 64-row tile's 64 x 512 fp32 output (the forward,
+    dQ) or a 32-key tile's dK and dV, over 64-row query tiles; one stage of 512-column tiles (two overflow shared
+    memory or run slower: docs/tuning.md), K/V (forward) and Q/dO (dK/dV) through tensor descriptors on Hopper.
+    fp32 takes IEEE dots in 16-row tiles (tf32x3's split operands double the shared memory)."""
+    if fp32:
+        tiles = Tiles(16, 16, 4, 1)
+        return (tiles,), (tiles,), (tiles,)
+    hopper = arch >= 90
+    return (Tiles(64, 64, 8, 1, tma=hopper),), (Tiles(64, 32, 8, 1, tma=hopper),), (Tiles(64, 32, 8, 1),)
 
 
 def _fp32(arch: int, block_d: int):
@@ -368,6 +382,8 @@ def decode_tiles(q: torch.Tensor, block_d: int, paged: bool, split: bool) -> Til
     precision = "tf32" if tf32(q) else "ieee"
     if arch(q.device) == 0:
         return Tiles(16, 16, 1, 1, precision)
+    if block_d > 256:
+        return Tiles(16 if q.dtype == torch.float32 else 32, 32, 8, 2, precision)
     if q.dtype == torch.float32 or block_d > 128:
         return Tiles(64, 32, 4, 2, precision)
     # 64-key tiles for a split contiguous cache, 128 for whole sequences and pages (docs/tuning.md).
