@@ -7,7 +7,7 @@ the GPU machine's Triton in a separate environment:
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0
     PYTHONPATH=src /tmp/t36/bin/python scripts/compile_check.py [--dtype bf16,fp32] [--hdims 64,96,128,256]
         [--options plain,causal,window,softcap,alibi,attn_mask,additive_mask,dropout,varlen,score_mod,mask_mod,
-         block_mask]
+         block_mask,'varlen seqused']
 """
 import argparse
 import itertools
@@ -60,7 +60,8 @@ SHAPES = [(1, 1, 4, 4), (1, 1000, 4, 2), (1000, 1, 4, 4), (17, 17, 4, 1), (300, 
 OPTIONS = {"plain": {}, "causal": dict(window_right=0), "window": dict(window_left=256, window_right=0),
            "softcap": dict(softcap=30.0), "alibi": dict(alibi_slopes=torch.rand(4)), "dropout": dict(dropout_p=0.1),
            "varlen": {}, "varlen alibi": dict(alibi_slopes=torch.rand(4), window_right=0),
-           "varlen causal": dict(window_right=0), "score_mod": {}, "mask_mod": dict(window_right=0), "block_mask": {},
+           "varlen causal": dict(window_right=0), "varlen seqused": dict(window_right=0),
+           "score_mod": {}, "mask_mod": dict(window_right=0), "block_mask": {},
            "attn_mask": {}, "additive_mask": {}}
 
 
@@ -95,6 +96,9 @@ def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
     if name.startswith("varlen"):
         lens_q, lens_k = [nq, 1, 17], [nk, 9, 17]
         cu_q, cu_k = (torch.tensor([0] + lens).cumsum(0).to(torch.int32) for lens in (lens_q, lens_k))
+        if name == "varlen seqused":  # (each sequence using all but its last row)
+            opts["seqused_q"], opts["seqused_k"] = (torch.tensor(lens, dtype=torch.int32) - 1
+                                                    for lens in (lens_q, lens_k))
         q = torch.randn(sum(lens_q), h, d, dtype=dtype)
         k, v = (torch.randn(sum(lens_k), hk, d, dtype=dtype) for _ in range(2))
         params = AttentionParams(d ** -0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),

@@ -67,8 +67,9 @@ def resolved(p: AttentionParams, seqlen_q: int, seqlen_k: int, dtype: torch.dtyp
     """p with its softcap and ALiBi moved into its score_mod, as AttentionParams orders them: softcap on
     scale * q.k, then the user's score_mod, then ALiBi's bias (softcap 0 and alibi_slopes None after);
     p itself where it has neither. seqlen_q, seqlen_k: a dense problem's, whose difference is ALiBi's
-    offset with bottom_right (a varlen batch's come from its cu_seqlens). dtype: the scores' (fp64 on the
-    CPU path's fp64 inputs), in which ALiBi reads its slopes, as the float64 oracle does."""
+    offset with bottom_right (a varlen batch's come from the lengths its sequences use,
+    AttentionParams.seqlens). dtype: the scores' (fp64 on the CPU path's fp64 inputs), in which ALiBi
+    reads its slopes, as the float64 oracle does."""
     if p.softcap == 0 and p.alibi_slopes is None:
         return p
     score = None if p.mods is None else p.mods.score
@@ -87,5 +88,6 @@ def _offset(p: AttentionParams, seqlen_q: int, seqlen_k: int) -> int | torch.Ten
     if not p.bottom_right:
         return 0
     if p.cu_seqlens_q is not None and p.cu_seqlens_k is not None:
-        return (p.cu_seqlens_k.diff() - p.cu_seqlens_q.diff()).to(torch.int32)
+        used_q, used_k = p.seqlens()
+        return (used_k - used_q).to(torch.int32)
     return seqlen_k - seqlen_q

@@ -271,25 +271,25 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_
 
 
 def _sequences(p: AttentionParams):
-    """(b, its query rows, its key rows, its params) for each sequence of a varlen batch."""
-    assert p.cu_seqlens_q is not None and p.cu_seqlens_k is not None
-    cu_q, cu_k = p.cu_seqlens_q.tolist(), p.cu_seqlens_k.tolist()
+    """(b, its query rows, its key rows, its params) for each sequence of a varlen batch: the rows it
+    uses (AttentionParams.spans)."""
     dense = p.sequence()
-    for b in range(len(cu_q) - 1):
-        yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), dense
+    for b, q_rows, k_rows in p.spans():
+        yield b, q_rows, k_rows, dense
 
 
 def attention_forward(q, k, v, params: AttentionParams, plans: dict | None = None):
     """Same contract as kernels.attention_forward (plans: the kernels' launch plans; none here)."""
     if not params.varlen:
         return _forward(q, k, v, params)
-    outs, lses = [], []
+    # Rows past a sequence's seqused_q keep out 0 and lse +inf.
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full(params.lse_shape(q), float("inf"), dtype=lse_dtype(q.dtype), device=q.device)
     for b, q_rows, k_rows, p in _sequences(params):
         k_b, v_b = (params.sequence_keys(t, b, k_rows.start, k_rows.stop) for t in (k, v))
-        out, lse = _forward(q[None, q_rows], k_b[None], v_b[None], p, b)
-        outs.append(out[0])
-        lses.append(lse[0])
-    return torch.cat(outs), torch.cat(lses, dim=1)
+        out_b, lse_b = _forward(q[None, q_rows], k_b[None], v_b[None], p, b)
+        out[q_rows], lse[:, q_rows] = out_b[0], lse_b[0]
+    return out, lse
 
 
 def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, plans: dict | None = None,
@@ -297,7 +297,8 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, plans: 
     """Same contract as kernels.attention_backward (plans: as attention_forward's)."""
     if not params.varlen:
         return _backward(dout, q, k, v, out, lse, params, dlse=dlse)
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    # Rows past a sequence's seqused_q / seqused_k keep gradient 0.
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     for b, q_rows, k_rows, p in _sequences(params):
         dq[q_rows], dk[k_rows], dv[k_rows] = (g[0] for g in _backward(
             dout[None, q_rows], q[None, q_rows], k[None, k_rows], v[None, k_rows], out[None, q_rows],

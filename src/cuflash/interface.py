@@ -15,10 +15,11 @@ from .flex import traced_mod
 from .memo import number, plain_flash_options, remembered, signature
 from .mods import Mods, packed
 from .mods.compiled import EAGER_REASON, graph_chunked_local, graph_mod, runs_eagerly
-from .params import AttentionParams
+from .params import AttentionParams, used_lengths
 from .validate import (check_alibi, check_attention_chunk, check_attention_inputs, check_attn_mask, check_block_table,
-                       check_blocks, check_bool, check_cu_seqlens, check_dropout, check_same, check_softcap,
-                       check_tensor, check_window, resolve_scale, strided_head_dim)
+                       check_blocks, check_bool, check_cu_seqlens, check_dropout, check_max_seqlen, check_pages,
+                       check_same, check_seqused, check_softcap, check_tensor, check_window, resolve_scale,
+                       strided_head_dim)
 
 
 def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
@@ -188,26 +189,39 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *,
-                           score_mod=None, mask_mod=None, attention_chunk=0):
+                           score_mod=None, mask_mod=None, attention_chunk=0, seqused_q=None, seqused_k=None):
     """Attention over a batch of sequences of different lengths packed without padding,
-    flash-attn 2 compatible. No compute is spent on padding.
+    flash-attn 2 compatible, with FlashAttention-3's seqused_q / seqused_k and padded batches. No
+    compute is spent on padding.
 
     Args:
         q: (total_q, nheads, headdim): the queries of every sequence, one after the other.
         k, v: (total_k, nheads_k, headdim).
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 prefix sums: sequence b is rows
             cu_seqlens[b]:cu_seqlens[b + 1]. Must start at 0, never decrease and end at total.
+            Either may be None, as FlashAttention-3 takes it: q (or k and v) is then a padded batch
+            (batch, seqlen, nheads, headdim) whose row b is sequence b, and the max_seqlen beside it
+            is not read (None or an int); a padded q gives out and softmax_lse in flash_attn_func's
+            layouts.
         max_seqlen_q, max_seqlen_k: ints >= the longest sequence.
         causal, window_size, alibi_slopes: as in flash_attn_func, per sequence (aligned to the
             bottom-right corner of each sequence's score matrix); the other options likewise.
         block_table: None, or (batch, max_blocks_per_seq) int32 for a paged K/V cache (forward only,
             as flash-attn): k and v are then (num_blocks, page_block_size, nheads_k, headdim), any
             page size, read in place; sequence b's keys are the first cu_seqlens_k[b + 1] -
-            cu_seqlens_k[b] rows of its pages block_table[b, 0], block_table[b, 1], ... A table
-            entry outside the pool, or too few columns for a sequence, raises before any kernel.
+            cu_seqlens_k[b] rows of its pages block_table[b, 0], block_table[b, 1], ...; with
+            cu_seqlens_k None (FlashAttention-3's paged call), the max_blocks_per_seq *
+            page_block_size rows of its pages, which seqused_k cuts. A table entry outside the pool,
+            or too few columns for a sequence, raises before any kernel.
         score_mod, mask_mod, attention_chunk: as in flash_attn_func, per sequence: b is the sequence's
             index in the batch, q_idx and kv_idx count from 0 in every sequence, and attention_chunk's
             chunks start at each sequence's first key.
+        seqused_q, seqused_k: None, or (batch,) int32 on q's device (FlashAttention-3's, for caches
+            filled in part): sequence b uses only the first seqused_q[b] of its query rows and
+            seqused_k[b] of its keys, and is attention over those alone (causal, windows, ALiBi
+            and attention_chunk align to seqused_k[b] - seqused_q[b]). The rest are not read: their
+            out is 0, softmax_lse +inf and dq, dk, dv 0 (FlashAttention-3 leaves them unwritten).
+            A value above its sequence's rows, or negative, raises before any kernel.
     Returns:
         out (total_q, nheads, headdim); with return_attn_probs, (out, softmax_lse (nheads, total_q)
         fp32, probs (batch, nheads, max_seqlen_q, max_seqlen_k), zero-padded).
@@ -216,42 +230,91 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return _flash_attn_varlen_func_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                                deterministic, return_attn_probs, block_table, score_mod=score_mod,
-                                               mask_mod=mask_mod, attention_chunk=attention_chunk)
+                                               mask_mod=mask_mod, attention_chunk=attention_chunk,
+                                               seqused_q=seqused_q, seqused_k=seqused_k)
     with_probs = check_bool("return_attn_probs", return_attn_probs)
-    check_tensor("q", q, 3, "(total_q, nheads, headdim)", empty=True)
-    paged = block_table is not None
-    layout = "(num_blocks, page_block_size, nheads_k, headdim) with block_table" if paged else \
-        "(total_k, nheads_k, headdim)"
-    check_tensor("k", k, 4 if paged else 3, layout, empty=not paged)
-    check_tensor("v", v, 4 if paged else 3, layout, empty=not paged)
-    if paged and k.shape != v.shape:
-        fail(ErrorCode.SHAPE_MISMATCH, f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match")
-    check_attention_inputs(q[None], k[:1] if paged else k[None], v[:1] if paged else v[None], empty=True)
-    _check_device(q)
-    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q.shape[0], "q", q.device)
-    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, None if paged else k.shape[0],
-                     "k", q.device, batch)
-    if paged:
-        check_block_table(block_table, batch, k.shape[0], k.shape[1], cu_seqlens_k)
-        block_table = block_table.contiguous()
-    # The kernels address these by position: a strided view becomes a contiguous copy (as alibi_slopes).
-    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    rows_q, rows_k, rows_v, batch_fields = _varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                         max_seqlen_k, block_table, seqused_q, seqused_k)
+    batch = batch_fields["cu_seqlens_q"].numel() - 1
     chunk = check_attention_chunk(attention_chunk)
-    offsets = cu_seqlens_k.diff() - cu_seqlens_q.diff() if chunk else 0  # (each sequence's seqlen_k - seqlen_q)
-    mods = _mods(q, batch, max_seqlen_q, max_seqlen_k, score_mod, mask_mod, chunk, offsets)
-    p = _params(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
-                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                max_seqlen_k=max_seqlen_k, block_table=block_table, mods=mods)
-    out, lse = ops.forward(q, k, v, p)
+    offsets = 0  # (each sequence's used seqlen_k - seqlen_q)
+    if chunk:
+        offsets = (used_lengths(batch_fields["cu_seqlens_k"], batch_fields["seqused_k"])
+                   - used_lengths(batch_fields["cu_seqlens_q"], batch_fields["seqused_q"]))
+    mods = _mods(rows_q, batch, batch_fields["max_seqlen_q"], batch_fields["max_seqlen_k"], score_mod, mask_mod, chunk,
+                 offsets)
+    p = _params(rows_q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
+                mods=mods, **batch_fields)
+    out, lse = ops.forward(rows_q, rows_k, rows_v, p)
+    if cu_seqlens_q is None:  # a padded batch's layouts: out (B, Nq, H, D), softmax_lse (B, H, Nq)
+        out, lse = out.view(*q.shape[:2], *out.shape[1:]), lse.view(lse.shape[0], *q.shape[:2]).transpose(0, 1)
     if not with_probs:
         return out
-    probs = q.new_zeros((batch, q.shape[1], max_seqlen_q, max_seqlen_k), dtype=torch.float32)
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    probs = q.new_zeros((batch, rows_q.shape[1], p.max_seqlen_q, p.max_seqlen_k), dtype=torch.float32)
     dense = p.sequence()
-    for b in range(batch):
-        q_b, k_b = q[None, cu_q[b]:cu_q[b + 1]], p.sequence_keys(k, b, cu_k[b], cu_k[b + 1])[None]
+    for b, q_rows, k_rows in p.spans():
+        q_b, k_b = rows_q[None, q_rows], p.sequence_keys(rows_k, b, k_rows.start, k_rows.stop)[None]
         probs[b, :, :q_b.shape[1], :k_b.shape[1]] = attention_probs(q_b.detach(), k_b.detach(), dense, b)[0]
-    return out, lse, probs.to(q.dtype)
+    return out, lse.contiguous(), probs.to(q.dtype)
+
+
+def _varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_q,
+                  seqused_k) -> tuple:
+    """flash_attn_varlen_func's batch checked, as a packed one: (q, k, v as (total, heads, headdim) rows,
+    k and v pages with block_table; the AttentionParams fields that describe the batch). A padded q or
+    k, v (cu_seqlens None) becomes (batch * seqlen) rows (a view where its strides allow) with prefix
+    sums of equal lengths; pages without cu_seqlens_k give each sequence its table row's capacity."""
+    paged, padded_q = block_table is not None, cu_seqlens_q is None
+    padded_k = cu_seqlens_k is None and not paged
+    check_tensor("q", q, 4 if padded_q else 3, "(batch, seqlen_q, nheads, headdim) without cu_seqlens_q"
+                 if padded_q else "(total_q, nheads, headdim)", empty=True)
+    layout = ("(num_blocks, page_block_size, nheads_k, headdim) with block_table" if paged
+              else "(batch, seqlen_k, nheads_k, headdim) without cu_seqlens_k" if padded_k
+              else "(total_k, nheads_k, headdim)")
+    check_tensor("k", k, 4 if paged or padded_k else 3, layout, empty=not paged)
+    check_tensor("v", v, 4 if paged or padded_k else 3, layout, empty=not paged)
+    if (paged or padded_k) and k.shape != v.shape:
+        fail(ErrorCode.SHAPE_MISMATCH, f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match")
+    rows_q = q.flatten(0, 1) if padded_q else q
+    rows_k, rows_v = (k.flatten(0, 1), v.flatten(0, 1)) if padded_k else (k, v)
+    check_attention_inputs(rows_q[None], rows_k[:1] if paged else rows_k[None], rows_v[:1] if paged else rows_v[None],
+                           empty=True)
+    _check_device(q)
+    if padded_q:
+        check_max_seqlen("max_seqlen_q", max_seqlen_q)
+        batch, max_seqlen_q = q.shape[:2]
+        cu_seqlens_q = _equal_lengths(batch, max_seqlen_q, q.device)
+    else:
+        batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q.shape[0], "q", q.device)
+    columns = check_block_table(block_table, batch, q.device) if paged else 0
+    source_k = "cu_seqlens_k"
+    if cu_seqlens_k is None:
+        check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        if padded_k and k.shape[0] != batch:
+            fail(ErrorCode.SHAPE_MISMATCH, f"k has batch {k.shape[0]} but q has {batch} sequences")
+        max_seqlen_k = columns * k.shape[1] if paged else k.shape[1]
+        cu_seqlens_k = _equal_lengths(batch, max_seqlen_k, q.device)
+        source_k = f"block_table's {columns} pages of {k.shape[1]} keys" if paged else "k's seqlen_k"
+    else:
+        check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, None if paged else k.shape[0],
+                         "k", q.device, batch)
+    # The kernels address these by position: a strided view becomes a contiguous copy (as alibi_slopes).
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    seqused_q = check_seqused("seqused_q", seqused_q, batch, cu_seqlens_q, "q's seqlen_q" if padded_q else
+                              "cu_seqlens_q", q.device)
+    seqused_k = check_seqused("seqused_k", seqused_k, batch, cu_seqlens_k, source_k, q.device)
+    if paged:
+        check_pages(block_table, k.shape[0], k.shape[1], used_lengths(cu_seqlens_k, seqused_k),
+                    source_k if seqused_k is None else "seqused_k")
+        block_table = block_table.contiguous()
+    return rows_q, rows_k, rows_v, dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                                        seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                        block_table=block_table)
+
+
+def _equal_lengths(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
+    """The int32 prefix sums of `batch` sequences of `seqlen` rows each."""
+    return torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen
 
 
 _flash_attn_varlen_func_eagerly = torch.compiler.disable(flash_attn_varlen_func, reason=EAGER_REASON)
@@ -260,7 +323,7 @@ _flash_attn_varlen_func_eagerly = torch.compiler.disable(flash_attn_varlen_func,
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                      deterministic=False, return_attn_probs=False, *, score_mod=None, mask_mod=None,
-                                     attention_chunk=0):
+                                     attention_chunk=0, seqused_q=None, seqused_k=None):
     """flash_attn_varlen_func on qkv (total, 3, nheads, headdim); see flash_attn_varlen_func."""
     check_tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
     if qkv.shape[1] != 3:
@@ -268,13 +331,13 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs, score_mod=score_mod, mask_mod=mask_mod,
-                                  attention_chunk=attention_chunk)
+                                  attention_chunk=attention_chunk, seqused_q=seqused_q, seqused_k=seqused_k)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                                    score_mod=None, mask_mod=None, attention_chunk=0):
+                                    score_mod=None, mask_mod=None, attention_chunk=0, seqused_q=None, seqused_k=None):
     """flash_attn_varlen_func on q (total_q, nheads, headdim) and kv (total_k, 2, nheads_k, headdim)."""
     check_tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
     if kv.shape[1] != 2:
@@ -282,7 +345,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs, score_mod=score_mod, mask_mod=mask_mod,
-                                  attention_chunk=attention_chunk)
+                                  attention_chunk=attention_chunk, seqused_q=seqused_q, seqused_k=seqused_k)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,

@@ -68,7 +68,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax
                       window_left: int, window_right: int, bottom_right: bool, softcap: float,
                       alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], dropout_p: float,
                       rng_seed: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-                      cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                      cu_seqlens_k: Optional[torch.Tensor], seqused_q: Optional[torch.Tensor],
+                      seqused_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
                       deterministic: bool, block_table: Optional[torch.Tensor], block_m: int,
                       block_n: int, mods: Optional[str], mod_tensors: list[torch.Tensor],
                       mod_scalars: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,8 +78,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax
     AttentionParams, in order, then its mods packed (mods.Packed: None, [], [] without);
     forward() and backward() below take the dataclass."""
     params = _op_params((softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, attn_mask,
-                         dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic,
-                         block_table, block_m, block_n, mods, mod_tensors, mod_scalars))
+                         dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                         max_seqlen_k, deterministic, block_table, block_m, block_n, mods, mod_tensors, mod_scalars))
     if params.mods is not None:  # (checked here, at run time: the sizes are symbolic where the graph is traced)
         params.mods.check(*_sizes(q, k, params))
     return _backend(q.device, q.dtype).attention_forward(q, k, v, params)
@@ -97,7 +98,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        window_left: int, window_right: int, bottom_right: bool, softcap: float,
                        alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], dropout_p: float,
                        rng_seed: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-                       cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                       cu_seqlens_k: Optional[torch.Tensor], seqused_q: Optional[torch.Tensor],
+                       seqused_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
                        deterministic: bool, block_table: Optional[torch.Tensor], block_m: int,
                        block_n: int, mods: Optional[str], mod_tensors: list[torch.Tensor], mod_scalars: list[float]
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -105,8 +107,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     softmax_lse (softmax_lse_grad, or None), and those of the score_mod's captured tensors that need one
     (Mods.grad_tensors()), each shaped and typed like its tensor."""
     params = _op_params((softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, attn_mask,
-                         dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic,
-                         block_table, block_m, block_n, mods, mod_tensors, mod_scalars))
+                         dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                         max_seqlen_k, deterministic, block_table, block_m, block_n, mods, mod_tensors, mod_scalars))
     return _gradients(_backward_backend(q, params), dout, q, k, v, out, softmax_lse, params, softmax_lse_grad)
 
 

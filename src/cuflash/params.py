@@ -25,6 +25,10 @@ class AttentionParams:
     ranges given by the int32 prefix sums cu_seqlens_q / cu_seqlens_k (batch + 1 entries), the
     longest being max_seqlen_q / max_seqlen_k; softmax_lse is then (nheads, total_q).
     Otherwise q, k, v are (batch, seqlen, nheads, headdim) and softmax_lse (batch, nheads, seqlen_q).
+    seqused_q / seqused_k (FlashAttention-3's), (batch,) int32, varlen only: sequence b uses only the
+    first seqused_q[b] of its query rows and seqused_k[b] of its keys, and is attention over those
+    alone (causal's offset is seqused_k[b] - seqused_q[b]); the other rows are not read, their out is
+    0 and their softmax_lse +inf (as a row that sees no key), and their dq, dk, dv are 0.
 
     softcap > 0 replaces the logit x = scale * q.k by softcap * tanh(x / softcap); ALiBi then adds
     -slope * |i + offset - j| with alibi_slopes of shape (nheads,) or (batch, nheads), fp32;
@@ -59,6 +63,8 @@ class AttentionParams:
     rng_seed: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
+    seqused_q: torch.Tensor | None = None
+    seqused_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     deterministic: bool = False
@@ -79,7 +85,24 @@ class AttentionParams:
     def sequence(self) -> AttentionParams:
         """The dense params of one sequence of a varlen batch (whose index the backends pass on: ALiBi's
         (batch, nheads) slopes and the mods read it)."""
-        return dataclasses.replace(self, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None)
+        return dataclasses.replace(self, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                                   block_table=None)
+
+    def seqlens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's query and key counts of a varlen batch as the backends use them, (batch,)
+        tensors on the device: seqused_q / seqused_k where given, else the prefix sums' differences."""
+        assert self.cu_seqlens_q is not None and self.cu_seqlens_k is not None
+        return used_lengths(self.cu_seqlens_q, self.seqused_q), used_lengths(self.cu_seqlens_k, self.seqused_k)
+
+    def spans(self) -> list[tuple[int, slice, slice]]:
+        """(b, its query rows, its key rows) for each sequence of a varlen batch: the rows its prefix sums
+        give it, the first seqused_q[b] / seqused_k[b] of them where given (a host copy of the values;
+        with block_table the key rows only count its keys: sequence_keys)."""
+        assert self.cu_seqlens_q is not None and self.cu_seqlens_k is not None
+        cu_q, cu_k = self.cu_seqlens_q.tolist(), self.cu_seqlens_k.tolist()
+        used_q = cu_q[1:] if self.seqused_q is None else [a + n for a, n in zip(cu_q, self.seqused_q.tolist())]
+        used_k = cu_k[1:] if self.seqused_k is None else [a + n for a, n in zip(cu_k, self.seqused_k.tolist())]
+        return [(b, slice(cu_q[b], used_q[b]), slice(cu_k[b], used_k[b])) for b in range(len(cu_q) - 1)]
 
     def sequence_keys(self, t: torch.Tensor, b: int, start: int, end: int) -> torch.Tensor:
         """The keys (or values) of sequence b of a varlen batch, whose prefix sums put them at rows
@@ -119,6 +142,11 @@ class AttentionParams:
         return dataclasses.replace(self, **dict(zip(_TENSOR_NAMES, tensors)))
 
 
+def used_lengths(cu_seqlens: torch.Tensor, seqused: torch.Tensor | None) -> torch.Tensor:
+    """The rows each sequence uses: seqused where given, else the lengths its prefix sums cu_seqlens give."""
+    return cu_seqlens.diff() if seqused is None else seqused
+
+
 def per_sequence(x: torch.Tensor | int, batch: int, device: torch.device) -> torch.Tensor:
     """A (batch,) long tensor of x, given per sequence or as one int for all."""
     return x.long() if isinstance(x, torch.Tensor) else torch.full((batch,), x, dtype=torch.long, device=device)
@@ -128,7 +156,8 @@ FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))
 # The custom ops' arguments, which rebuild the params positionally (AttentionParams(*args)): the fields
 # before mods, the last one (the ops take it packed, ops.op_args).
 OP_FIELD_NAMES = FIELD_NAMES[:FIELD_NAMES.index("mods")]
-_TENSOR_NAMES = ("alibi_slopes", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k", "block_table")
+_TENSOR_NAMES = ("alibi_slopes", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
+                 "block_table")
 # key()'s field getters, in C (a Python loop over the fields costs microseconds per launch).
 _SCALARS = operator.attrgetter(*(name for name in FIELD_NAMES if name not in _TENSOR_NAMES))
 _TENSORS = operator.attrgetter(*_TENSOR_NAMES)

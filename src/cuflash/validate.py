@@ -216,30 +216,73 @@ def check_cu_seqlens(name: str, cu_seqlens, max_name: str, max_seqlen, total: in
     return cu_seqlens.numel() - 1
 
 
-def check_block_table(block_table, batch: int, num_blocks: int, page_block_size: int, cu_seqlens_k) -> None:
-    """block_table (batch, max_blocks_per_seq) int32 on the device of the cache: enough columns for
-    each sequence's cu_seqlens_k length, and the entries a sequence uses inside the pool of
-    num_blocks pages (entries past a sequence's last page are never read and may hold anything)."""
+def check_block_table(block_table, batch: int, device: torch.device) -> int:
+    """block_table (batch, max_blocks_per_seq) int32 on q's device; returns max_blocks_per_seq. Its
+    values: check_pages."""
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
         fail(ErrorCode.SHAPE_MISMATCH, f"block_table must be an int32 tensor (batch, max_blocks_per_seq) with batch "
              f"= {batch}, got {tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else block_table!r}")
     if block_table.dtype != torch.int32:
         fail(ErrorCode.UNSUPPORTED_DTYPE, f"block_table must be int32, got {block_table.dtype}")
-    if block_table.device != cu_seqlens_k.device:
-        fail(ErrorCode.DEVICE_MISMATCH, f"block_table is on {block_table.device} but q is on {cu_seqlens_k.device}")
+    if block_table.device != device:
+        fail(ErrorCode.DEVICE_MISMATCH, f"block_table is on {block_table.device} but q is on {device}")
+    return block_table.shape[1]
+
+
+def check_pages(block_table: torch.Tensor, num_blocks: int, page_block_size: int, lengths: torch.Tensor,
+                source: str) -> None:
+    """block_table's values: enough columns for each sequence's key count `lengths` ((batch,), given by the
+    argument `source`), and the entries a sequence uses inside the pool of num_blocks pages (entries past
+    a sequence's last page are never read and may hold anything)."""
     if torch.compiler.is_compiling():  # (the values need a host read; a compiled graph trusts them)
         return
-    pages = ((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long() + page_block_size - 1) // page_block_size
+    pages = (lengths.long() + page_block_size - 1) // page_block_size
     most = int(pages.max())
     if most > block_table.shape[1]:
         fail(ErrorCode.SHAPE_MISMATCH, f"block_table has {block_table.shape[1]} columns but sequence "
-             f"{int(pages.argmax())} needs {most} pages of {page_block_size} keys (cu_seqlens_k)")
+             f"{int(pages.argmax())} needs {most} pages of {page_block_size} keys ({source})")
     used = torch.arange(block_table.shape[1], device=block_table.device) < pages[:, None]
     outside = ((block_table < 0) | (block_table >= num_blocks)) & used
     if outside.any():
         b, j = (int(i) for i in outside.nonzero()[0])
         fail(ErrorCode.INVALID_ARGUMENT, f"block_table[{b}, {j}] = {int(block_table[b, j])} points outside the "
              f"{num_blocks} pages of k and v")
+
+
+def check_seqused(name: str, seqused, batch: int, cu_seqlens: torch.Tensor, source: str,
+                  device: torch.device) -> torch.Tensor | None:
+    """seqused_q / seqused_k (FlashAttention-3's): None, or a (batch,) int32 tensor on q's device whose
+    value b is from 0 to the rows sequence b has, as the checked prefix sums cu_seqlens give them (the
+    argument `source` gives those). Its values are checked as cu_seqlens' are (check_cu_seqlens: a host
+    read, which a compiled graph skips). Returns it contiguous (the kernels address it by position)."""
+    if seqused is None:
+        return None
+    if not isinstance(seqused, torch.Tensor):
+        fail(ErrorCode.INVALID_ARGUMENT, f"{name} must be None or an int32 tensor of shape (batch,) = ({batch},), "
+             f"got {type(seqused).__name__}")
+    if seqused.dtype != torch.int32:
+        fail(ErrorCode.UNSUPPORTED_DTYPE, f"{name} must be int32, got {seqused.dtype}")
+    if tuple(seqused.shape) != (batch,):
+        fail(ErrorCode.SHAPE_MISMATCH, f"{name} must have shape (batch,) = ({batch},), got {tuple(seqused.shape)}")
+    if seqused.device != device:
+        fail(ErrorCode.DEVICE_MISMATCH, f"{name} is on {seqused.device} but q is on {device}")
+    if not torch.compiler.is_compiling():
+        limits = cu_seqlens.diff()
+        bad = (seqused < 0) | (seqused > limits)
+        if bad.any():
+            b = int(bad.nonzero()[0])
+            rows = "query rows" if name.endswith("_q") else "keys"
+            fail(ErrorCode.INVALID_ARGUMENT, f"{name}[{b}] = {int(seqused[b])} but sequence {b} has "
+                 f"{int(limits[b])} {rows} ({source}); {name} must be from 0 to its sequence's {rows}")
+    return seqused.contiguous()
+
+
+def check_max_seqlen(name: str, max_seqlen) -> None:
+    """A max_seqlen that the call does not read (no cu_seqlens beside it: FlashAttention-3 ignores it):
+    None or an int >= 0."""
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
+                                   or max_seqlen < 0):
+        fail(ErrorCode.INVALID_ARGUMENT, f"{name} must be None or an int >= 0, got {max_seqlen!r}")
 
 
 def check_attn_mask(attn_mask, shape: tuple, device: torch.device) -> torch.Tensor:

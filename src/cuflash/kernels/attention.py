@@ -34,8 +34,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
     table's (kernels/plan.py), for tuning and tests. plans (ops.forward): the launch plans of one call
     signature of a public function, which fixes q, k and v's shapes, strides, dtypes and devices and
     params: a later call finds its plan there by what the signature leaves open (launch.open_key)."""
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (cheaper than torch.empty)
-    lse = torch.empty(params.lse_shape(q), dtype=torch.float32, device=q.device)
+    if params.seqused_q is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (cheaper than torch.empty)
+        lse = torch.empty(params.lse_shape(q), dtype=torch.float32, device=q.device)
+    else:  # the rows past seqused_q, which no program writes: out 0, lse +inf (as rows that see no key)
+        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        lse = torch.full(params.lse_shape(q), float("inf"), dtype=torch.float32, device=q.device)
     key = _open_key(plans, params, entry, "forward", (q, k, v))
     plan = kept(plans, key)
     if plan is not None:
@@ -96,10 +100,13 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: 
     """Gradients of attention_forward: dq, dk, dv shaped like q, k, v. dout and out are shaped
     like q, lse like the forward's softmax_lse, and so dlse, the gradient of lse where it has one.
     plans: attention_forward's, whose out and lse these are."""
+    # The rows past seqused_q / seqused_k, which no program writes, get gradient 0.
+    dq_like = torch.empty_like if params.seqused_q is None else torch.zeros_like
+    dkv_like = torch.empty_like if params.seqused_k is None else torch.zeros_like
     tensors = dict(Q=q, K=k, V=v, Out=out, DO=dout, Lse=lse.contiguous(),
-                   DQ=torch.empty_like(q, memory_format=torch.contiguous_format),
-                   DK=torch.empty_like(k, memory_format=torch.contiguous_format),
-                   DV=torch.empty_like(v, memory_format=torch.contiguous_format))
+                   DQ=dq_like(q, memory_format=torch.contiguous_format),
+                   DK=dkv_like(k, memory_format=torch.contiguous_format),
+                   DV=dkv_like(v, memory_format=torch.contiguous_format))
     if dlse is not None:
         tensors["DLse"] = dlse.to(torch.float32).contiguous()
     key = _open_key(plans, params, entry, "backward", (q, k, v, dout), dout.stride(), dout.dtype, dlse is not None)

@@ -79,11 +79,12 @@ def logit_scale(p: AttentionParams) -> float:
 
 
 def _tensor_fields(p: AttentionParams) -> dict:
-    return dict(CuSeqlensQ=p.cu_seqlens_q, CuSeqlensK=p.cu_seqlens_k, Mask=p.attn_mask, Rng=p.rng_seed)
+    return dict(CuSeqlensQ=p.cu_seqlens_q, CuSeqlensK=p.cu_seqlens_k, SeqUsedQ=p.seqused_q, SeqUsedK=p.seqused_k,
+                Mask=p.attn_mask, Rng=p.rng_seed)
 
 
 def variant_tensors(p: AttentionParams) -> dict:
-    """The variant's tensors that this call has (varlen offsets, attn_mask, dropout seed; a block
+    """The variant's tensors that this call has (varlen offsets and used lengths, attn_mask, dropout seed; a block
     mask's tile lists), by their argument names in every kernel, and the tensors its
     mods capture (under names starting with MOD_TENSOR, which no kernel has: they reach the kernels
     inside the mods' argument tuples, mod_args)."""

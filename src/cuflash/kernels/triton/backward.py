@@ -188,7 +188,7 @@ def _head_rows(q_src, do_src, Lse, Delta, Out, DQ, stride_q, stride_do, stride_o
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqlensK, Mask, Rng,
+def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK, Mask, Rng,
                    BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args, score_grads,
                    stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_o, stride_dq, stride_l,
                    stride_mask, stride_blocks,
@@ -208,8 +208,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
     off_bhk = tl.program_id(1)
     off_b = (off_bhk // nheads_k).to(tl.int64)
     off_hk = (off_bhk % nheads_k).to(tl.int64)
-    q_first, seqlen_q = sequence(CuSeqlensQ, off_b, seqlen_q, VARLEN)
-    k_first, seqlen_k = sequence(CuSeqlensK, off_b, seqlen_k, VARLEN)
+    q_first, seqlen_q = sequence(CuSeqlensQ, SeqUsedQ, off_b, seqlen_q, VARLEN)
+    k_first, seqlen_k = sequence(CuSeqlensK, SeqUsedK, off_b, seqlen_k, VARLEN)
     cols, offs_n, offs_m, offs_d = tile_aranges(start_n, BLOCK_N, BLOCK_M, BLOCK_D)
     if DQ_HERE:
         if HAS_LEFT or HAS_RIGHT or VARLEN:
@@ -346,7 +346,7 @@ def _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, qk_
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Mask, Rng,
+def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK, Mask, Rng,
                  BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args, score_grads,
                  stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, stride_mask,
                  stride_blocks,
@@ -360,7 +360,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Mask, Rng,
                  HAS_FULL: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
                  EVEN_BLOCKS: tl.constexpr):
     start_m, off_bh, off_b, off_h, q_first, seqlen_q, k_first, seqlen_k = query_program(
-        CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, nheads, BLOCK_M, HAS_RIGHT, VARLEN)
+        CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK, seqlen_q, seqlen_k, nheads, BLOCK_M, HAS_RIGHT, VARLEN)
     off_hk = off_h // group_size
     if VARLEN:
         if start_m >= seqlen_q:

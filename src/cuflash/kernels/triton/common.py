@@ -108,12 +108,17 @@ def store_tile(ptrs, tile, rows, n_rows, cols, n_cols, CHECK_COLS: tl.constexpr)
 
 
 @triton.jit
-def sequence(cu_seqlens, off_b, seqlen, VARLEN: tl.constexpr):
-    """(first row, length) of sequence off_b: from the prefix sums of a varlen batch, or (0, seqlen)
-    for a padded batch, whose sequences start at their own batch offset."""
+def sequence(cu_seqlens, used, off_b, seqlen, VARLEN: tl.constexpr):
+    """(first row, length) of sequence off_b: from the prefix sums of a varlen batch, its length cut to
+    used[off_b] where `used` (seqused_q / seqused_k) is given (None: a constant, so the plain varlen
+    path compiles without the read), or (0, seqlen) for a padded batch, whose sequences start at their
+    own batch offset."""
     if VARLEN:
         first = tl.load(cu_seqlens + off_b)
-        length = tl.load(cu_seqlens + off_b + 1) - first
+        if used is not None:
+            length = tl.load(used + off_b)
+        else:
+            length = tl.load(cu_seqlens + off_b + 1) - first
     else:
         first = 0
         length = seqlen
@@ -121,16 +126,16 @@ def sequence(cu_seqlens, off_b, seqlen, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def query_program(CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, nheads, BLOCK_M: tl.constexpr,
+def query_program(CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK, seqlen_q, seqlen_k, nheads, BLOCK_M: tl.constexpr,
                   HEAVY_LAST: tl.constexpr, VARLEN: tl.constexpr):
     """What a program of query tiles works on (grid: query tiles x batch * nheads): (first query row,
     batch * nheads + head, batch, head, and its sequence's first query row, query count, first key
-    row, key count)."""
+    row, key count; the counts those it uses: common.sequence)."""
     start_m = query_tile(HEAVY_LAST) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // nheads).to(tl.int64)
-    q_first, seqlen_q = sequence(CuSeqlensQ, off_b, seqlen_q, VARLEN)
-    k_first, seqlen_k = sequence(CuSeqlensK, off_b, seqlen_k, VARLEN)
+    q_first, seqlen_q = sequence(CuSeqlensQ, SeqUsedQ, off_b, seqlen_q, VARLEN)
+    k_first, seqlen_k = sequence(CuSeqlensK, SeqUsedK, off_b, seqlen_k, VARLEN)
     return start_m, off_bh, off_b, (off_bh % nheads).to(tl.int64), q_first, seqlen_q, k_first, seqlen_k
 
 

@@ -94,7 +94,7 @@ def _attn_fwd_listed(acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, qk_
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Mask, Rng, BlockTable,
+def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK, Mask, Rng, BlockTable,
               BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args,
               stride_q, stride_k, stride_v, stride_o, stride_l, stride_mask, stride_tb, page_size,
               stride_blocks, nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
@@ -107,10 +107,10 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Mask, Rng, BlockTable,
               HAS_FULL: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
               EVEN_BLOCKS: tl.constexpr):
     start_m, off_bh, off_b, off_h, q_first, seqlen_q, k_first, seqlen_k = query_program(
-        CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, nheads, BLOCK_M, HAS_RIGHT, VARLEN)
+        CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK, seqlen_q, seqlen_k, nheads, BLOCK_M, HAS_RIGHT, VARLEN)
     off_hk = off_h // group_size
     if VARLEN:
-        if start_m >= seqlen_q:  # the grid covers the longest sequence
+        if start_m >= seqlen_q:  # the grid covers the longest sequence (rows past seqused_q: zeroed by the caller)
             return
     offset = bottom_right * (seqlen_k - seqlen_q)
     rows, offs_m, offs_n, offs_d = tile_aranges(start_m, BLOCK_M, BLOCK_N, BLOCK_D)
