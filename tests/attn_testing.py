@@ -186,14 +186,28 @@ def rotary_reference(x, cos, sin, positions, interleaved):
 
 def varlen_reference(q, k, v, cu_q, cu_k, **options):
     """The oracle, one sequence at a time: out (total_q, H, D) in float64."""
-    outs = []
+    return varlen_oracle(q, k, v, cu_q, cu_k, **options)[0]
+
+
+def varlen_oracle(q, k, v, cu_q, cu_k, used_q=None, used_k=None, **options):
+    """The oracle of a varlen batch, one sequence at a time (a mod's b is its index): out (total_q, H, D)
+    and lse (H, total_q) in `dtype` (float64). used_q / used_k (lists, seqused_q / seqused_k's values):
+    sequence b is attention over the first used_q[b] of its query rows and used_k[b] of its keys alone,
+    its other rows out 0 and lse +inf."""
+    dtype = options.get("dtype", torch.float64)
+    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=dtype, device=q.device)
     for b in range(len(cu_q) - 1):
-        slopes = options.get("alibi_slopes")
-        seq_options = dict(options, alibi_slopes=slopes[b] if slopes is not None and slopes.dim() == 2 else slopes)
-        out, _ = attention_reference(q[None, cu_q[b]:cu_q[b + 1]], k[None, cu_k[b]:cu_k[b + 1]],
-                                     v[None, cu_k[b]:cu_k[b + 1]], **seq_options)
-        outs.append(out[0])
-    return torch.cat(outs)
+        rows_q = slice(cu_q[b], cu_q[b + 1] if used_q is None else cu_q[b] + used_q[b])
+        rows_k = slice(cu_k[b], cu_k[b + 1] if used_k is None else cu_k[b] + used_k[b])
+        slopes, score_mod, mask_mod = (options.get(name) for name in ("alibi_slopes", "score_mod", "mask_mod"))
+        seq_options = dict(
+            options, alibi_slopes=slopes[b] if slopes is not None and slopes.dim() == 2 else slopes,
+            score_mod=None if score_mod is None else lambda s, b_, *rest, b=b, f=score_mod: f(s, b_ + b, *rest),
+            mask_mod=None if mask_mod is None else lambda b_, *rest, b=b, f=mask_mod: f(b_ + b, *rest))
+        out_b, lse_b = attention_reference(q[None, rows_q], k[None, rows_k], v[None, rows_k], **seq_options)
+        out[rows_q], lse[:, rows_q] = out_b[0], lse_b[0]
+    return out, lse
 
 
 def varlen_batch(lens_q, lens_k, nheads, nheads_k, head_dim, dtype, device):
