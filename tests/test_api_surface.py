@@ -47,9 +47,10 @@ FLASH_ATTN_2_8 = {
                                 ("max_seqlen", None), ("num_heads_q", None)],
 }
 # Keyword-only arguments after flash-attn 2's: FlashAttention-4's score_mod / mask_mod and FlashAttention-3's
-# attention_chunk.
+# attention_chunk; on the varlen functions FlashAttention-3's seqused_q / seqused_k.
 MODS = [("score_mod", None), ("mask_mod", None), ("attention_chunk", 0)]
-EXTENSIONS = {name: MODS for name in FLASH_ATTN_2_8 if name.startswith("flash_attn_") and "kvcache" not in name}
+EXTENSIONS = {name: MODS + ([("seqused_q", None), ("seqused_k", None)] if "varlen" in name else [])
+              for name in FLASH_ATTN_2_8 if name.startswith("flash_attn_") and "kvcache" not in name}
 # torch 2.x's torch.nn.functional.scaled_dot_product_attention
 SDPA = [("query", _REQUIRED), ("key", _REQUIRED), ("value", _REQUIRED), ("attn_mask", None), ("dropout_p", 0.0),
         ("is_causal", False), ("scale", None), ("enable_gqa", False)]

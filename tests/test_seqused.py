@@ -102,6 +102,38 @@ def test_seqused_against_the_oracle(backend, case, dtype):
                   **oracle)
 
 
+def check_one_launch(device, dtype, head_dim, monkeypatch):
+    """Short sequences, whose backward the table gives to the one-launch dK/dV kernel (computing delta and
+    dQ too, and zeroing the dQ rows no query tile visits): check_seqused's checks, with the outputs'
+    memory poisoned (NaN) where the kernels' allocations leave it unwritten, and that the backward ran in
+    one launch."""
+    from cuflash import memo
+    from cuflash.kernels import attention, launch
+    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
+    monkeypatch.setattr(launch, "PLANS", {})
+    monkeypatch.setattr(memo, "CHECKED", {})
+
+    class Poisoned:  # attention.py's torch, whose empty_like fills with NaN
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty_like(t, **kwargs):
+            return torch.full_like(t, float("nan"), **kwargs)
+
+    monkeypatch.setattr(attention, "torch", Poisoned())
+    torch.manual_seed(seed_of("one launch", str(dtype), head_dim))
+    check_seqused(varlen_call(causal=True), [5, 20, 3, 1], [9, 32, 7, 17], [2, 20, 0, 1], [0, 30, 7, 17],
+                  (4, 2, head_dim), dtype, device, causal=True)
+    backward = [p for key, p in launch.PLANS.items() if key[0][0] is attention.attention_backward]
+    assert backward and all(len(p.launches) == 1 for p in backward)
+
+
+@interpret
+def test_seqused_one_launch_backward(monkeypatch):
+    check_one_launch("cpu", torch.float32, 32, monkeypatch)
+
+
 def test_seqused_of_every_row_is_no_seqused(backend):
     """seqused equal to each sequence's full lengths gives exactly what no seqused gives."""
     torch.manual_seed(31)
@@ -283,6 +315,15 @@ def test_seqused_on_gpu(dtype, causal):
     used_q, used_k = [1, 9, 1000, 299, 100, 64], [5, 0, 999, 40, 1030, 1]
     check_seqused(varlen_call(causal=causal), lens_q, lens_k, used_q, used_k, (8, 2, 128), dtype, "cuda",
                   causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_seqused_one_launch_backward_on_gpu(dtype, head_dim, monkeypatch):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the table takes the one-launch backward from sm_90 on")
+    check_one_launch("cuda", dtype, head_dim, monkeypatch)
 
 
 @pytest.mark.gpu
