@@ -27,6 +27,7 @@ from .mods import Mods
 from .mods.evaluate import evaluate
 from .mods.trace import INDEX_DTYPE
 from .params import AttentionParams, per_sequence
+from .sinks import sink_grad
 
 BLOCK_M = 256  # query rows and keys per tile where the call asks for none (AttentionParams.block_m/_n)
 BLOCK_N = 512
@@ -264,10 +265,18 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, p: AttentionParams, first_
     tiles.score_mod(x, 0, seqlen_q, 0, seqlen_k)
     s = tiles.scores(x, 0, seqlen_q, 0, seqlen_k, True)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    if p.learnable_sink is not None:  # (its share of each row: the probabilities sum to less than 1)
+        lse = torch.logaddexp(lse, _sink_rows(p.learnable_sink, tiles, seqlen_q, lse.dtype)[..., None])
     probs = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0))
     if p.dropout_p > 0:
         probs = torch.where(tiles.keep(0, seqlen_q, 0, seqlen_k) > 0, probs, -probs)
     return probs.view(tiles.batch, tiles.nheads, seqlen_q, seqlen_k)
+
+
+def _sink_rows(sink: torch.Tensor, tiles: ScoreTiles, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """The learnable sink's logit of each row of a tile of `rows` query rows in the grouped layout,
+    (1, Hk, G * rows): the rows' heads' (as _rows folds them)."""
+    return sink.detach().to(dtype).view(1, tiles.nheads_k, tiles.group, 1).expand(-1, -1, -1, rows).flatten(2)
 
 
 def _sequences(p: AttentionParams):
@@ -296,14 +305,19 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, plans: 
                        dlse: torch.Tensor | None = None):
     """Same contract as kernels.attention_backward (plans: as attention_forward's)."""
     if not params.varlen:
-        return _backward(dout, q, k, v, out, lse, params, dlse=dlse)
-    # Rows past a sequence's seqused_q / seqused_k keep gradient 0.
-    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    for b, q_rows, k_rows, p in _sequences(params):
-        dq[q_rows], dk[k_rows], dv[k_rows] = (g[0] for g in _backward(
-            dout[None, q_rows], q[None, q_rows], k[None, k_rows], v[None, k_rows], out[None, q_rows],
-            lse[None, :, q_rows], p, b, None if dlse is None else dlse[None, :, q_rows]))
-    return dq, dk, dv
+        dq, dk, dv, delta = _backward(dout, q, k, v, out, lse, params, dlse=dlse)
+    else:
+        # Rows past a sequence's seqused_q / seqused_k keep gradient 0, and delta 0 (their lse is +inf: the
+        # sink's gradient takes nothing from them).
+        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        delta = torch.zeros(lse.shape, dtype=lse_dtype(q.dtype), device=q.device)
+        for b, q_rows, k_rows, p in _sequences(params):
+            dq[q_rows], dk[k_rows], dv[k_rows], delta[:, q_rows] = (g[0] for g in _backward(
+                dout[None, q_rows], q[None, q_rows], k[None, k_rows], v[None, k_rows], out[None, q_rows],
+                lse[None, :, q_rows], p, b, None if dlse is None else dlse[None, :, q_rows]))
+    if params.learnable_sink is None:
+        return dq, dk, dv
+    return dq, dk, dv, sink_grad(params.learnable_sink, lse, delta)
 
 
 def _forward(q, k, v, p: AttentionParams, first_batch: int = 0):
@@ -321,6 +335,9 @@ def _forward(q, k, v, p: AttentionParams, first_batch: int = 0):
         rows = q_blk.shape[2]
         m_i = torch.full((batch, nheads_k, rows), float("-inf"), dtype=dtype, device=q.device)
         l_i = torch.zeros_like(m_i)
+        if p.learnable_sink is not None:  # as if a key of logit sink and value 0 had been seen (sinks.py)
+            m_i = _sink_rows(p.learnable_sink, tiles, m1 - m0, dtype).expand_as(m_i).clone()
+            l_i = (m_i != float("-inf")).to(dtype)
         acc = torch.zeros(batch, nheads_k, rows, head_dim, dtype=dtype, device=q.device)
         for n0, n1, masked in tiles.blocks(m0, m1):
             x = q_blk @ kg[:, :, n0:n1].transpose(-1, -2)
@@ -345,6 +362,7 @@ def _forward(q, k, v, p: AttentionParams, first_batch: int = 0):
 
 
 def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0, dlse: torch.Tensor | None = None):
+    """(dq, dk, dv, delta (B, H, Nq) in the compute dtype: rowsum(dO * O) - dlse, for the sink's gradient)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     tiles = ScoreTiles(q, k, p, first_batch)
     nheads_k, group, dtype, seqlen_k = tiles.nheads_k, tiles.group, tiles.dtype, tiles.seqlen_k
@@ -385,7 +403,8 @@ def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0,
         dq[:, :, :, m0:m1] = dq_blk.view(batch, nheads_k, group, m1 - m0, head_dim)
     dq = (dq * p.softmax_scale).permute(0, 3, 1, 2, 4).reshape(q.shape)
     dk = (dk * p.softmax_scale).transpose(1, 2)
-    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.transpose(1, 2).to(v.dtype).contiguous())
+    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.transpose(1, 2).to(v.dtype).contiguous(),
+            delta.view(batch, nheads, seqlen_q))
 
 
 def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad, cache_rows, block_table,

@@ -17,13 +17,13 @@ from .mods import Mods, packed
 from .mods.compiled import EAGER_REASON, graph_chunked_local, graph_mod, runs_eagerly
 from .params import AttentionParams, used_lengths
 from .validate import (check_alibi, check_attention_chunk, check_attention_inputs, check_attn_mask, check_block_table,
-                       check_blocks, check_bool, check_cu_seqlens, check_dropout, check_max_seqlen, check_pages,
-                       check_same, check_seqused, check_softcap, check_tensor, check_window, resolve_scale,
-                       strided_head_dim)
+                       check_blocks, check_bool, check_cu_seqlens, check_dropout, check_learnable_sink,
+                       check_max_seqlen, check_pages, check_same, check_seqused, check_softcap, check_tensor,
+                       check_window, resolve_scale, strided_head_dim)
 
 
 def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-            deterministic, **fields) -> AttentionParams:
+            deterministic, learnable_sink=None, **fields) -> AttentionParams:
     """The flash-attn options, checked, as AttentionParams (bottom-right aligned, like flash-attn)."""
     dropout_p = check_dropout(dropout_p)
     left, right = check_window(window_size)
@@ -32,18 +32,19 @@ def _params(q: torch.Tensor, batch: int, softmax_scale, causal, window_size, sof
         window_left=left, window_right=0 if check_bool("causal", causal) else right,
         softcap=check_softcap(softcap),
         alibi_slopes=check_alibi(alibi_slopes, batch, q.shape[-2], q.device),
+        learnable_sink=check_learnable_sink(learnable_sink, q.shape[-2], q.device),
         dropout_p=dropout_p, rng_seed=draw_seed(q.device) if dropout_p > 0 else None,
         deterministic=check_bool("deterministic", deterministic), **fields)
 
 
-def _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                  deterministic, score_mod, mask_mod, attention_chunk) -> tuple[AttentionParams, dict | None]:
+def _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
+                  score_mod, mask_mod, attention_chunk, learnable_sink) -> tuple[AttentionParams, dict | None]:
     """flash_attn_func's inputs checked and its options as AttentionParams, once per call signature
     (memo.py), with the signature's launch plans (ops.forward). A call with mods is never remembered:
     its params hold this call's mods and captured tensors."""
-    plain = (plain_flash_options(softmax_scale, causal, window_size, softcap, alibi_slopes) and number(dropout_p)
-             and dropout_p == 0 and type(deterministic) is bool and score_mod is None and mask_mod is None
-             and type(attention_chunk) is int and attention_chunk == 0)
+    plain = (plain_flash_options(softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
+             and number(dropout_p) and dropout_p == 0 and type(deterministic) is bool and score_mod is None
+             and mask_mod is None and type(attention_chunk) is int and attention_chunk == 0)
     key = signature((q, k, v), softmax_scale, causal, window_size, softcap, deterministic) if plain else None
 
     def build():
@@ -53,7 +54,7 @@ def _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_sl
         mods = _mods(q, batch, seqlen_q, seqlen_k, score_mod, mask_mod, check_attention_chunk(attention_chunk),
                      seqlen_k - seqlen_q)
         return _params(q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                       deterministic, mods=mods)
+                       deterministic, learnable_sink, mods=mods)
     return remembered(key, build)
 
 
@@ -104,7 +105,7 @@ def _check_device(q: torch.Tensor) -> None:
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                    score_mod=None, mask_mod=None, attention_chunk=0):
+                    score_mod=None, mask_mod=None, attention_chunk=0, learnable_sink=None):
     """Exact attention, flash-attn 2 compatible.
 
     Args:
@@ -139,18 +140,22 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             the keys are cut into chunks of attention_chunk keys and query i, at key position
             i + seqlen_k - seqlen_q, sees only the keys of its chunk (also within causal and
             window_size when given). A built-in mask_mod (builtin_mods.chunked_local).
+        learnable_sink: None or (nheads,) fp32/fp16/bf16, gpt-oss's attention sinks (FlashAttention-4's
+            learnable_sink): one more logit per query head in every row's softmax, with no value,
+            compared with the scaled logits as given (no softcap, ALiBi or score_mod applies to it);
+            softmax_lse counts it. Differentiable.
     Returns:
         out (batch, seqlen_q, nheads, headdim); with return_attn_probs,
         (out, softmax_lse (batch, nheads, seqlen_q) fp32, probs (batch, nheads, seqlen_q, seqlen_k)).
-        Rows that see no key give out = 0 and softmax_lse = +inf.
+        Rows that see no key give out = 0 and softmax_lse = +inf (the sink's logit with a learnable sink).
     """
     if _eagerly(score_mod, mask_mod, attention_chunk, return_attn_probs):
         return _flash_attn_func_eagerly(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                         deterministic, return_attn_probs, score_mod=score_mod, mask_mod=mask_mod,
-                                        attention_chunk=attention_chunk)
+                                        attention_chunk=attention_chunk, learnable_sink=learnable_sink)
     with_probs = check_bool("return_attn_probs", return_attn_probs)
     p, plans = _flash_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                             deterministic, score_mod, mask_mod, attention_chunk)
+                             deterministic, score_mod, mask_mod, attention_chunk, learnable_sink)
     out, lse = ops.forward(q, k, v, p, plans)
     if with_probs:
         return out, lse, attention_probs(q.detach(), k.detach(), p).to(q.dtype)
@@ -163,19 +168,20 @@ _flash_attn_func_eagerly = torch.compiler.disable(flash_attn_func, reason=EAGER_
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                              score_mod=None, mask_mod=None, attention_chunk=0):
+                              score_mod=None, mask_mod=None, attention_chunk=0, learnable_sink=None):
     """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim); see flash_attn_func."""
     check_tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)", empty=True)
     if qkv.shape[2] != 3:
         fail(ErrorCode.SHAPE_MISMATCH, f"qkv must have size 3 in dim 2, got shape {tuple(qkv.shape)}")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                           score_mod=score_mod, mask_mod=mask_mod, attention_chunk=attention_chunk)
+                           score_mod=score_mod, mask_mod=mask_mod, attention_chunk=attention_chunk,
+                           learnable_sink=learnable_sink)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                             score_mod=None, mask_mod=None, attention_chunk=0):
+                             score_mod=None, mask_mod=None, attention_chunk=0, learnable_sink=None):
     """flash_attn_func on q (batch, seqlen_q, nheads, headdim) and kv (batch, seqlen_k, 2, nheads_k,
     headdim); see flash_attn_func."""
     check_tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)", empty=True)
@@ -183,13 +189,15 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
         fail(ErrorCode.SHAPE_MISMATCH, f"kv must have size 2 in dim 2, got shape {tuple(kv.shape)}")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
                            softcap, alibi_slopes, deterministic, return_attn_probs,
-                           score_mod=score_mod, mask_mod=mask_mod, attention_chunk=attention_chunk)
+                           score_mod=score_mod, mask_mod=mask_mod, attention_chunk=attention_chunk,
+                           learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *,
-                           score_mod=None, mask_mod=None, attention_chunk=0, seqused_q=None, seqused_k=None):
+                           score_mod=None, mask_mod=None, attention_chunk=0, seqused_q=None, seqused_k=None,
+                           learnable_sink=None):
     """Attention over a batch of sequences of different lengths packed without padding,
     flash-attn 2 compatible, with FlashAttention-3's seqused_q / seqused_k and padded batches. No
     compute is spent on padding.
@@ -215,12 +223,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             or too few columns for a sequence, raises before any kernel.
         score_mod, mask_mod, attention_chunk: as in flash_attn_func, per sequence: b is the sequence's
             index in the batch, q_idx and kv_idx count from 0 in every sequence, and attention_chunk's
-            chunks start at each sequence's first key.
+            chunks start at each sequence's first key. learnable_sink: as in flash_attn_func.
         seqused_q, seqused_k: None, or (batch,) int32 on q's device (FlashAttention-3's, for caches
             filled in part): sequence b uses only the first seqused_q[b] of its query rows and
             seqused_k[b] of its keys, and is attention over those alone (causal, windows, ALiBi
             and attention_chunk align to seqused_k[b] - seqused_q[b]). The rest are not read: their
-            out is 0, softmax_lse +inf and dq, dk, dv 0 (FlashAttention-3 leaves them unwritten).
+            out is 0, softmax_lse +inf (a learnable_sink too: they are not rows of the softmax) and
+            dq, dk, dv 0 (FlashAttention-3 leaves them unwritten).
             A value above its sequence's rows, or negative, raises before any kernel.
     Returns:
         out (total_q, nheads, headdim); with return_attn_probs, (out, softmax_lse (nheads, total_q)
@@ -231,7 +240,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                                dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                                deterministic, return_attn_probs, block_table, score_mod=score_mod,
                                                mask_mod=mask_mod, attention_chunk=attention_chunk,
-                                               seqused_q=seqused_q, seqused_k=seqused_k)
+                                               seqused_q=seqused_q, seqused_k=seqused_k,
+                                               learnable_sink=learnable_sink)
     with_probs = check_bool("return_attn_probs", return_attn_probs)
     rows_q, rows_k, rows_v, batch_fields = _varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                          max_seqlen_k, block_table, seqused_q, seqused_k)
@@ -244,7 +254,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     mods = _mods(rows_q, batch, batch_fields["max_seqlen_q"], batch_fields["max_seqlen_k"], score_mod, mask_mod, chunk,
                  offsets)
     p = _params(rows_q, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, deterministic,
-                mods=mods, **batch_fields)
+                learnable_sink, mods=mods, **batch_fields)
     out, lse = ops.forward(rows_q, rows_k, rows_v, p)
     if cu_seqlens_q is None:  # a padded batch's layouts: out (B, Nq, H, D), softmax_lse (B, H, Nq)
         out, lse = out.view(*q.shape[:2], *out.shape[1:]), lse.view(lse.shape[0], *q.shape[:2]).transpose(0, 1)
@@ -323,7 +333,8 @@ _flash_attn_varlen_func_eagerly = torch.compiler.disable(flash_attn_varlen_func,
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                      deterministic=False, return_attn_probs=False, *, score_mod=None, mask_mod=None,
-                                     attention_chunk=0, seqused_q=None, seqused_k=None):
+                                     attention_chunk=0, seqused_q=None, seqused_k=None,
+                                     learnable_sink=None):
     """flash_attn_varlen_func on qkv (total, 3, nheads, headdim); see flash_attn_varlen_func."""
     check_tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
     if qkv.shape[1] != 3:
@@ -331,13 +342,15 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs, score_mod=score_mod, mask_mod=mask_mod,
-                                  attention_chunk=attention_chunk, seqused_q=seqused_q, seqused_k=seqused_k)
+                                  attention_chunk=attention_chunk, seqused_q=seqused_q, seqused_k=seqused_k,
+                                  learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                                    score_mod=None, mask_mod=None, attention_chunk=0, seqused_q=None, seqused_k=None):
+                                    score_mod=None, mask_mod=None, attention_chunk=0, seqused_q=None, seqused_k=None,
+                                    learnable_sink=None):
     """flash_attn_varlen_func on q (total_q, nheads, headdim) and kv (total_k, 2, nheads_k, headdim)."""
     check_tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
     if kv.shape[1] != 2:
@@ -345,7 +358,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs, score_mod=score_mod, mask_mod=mask_mod,
-                                  attention_chunk=attention_chunk, seqused_q=seqused_q, seqused_k=seqused_k)
+                                  attention_chunk=attention_chunk, seqused_q=seqused_q, seqused_k=seqused_k,
+                                  learnable_sink=learnable_sink)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -467,35 +481,37 @@ def _sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
                            rng_seed=draw_seed(q.device) if dropout_p > 0 else None, deterministic=deterministic)
 
 
-def _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, block_m, block_n,
-                     deterministic=False) -> AttentionParams:
+def _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink, block_m,
+                     block_n, deterministic=False) -> AttentionParams:
     check_attention_inputs(q, k, v, empty=True)
     _check_device(q)
     block_m, block_n = check_blocks(block_m, block_n)
     return _params(q, q.shape[0], softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0, deterministic,
-                   block_m=block_m, block_n=block_n)
+                   learnable_sink, block_m=block_m, block_n=block_n)
 
 
 def forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-            block_m=None, block_n=None):
+            learnable_sink=None, block_m=None, block_n=None):
     """The explicit forward pass, no autograd: q (batch, seqlen_q, nheads, headdim), k, v
     (batch, seqlen_k, nheads_k, headdim) -> (out like q, softmax_lse (batch, nheads, seqlen_q) fp32).
-    The options are flash_attn_func's. block_m, block_n: the tiles of query rows and keys (Br
-    and Bc in the FlashAttention papers), powers of two from 16 to 128, both or neither (default:
-    the tuned tiles); the CPU path and the Triton kernels honour them (the Hopper kernels have fixed
-    tiles: a call with blocks runs the Triton kernel)."""
-    p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, block_m, block_n)
+    The options are flash_attn_func's (softmax_lse counts a learnable_sink). block_m, block_n: the
+    tiles of query rows and keys (Br and Bc in the FlashAttention papers), powers of two from 16 to
+    128, both or neither (default: the tuned tiles); the CPU path and the Triton kernels honour them
+    (the Hopper kernels have fixed tiles: a call with blocks runs the Triton kernel)."""
+    p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink, block_m,
+                         block_n)
     with torch.no_grad():
         return ops.forward(q, k, v, p)
 
 
 def backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-             softcap=0.0, alibi_slopes=None, deterministic=False, block_m=None, block_n=None):
+             softcap=0.0, alibi_slopes=None, learnable_sink=None, deterministic=False, block_m=None, block_n=None):
     """The explicit backward pass: gradients (dq, dk, dv) shaped like q, k, v, from the forward's
-    out and softmax_lse (batch, nheads, seqlen_q), with the forward's options; deterministic as in
-    flash_attn_func; block_m, block_n as in forward."""
-    p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, block_m, block_n,
-                         deterministic)
+    out and softmax_lse (batch, nheads, seqlen_q), with the forward's options; with learnable_sink
+    (dq, dk, dv, dsink), dsink shaped and typed like it (as FlashAttention-4's backward); deterministic
+    as in flash_attn_func; block_m, block_n as in forward."""
+    p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink, block_m,
+                         block_n, deterministic)
     check_same("dout", dout, q, "q")
     check_same("out", out, q, "q")
     check_same("softmax_lse", softmax_lse, q, "q", shape=(q.shape[0], q.shape[2], q.shape[1]))

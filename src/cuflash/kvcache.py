@@ -20,8 +20,8 @@ from .errors import ErrorCode, fail
 from .memo import plain_flash_options, remembered, signature
 from .params import AttentionParams, per_sequence
 from .rotary import check_cos_sin, rotate
-from .validate import (check_alibi, check_attention_inputs, check_bool, check_softcap, check_tensor, check_window,
-                       resolve_scale)
+from .validate import (check_alibi, check_attention_inputs, check_bool, check_learnable_sink, check_softcap,
+                       check_tensor, check_window, resolve_scale)
 
 
 def _int_tensor(name: str, t, shape: tuple, device, dtypes=(torch.int32,)) -> torch.Tensor:
@@ -39,7 +39,8 @@ def _int_tensor(name: str, t, shape: tuple, device, dtypes=(torch.int32,)) -> to
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            learnable_sink=None):
     """Attention of q to a KV cache, after appending the new k, v into it (in place).
 
     Args:
@@ -67,6 +68,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             to fill the GPU; at most 64; with a paged cache more where a part would span over 2048
             pages); only the rounding of the result depends on it.
         return_softmax_lse: also return softmax_lse (batch, nheads, seqlen_q) fp32.
+        learnable_sink: as flash_attn_func's (forward only here: no gradient), counted once whatever
+            num_splits.
     Returns:
         out (batch, seqlen_q, nheads, headdim), and softmax_lse with return_softmax_lse.
     Bad input raises FlashAttentionError before the cache is touched, with one exception: on the GPU
@@ -81,7 +84,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     rotary_interleaved = check_bool("rotary_interleaved", rotary_interleaved)
     call = _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                     block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
+                     block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, learnable_sink)
     q, k = _rotate(call, q, k, rotary_cos, rotary_sin, rotary_interleaved)
     out, lse = ops.decode(q, k_cache, v_cache, call.seqlens, call.seqlen_new, call.leftpad, call.rows, call.table,
                           call.params, num_splits, k, v, call.plans, call.rotary_end)
@@ -104,19 +107,20 @@ class _Call:
 
 
 def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-              block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits) -> _Call:
+              block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+              learnable_sink) -> _Call:
     """Checks every argument before anything is written: the values of the index tensors too, except
     where the decode kernel checks them (the Triton backend on the GPU) or torch.compile traces. The
     checks that read no tensor value run once per call signature (memo.py)."""
-    plain = (plain_flash_options(softmax_scale, causal, window_size, softcap, alibi_slopes) and type(num_splits) is int
-             and (cache_seqlens is None or type(cache_seqlens) in (int, torch.Tensor)))
+    plain = (plain_flash_options(softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
+             and type(num_splits) is int and (cache_seqlens is None or type(cache_seqlens) in (int, torch.Tensor)))
     given = isinstance(cache_seqlens, torch.Tensor)
     key = signature((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
                      cache_seqlens if given else None), "kvcache", softmax_scale, causal, window_size, softcap,
                     num_splits) if plain else None
     layout, plans = remembered(key, lambda: _check_layout(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-        softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits))
+        softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, learnable_sink))
     if layout.strided_indexes:  # the kernels address them by position (flash-attn refuses such views)
         cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
             t.contiguous() if isinstance(t, torch.Tensor) else t
@@ -142,7 +146,8 @@ class _Layout:
 
 
 def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                  block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits) -> _Layout:
+                  block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+                  learnable_sink) -> _Layout:
     """The checks of _validate that read no tensor value."""
     check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -188,7 +193,8 @@ def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     left, right = check_window(window_size)
     params = AttentionParams(resolve_scale(softmax_scale, head_dim), left, 0 if causal else right,
                              softcap=check_softcap(softcap),
-                             alibi_slopes=check_alibi(alibi_slopes, batch, nheads, q.device))
+                             alibi_slopes=check_alibi(alibi_slopes, batch, nheads, q.device),
+                             learnable_sink=check_learnable_sink(learnable_sink, nheads, q.device))
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         fail(ErrorCode.INVALID_ARGUMENT, f"num_splits must be an int >= 0, got {num_splits!r}")
     if rotary_cos is not None or rotary_sin is not None:

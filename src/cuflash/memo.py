@@ -50,10 +50,11 @@ def number(x) -> bool:
     return type(x) is float or type(x) is int
 
 
-def plain_flash_options(softmax_scale, causal, window_size, softcap, alibi_slopes) -> bool:
+def plain_flash_options(softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink) -> bool:
     """Whether flash-attn's common options of a call are plain Python values that a signature may
-    hold: no ALiBi slopes (a tensor), a float or default scale, a bool causal, a window of two ints."""
-    return (alibi_slopes is None and (softmax_scale is None or type(softmax_scale) is float)
+    hold: no ALiBi slopes or sink (tensors), a float or default scale, a bool causal, a window of two
+    ints."""
+    return (alibi_slopes is None and learnable_sink is None and (softmax_scale is None or type(softmax_scale) is float)
             and type(causal) is bool and type(window_size) is tuple and len(window_size) == 2
             and type(window_size[0]) is int and type(window_size[1]) is int and number(softcap))
 

@@ -29,6 +29,7 @@ from .dtypes import lse_dtype
 from .errors import ErrorCode, fail
 from .mods import Packed
 from .params import OP_FIELD_NAMES, AttentionParams
+from .sinks import empty_lse, sink_grad
 
 
 def _backend(device: torch.device, dtype: torch.dtype):
@@ -66,20 +67,21 @@ def _backward_backend(q: torch.Tensor, params: AttentionParams, forward_backend=
 @torch.library.custom_op("cuflash::fwd", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                       window_left: int, window_right: int, bottom_right: bool, softcap: float,
-                      alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], dropout_p: float,
-                      rng_seed: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-                      cu_seqlens_k: Optional[torch.Tensor], seqused_q: Optional[torch.Tensor],
-                      seqused_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                      deterministic: bool, block_table: Optional[torch.Tensor], block_m: int,
+                      alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor],
+                      attn_mask: Optional[torch.Tensor], dropout_p: float, rng_seed: Optional[torch.Tensor],
+                      cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+                      seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
+                      max_seqlen_k: int, deterministic: bool, block_table: Optional[torch.Tensor], block_m: int,
                       block_n: int, mods: Optional[str], mod_tensors: list[torch.Tensor],
                       mod_scalars: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Nq, H, D), k and v (B, Nk, Hk, D) (varlen: (total, H, D)) -> out shaped like q and
     softmax_lse (B, H, Nq) (varlen: (H, total_q)), fp32. The other arguments are the fields of
     AttentionParams, in order, then its mods packed (mods.Packed: None, [], [] without);
     forward() and backward() below take the dataclass."""
-    params = _op_params((softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, attn_mask,
-                         dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                         max_seqlen_k, deterministic, block_table, block_m, block_n, mods, mod_tensors, mod_scalars))
+    params = _op_params((softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, learnable_sink,
+                         attn_mask, dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                         max_seqlen_q, max_seqlen_k, deterministic, block_table, block_m, block_n, mods,
+                         mod_tensors, mod_scalars))
     if params.mods is not None:  # (checked here, at run time: the sizes are symbolic where the graph is traced)
         params.mods.check(*_sizes(q, k, params))
     return _backend(q.device, q.dtype).attention_forward(q, k, v, params)
@@ -96,28 +98,33 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, softmax_lse: torch.Tensor, softmax_lse_grad: Optional[torch.Tensor],
                        softmax_scale: float,
                        window_left: int, window_right: int, bottom_right: bool, softcap: float,
-                       alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], dropout_p: float,
-                       rng_seed: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-                       cu_seqlens_k: Optional[torch.Tensor], seqused_q: Optional[torch.Tensor],
-                       seqused_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                       deterministic: bool, block_table: Optional[torch.Tensor], block_m: int,
+                       alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor],
+                       attn_mask: Optional[torch.Tensor], dropout_p: float, rng_seed: Optional[torch.Tensor],
+                       cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+                       seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
+                       max_seqlen_k: int, deterministic: bool, block_table: Optional[torch.Tensor], block_m: int,
                        block_n: int, mods: Optional[str], mod_tensors: list[torch.Tensor], mod_scalars: list[float]
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Gradients (dq, dk, dv) of attention_forward, shaped like q, k, v, from those of out (dout) and of
-    softmax_lse (softmax_lse_grad, or None), and those of the score_mod's captured tensors that need one
-    (Mods.grad_tensors()), each shaped and typed like its tensor."""
-    params = _op_params((softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, attn_mask,
-                         dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                         max_seqlen_k, deterministic, block_table, block_m, block_n, mods, mod_tensors, mod_scalars))
-    return _gradients(_backward_backend(q, params), dout, q, k, v, out, softmax_lse, params, softmax_lse_grad)
+    softmax_lse (softmax_lse_grad, or None), then [that of learnable_sink] ([] without a sink), and those
+    of the score_mod's captured tensors that need one (Mods.grad_tensors()), each shaped and typed like
+    its tensor."""
+    params = _op_params((softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, learnable_sink,
+                         attn_mask, dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                         max_seqlen_q, max_seqlen_k, deterministic, block_table, block_m, block_n, mods,
+                         mod_tensors, mod_scalars))
+    dq, dk, dv, dsink, captured = _gradients(_backward_backend(q, params), dout, q, k, v, out, softmax_lse, params,
+                                             softmax_lse_grad)
+    return dq, dk, dv, [] if dsink is None else [dsink], captured
 
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, softmax_lse, softmax_lse_grad, *args):
     params = _op_params(args)
     captured = () if params.mods is None else params.mods.grad_tensors()
+    sink = () if params.learnable_sink is None else (params.learnable_sink,)
     return (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)),
-            [torch.empty_like(t, memory_format=torch.contiguous_format) for t in captured])
+            *([torch.empty_like(t, memory_format=torch.contiguous_format) for t in ts] for ts in (sink, captured)))
 
 
 def _op_params(args: tuple) -> AttentionParams:
@@ -145,17 +152,18 @@ def _sizes(q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> tuple[i
 
 
 def _gradients(backend, dout, q, k, v, out, lse, params: AttentionParams, dlse, plans: dict | None = None) -> tuple:
-    """(dq, dk, dv, [the gradients of the captured tensors that ask for one, params.mods.grad_tensors(),
-    each in its tensor's dtype]) from the backend's backward: it adds those into fp32 buffers (fp64 for
-    fp64 tensors)."""
+    """(dq, dk, dv, the learnable sink's gradient (None without one), [the gradients of the captured
+    tensors that ask for one, params.mods.grad_tensors(), each in its tensor's dtype]) from the backend's
+    backward: it adds those into fp32 buffers (fp64 for fp64 tensors), and returns the sink's after dv."""
     captured = () if params.mods is None else params.mods.grad_tensors()
     if captured:
         assert params.mods is not None
         buffers = tuple(torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
                         for t in captured)
         params = dataclasses.replace(params, mods=dataclasses.replace(params.mods, grads=buffers))
-    dq, dk, dv = backend.attention_backward(dout, q, k, v, out, lse, params, plans=plans, dlse=dlse)
-    return dq, dk, dv, [b.to(t.dtype) for b, t in zip(buffers, captured)] if captured else []
+    dq, dk, dv, *dsink = backend.attention_backward(dout, q, k, v, out, lse, params, plans=plans, dlse=dlse)
+    return dq, dk, dv, dsink[0] if dsink else None, [b.to(t.dtype) for b, t in zip(buffers, captured)] if captured \
+        else []
 
 
 @torch.library.custom_op("cuflash::decode", mutates_args=())
@@ -163,13 +171,14 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      cache_seqlens: Optional[torch.Tensor], cache_seqlen: int, seqlen_new: int,
                      cache_leftpad: Optional[torch.Tensor], cache_rows: Optional[torch.Tensor],
                      block_table: Optional[torch.Tensor], num_splits: int, softmax_scale: float, window_left: int,
-                     window_right: int, softcap: float,
-                     alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                     window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+                     learnable_sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, H, D) to each sequence's keys in a KV cache (kvcache.py appended the
     new ones): keys cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1 (cache_seqlens None: the
     int cache_seqlen for every sequence) of cache row cache_rows[b] (default b) or of the pages
     block_table[b]. Returns out like q and softmax_lse (B, H, Sq) fp32."""
-    params = AttentionParams(softmax_scale, window_left, window_right, softcap=softcap, alibi_slopes=alibi_slopes)
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap=softcap, alibi_slopes=alibi_slopes,
+                             learnable_sink=learnable_sink)
     seqlens = cache_seqlen if cache_seqlens is None else cache_seqlens
     return _backend(q.device, q.dtype).decode_forward(q, k_cache, v_cache, seqlens, seqlen_new, cache_leftpad,
                                                       cache_rows, block_table, params, num_splits)
@@ -190,9 +199,11 @@ def bypasses_custom_op(q: torch.Tensor) -> bool:
 
 
 def _records_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams) -> bool:
-    """Whether autograd records this call (grad mode on and an input requiring grad: q, k, v or a
-    tensor that the score_mod captures)."""
+    """Whether autograd records this call (grad mode on and an input requiring grad: q, k, v, the
+    learnable sink or a tensor that the score_mod captures)."""
+    sink = params.learnable_sink
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sink is not None and sink.requires_grad)
                                         or (params.mods is not None and bool(params.mods.grad_tensors())))
 
 
@@ -240,10 +251,10 @@ class _Attention(torch.autograd.Function):
 
     # forward takes ctx (no separate setup_context): apply() would otherwise bind the arguments
     # through inspect.signature on every call.
-    # captured: the tensors the score_mod captures that ask for a gradient (params.mods.grad_tensors()),
-    # inputs here so that autograd gives them theirs.
+    # sink: params.learnable_sink (or None), and captured: the tensors the score_mod captures that ask for a
+    # gradient (params.mods.grad_tensors()), inputs here so that autograd gives them theirs.
     @staticmethod
-    def forward(ctx, q, k, v, params: AttentionParams, plans: dict | None, *captured):
+    def forward(ctx, q, k, v, params: AttentionParams, plans: dict | None, sink, *captured):
         backend = _call_backend(q, plans)
         out, lse = backend.attention_forward(q, k, v, params, plans=plans)
         _save(ctx, q, k, v, out, lse, params, plans)
@@ -254,35 +265,47 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, params, _ = _restore(ctx)
         if dout is None and dlse is None:
-            return (None,) * (5 + len(() if params.mods is None else params.mods.grad_tensors()))
+            return (None,) * (6 + len(() if params.mods is None else params.mods.grad_tensors()))
         backend = _backward_backend(q, params, ctx.backend)
         recorded = torch.is_grad_enabled()
         with torch.no_grad():
-            dq, dk, dv, captured = _gradients(backend, _output_grad(dout, out), q, k, v, out, lse, params, dlse,
-                                              ctx.plans)
-        grads = (dq, dk, dv, *captured)
+            dq, dk, dv, dsink, captured = _gradients(backend, _output_grad(dout, out), q, k, v, out, lse, params,
+                                                     dlse, ctx.plans)
+        grads = (dq, dk, dv, *(() if dsink is None else (dsink,)), *captured)
         if recorded:
             # create_graph=True: the gradients get a node that raises if they are differentiated again
             # (the kernels' gradients have no gradient), rather than counting as constants.
             error = torch._C._functions.DelayedError(b"cuflash: attention has no double backward", len(grads))
             grads = error(*(g.detach().requires_grad_() for g in grads))
+        if dsink is None:
+            grads = (*grads[:3], None, *grads[3:])
         return (*grads[:3], None, None, *grads[3:])
 
 
 class _Empty(torch.autograd.Function):
     """Attention with no query or no key (a dim of size 0): out 0 and softmax_lse +inf, gradients 0,
-    as flash-attn gives for seqlen_k = 0 and torch SDPA for every empty input; nothing is launched."""
+    as flash-attn gives for seqlen_k = 0 and torch SDPA for every empty input; nothing is launched.
+    With a learnable sink (`sink`, params.learnable_sink), softmax_lse is the sink's logit, whose
+    gradient is then lse's summed over the rows (as FlashAttention-4)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, params: AttentionParams):
-        ctx.save_for_backward(q, k, v)
-        lse = q.new_full(params.lse_shape(q), float("inf"), dtype=lse_dtype(q.dtype))
-        ctx.mark_non_differentiable(lse)
+    def forward(ctx, q, k, v, params: AttentionParams, sink):
+        shape = params.lse_shape(q)
+        if sink is None:
+            lse = q.new_full(shape, float("inf"), dtype=lse_dtype(q.dtype))
+            ctx.mark_non_differentiable(lse)
+        else:
+            lse = empty_lse(sink, shape, lse_dtype(q.dtype))
+        ctx.save_for_backward(q, k, v, sink, lse)
         return torch.zeros_like(q, memory_format=torch.contiguous_format), lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        return (*(torch.zeros_like(t) for t in ctx.saved_tensors), None)
+    def backward(ctx, dout, dlse):
+        q, k, v, sink, lse = ctx.saved_tensors
+        dsink = None
+        if sink is not None:  # (the rows' delta is -dlse: out is 0)
+            dsink = sink_grad(sink, lse, -dlse) if dlse is not None else torch.zeros_like(sink)
+        return (*(torch.zeros_like(t) for t in (q, k, v)), None, dsink)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, plans: dict | None = None):
@@ -290,11 +313,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
     checked call signature (memo.py) whose params have no tensor fields, where the backend keeps this
     call's launch plans for the next call of the signature (kernels/attention.py); None elsewhere."""
     if q.numel() == 0 or k.numel() == 0:
-        return _Empty.apply(q, k, v, params)
+        return _Empty.apply(q, k, v, params, params.learnable_sink)
     if bypasses_custom_op(q):
         if _records_graph(q, k, v, params):
             captured = () if params.mods is None else params.mods.grad_tensors()
-            return _Attention.apply(q, k, v, params, plans, *captured)
+            return _Attention.apply(q, k, v, params, plans, params.learnable_sink, *captured)
         return _call_backend(q, plans).attention_forward(q, k, v, params, plans=plans)  # no graph to record
     _no_functorch_mods(params)
     return attention_forward(q, k, v, *op_args(params))
@@ -314,13 +337,15 @@ def forward_kept(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pa
 
 
 def backward(dout, q, k, v, out, softmax_lse, params: AttentionParams):
-    """(dq, dk, dv)."""
+    """(dq, dk, dv), and with a learnable sink (dq, dk, dv, dsink) (as FlashAttention-4's backward)."""
     if q.numel() == 0 or k.numel() == 0:  # (_Empty's)
-        return tuple(torch.zeros_like(t) for t in (q, k, v))
+        sink = params.learnable_sink
+        return tuple(torch.zeros_like(t) for t in (q, k, v, *(() if sink is None else (sink,))))
     if bypasses_custom_op(q):
         return _backward_backend(q, params).attention_backward(dout, q, k, v, out, softmax_lse, params)
     _no_functorch_mods(params)
-    return attention_backward(dout, q, k, v, out, softmax_lse, None, *op_args(params))[:3]
+    dq, dk, dv, dsink, _ = attention_backward(dout, q, k, v, out, softmax_lse, None, *op_args(params))
+    return dq, dk, dv, *dsink
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | int,
@@ -341,7 +366,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
     given = isinstance(cache_seqlens, torch.Tensor)
     return attention_decode(q, k_cache, v_cache, cache_seqlens if given else None, 0 if given else cache_seqlens,
                             seqlen_new, cache_leftpad, cache_rows, block_table, num_splits, params.softmax_scale,
-                            params.window_left, params.window_right, params.softcap, params.alibi_slopes)
+                            params.window_left, params.window_right, params.softcap, params.alibi_slopes,
+                            params.learnable_sink)
 
 
 def _setup_context(ctx, inputs, output):
@@ -358,11 +384,17 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, params, mod_tensors = _restore(ctx)
     layout, scalars = ctx.packed
     mods = None if layout is None else Packed(layout, list(mod_tensors), scalars)
-    dq, dk, dv, captured = attention_backward(_output_grad(dout, out), q, k, v, out, lse, dlse, *params.as_args(),
-                                              *(mods or _NO_MODS))
+    dq, dk, dv, dsink, captured = attention_backward(_output_grad(dout, out), q, k, v, out, lse, dlse,
+                                                     *params.as_args(), *(mods or _NO_MODS))
+    field_grads = [None] * fields
+    if dsink:  # (the learnable sink's, at its field)
+        field_grads[_SINK_FIELD] = dsink[0]
     # (the mods' tensors get theirs: the score_mod's that ask for one)
     mod_grads = [] if mods is None else mods.input_grads(captured)
-    return (dq, dk, dv) + (None,) * fields + (None, mod_grads, _scalars_grad(scalars))
+    return (dq, dk, dv, *field_grads, None, mod_grads, _scalars_grad(scalars))
+
+
+_SINK_FIELD = OP_FIELD_NAMES.index("learnable_sink")
 
 
 def _scalars_grad(scalars: list) -> list | None:

@@ -1,6 +1,6 @@
 """The one description of an attention call that every entry point builds and every backend
 consumes: which keys each query sees (causal, sliding window, varlen, attn_mask), how the logits
-are shaped (scale, softcap, ALiBi) and dropout."""
+are shaped (scale, softcap, ALiBi), a learnable sink and dropout."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,6 +36,11 @@ class AttentionParams:
     hides keys (bool, True = attend) or is added to the logits (float). Dropout zeroes each
     probability with probability dropout_p, drawn by a counter-based hash keyed by rng_seed
     (two int64 words in [0, 2^31), on the device of q), and scales the rest by 1 / (1 - dropout_p).
+    learnable_sink (nheads,) (fp32, fp16 or bf16, fp64 on the CPU path; gpt-oss's attention sinks,
+    FlashAttention-4's learnable_sink): one more logit per query head in every row's softmax, compared
+    with the scaled logits as it is (no scale, softcap, ALiBi or mod applies to it), with no value: it
+    takes its share of each row's probability and adds nothing to the output, and softmax_lse counts
+    it (a row that sees no key has out 0 and lse = sink). Dropout drops key probabilities only.
     deterministic asks for a backward that is bitwise reproducible run to run (otherwise the
     fastest one, which may add dQ in a varying order).
 
@@ -58,6 +63,7 @@ class AttentionParams:
     bottom_right: bool = True
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
+    learnable_sink: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
     dropout_p: float = 0.0
     rng_seed: torch.Tensor | None = None
@@ -156,8 +162,8 @@ FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))
 # The custom ops' arguments, which rebuild the params positionally (AttentionParams(*args)): the fields
 # before mods, the last one (the ops take it packed, ops.op_args).
 OP_FIELD_NAMES = FIELD_NAMES[:FIELD_NAMES.index("mods")]
-_TENSOR_NAMES = ("alibi_slopes", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
-                 "block_table")
+_TENSOR_NAMES = ("alibi_slopes", "learnable_sink", "attn_mask", "rng_seed", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
+                 "seqused_k", "block_table")
 # key()'s field getters, in C (a Python loop over the fields costs microseconds per launch).
 _SCALARS = operator.attrgetter(*(name for name in FIELD_NAMES if name not in _TENSOR_NAMES))
 _TENSORS = operator.attrgetter(*_TENSOR_NAMES)

@@ -11,7 +11,7 @@ ERROR_BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2, 
 
 def attention_probs(q, k, softmax_scale=None, causal=False, causal_offset=None, dtype=torch.float64, *,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, attn_mask=None, score_mod=None,
-                    mask_mod=None):
+                    mask_mod=None, learnable_sink=None):
     """Softmax probabilities (B, H, Nq, Nk) and softmax_lse (B, H, Nq) for q (B, Nq, H, D),
     k (B, Nk, Hk, D), computed in `dtype`. Rows with no visible key are all zero, lse +inf.
 
@@ -22,7 +22,10 @@ def attention_probs(q, k, softmax_scale=None, causal=False, causal_offset=None, 
     attn_mask (broadcastable to (B, H, Nq, Nk)) hides keys (bool, True = attend) or is added.
     score_mod(scores, b, h, q_idx, kv_idx) replaces the capped logits before ALiBi, and mask_mod(b, h,
     q_idx, kv_idx) hides the keys it is False for, both computed on broadcast int32 index tensors (b
-    (B, 1, 1, 1), h (1, H, 1, 1) the query head, q_idx a column and kv_idx a row of positions from 0)."""
+    (B, 1, 1, 1), h (1, H, 1, 1) the query head, q_idx a column and kv_idx a row of positions from 0).
+    learnable_sink (H,): one more logit per head in every row's softmax (a column of its own, no
+    value): the probabilities of the keys sum to less than 1, lse counts it, a row with no visible key
+    has lse = sink."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
@@ -55,7 +58,11 @@ def attention_probs(q, k, softmax_scale=None, causal=False, causal_offset=None, 
         s = s.masked_fill(cols > rows + offset + right, float("-inf"))
     if left >= 0:
         s = s.masked_fill(cols < rows + offset - left, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    if learnable_sink is not None:
+        sink = learnable_sink.to(dtype).view(1, -1, 1, 1).expand(batch, nheads, seqlen_q, 1)
+        lse = torch.logsumexp(torch.cat((s, sink), dim=-1), dim=-1, keepdim=True)
+    else:
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)
     probs = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0))
     return probs, lse.squeeze(-1).masked_fill(lse.squeeze(-1) == float("-inf"), float("inf"))
 

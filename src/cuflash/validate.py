@@ -182,6 +182,26 @@ def check_alibi(alibi_slopes, batch: int, nheads: int, device: torch.device):
     return alibi_slopes.contiguous()
 
 
+def check_learnable_sink(learnable_sink, nheads: int, device: torch.device):
+    """learnable_sink: None, or a (nheads,) tensor of q's heads in fp32, fp16 or bf16 (fp64 on the CPU
+    path), on q's device; it may require grad. Returned contiguous (the kernels read it by position)."""
+    if learnable_sink is None:
+        return None
+    if not isinstance(learnable_sink, torch.Tensor):
+        fail(ErrorCode.INVALID_ARGUMENT, f"learnable_sink must be a tensor of shape (nheads,) or None, got "
+             f"{type(learnable_sink).__name__}")
+    if learnable_sink.dtype not in KERNEL_DTYPES and not (learnable_sink.is_cpu and learnable_sink.dtype in CPU_DTYPES):
+        allowed = CPU_DTYPES if learnable_sink.is_cpu else KERNEL_DTYPES
+        fail(ErrorCode.UNSUPPORTED_DTYPE, f"learnable_sink has dtype {learnable_sink.dtype}; accepted on "
+             f"{learnable_sink.device.type}: {', '.join(str(d) for d in allowed)}")
+    if tuple(learnable_sink.shape) != (nheads,):
+        fail(ErrorCode.SHAPE_MISMATCH, f"learnable_sink has shape {tuple(learnable_sink.shape)}; expected "
+             f"(nheads,) = ({nheads},), one logit per query head")
+    if learnable_sink.device != device:
+        fail(ErrorCode.DEVICE_MISMATCH, f"learnable_sink is on {learnable_sink.device} but q is on {device}")
+    return learnable_sink.contiguous()
+
+
 def check_cu_seqlens(name: str, cu_seqlens, max_name: str, max_seqlen, total: int | None, total_name: str,
                      device: torch.device, batch: int | None = None) -> int:
     """Checks int32 prefix sums cu_seqlens (batch + 1,) starting at 0, non-decreasing, ending at

@@ -4,6 +4,7 @@ and the launch arguments once per shape). The kernels take softcap and ALiBi as 
 (builtin_mods.resolved, after a kept plan is looked for: its key holds the options as given)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from ..builtin_mods import resolved
 from ..cache import DecodeStep
 from ..params import AttentionParams
+from ..sinks import sink_grad
 from .compat import gluon_kernels
 from .device import tf32
 from .launch import keep, kept, launch, open_key, workspace
@@ -97,9 +99,14 @@ def forward_launch(t: dict, params: AttentionParams, entry: Entry | None) -> tup
 
 def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: Entry | None = None,
                        plans: dict | None = None, dlse: torch.Tensor | None = None):
-    """Gradients of attention_forward: dq, dk, dv shaped like q, k, v. dout and out are shaped
-    like q, lse like the forward's softmax_lse, and so dlse, the gradient of lse where it has one.
-    plans: attention_forward's, whose out and lse these are."""
+    """Gradients of attention_forward: dq, dk, dv shaped like q, k, v, and with a learnable sink its
+    gradient (dq, dk, dv, dsink). dout and out are shaped like q, lse like the forward's softmax_lse,
+    and so dlse, the gradient of lse where it has one. plans: attention_forward's, whose out and lse
+    these are. The kernels run as without the sink (the lse counts it; cuflash/sinks.py), its gradient
+    is reduced from their delta."""
+    sink = params.learnable_sink
+    if sink is not None:
+        params = dataclasses.replace(params, learnable_sink=None)
     # The rows past seqused_q / seqused_k, which no program writes, get gradient 0.
     dq_like = torch.empty_like if params.seqused_q is None else torch.zeros_like
     dkv_like = torch.empty_like if params.seqused_k is None else torch.zeros_like
@@ -120,7 +127,18 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: 
             plan = launch((attention_backward, params.key(), entry, tf32(q)), tensors,
                           lambda: _backward(tensors, params, entry))
         keep(plans, key, plan)
-    return tensors["DQ"], tensors["DK"], tensors["DV"]
+    if sink is None:
+        return tensors["DQ"], tensors["DK"], tensors["DV"]
+    return tensors["DQ"], tensors["DK"], tensors["DV"], sink_grad(sink, tensors["Lse"], _delta(tensors, params))
+
+
+def _delta(t: dict, params: AttentionParams) -> torch.Tensor:
+    """The backward's delta, rowsum(dO * O) - dlse, shaped like softmax_lse: the delta kernel's, or
+    where one launch computed it in its dK/dV kernel (no dlse there), from O and dO (fp32)."""
+    if "Delta" in t:
+        return t["Delta"]
+    delta = (t["Out"].float() * t["DO"].float()).sum(-1)  # (B, Nq, H), varlen (total_q, H)
+    return delta.T if params.varlen else delta.transpose(1, 2)
 
 
 def _backward(t: dict, params: AttentionParams, entry: Entry | None) -> list[tuple]:

@@ -84,11 +84,14 @@ def _tensor_fields(p: AttentionParams) -> dict:
 
 
 def variant_tensors(p: AttentionParams) -> dict:
-    """The variant's tensors that this call has (varlen offsets and used lengths, attn_mask, dropout seed; a block
-    mask's tile lists), by their argument names in every kernel, and the tensors its
+    """The variant's tensors that this call has (varlen offsets and used lengths, attn_mask, dropout seed;
+    a block mask's tile lists), by their argument names in every kernel, the learnable sink (Sink: the
+    forward kernels' only; the backward's run without it, kernels/attention.py), and the tensors its
     mods capture (under names starting with MOD_TENSOR, which no kernel has: they reach the kernels
     inside the mods' argument tuples, mod_args)."""
     tensors = {name: t for name, t in _tensor_fields(p).items() if t is not None}
+    if p.learnable_sink is not None:
+        tensors["Sink"] = p.learnable_sink
     mods = p.mods
     if mods is None:
         return tensors

@@ -41,7 +41,8 @@ from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, li
 def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
           CONSUMERS: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr):
     (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, stride_q, stride_k,
-     stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, mods, blocks) = args
+     stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, mods, blocks,
+     Sink) = args
     q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D)
     k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, BLOCK_N, HEAD_D)
     v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, BLOCK_N, HEAD_D)
@@ -286,7 +287,8 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
              CONSUMERS: gl.constexpr, WG: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
              SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr, EVEN_BLOCKS: gl.constexpr):
     (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, stride_q, stride_k,
-     stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, mods, blocks) = args
+     stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, mods, blocks,
+     Sink) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -322,6 +324,9 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
 
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+        if Sink is not None:  # the learnable sink, seen first (cuflash/sinks.py; triton/common.sink_state)
+            m_i = gl.load(Sink + off_h).to(gl.float32) * LOG2E + l_i
+            l_i = gl.where(m_i == float("-inf"), l_i, l_i + 1.0)
         acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
         p = _pack(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), dtype)
         qb = done % Q_BUFFERS
@@ -384,7 +389,7 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
 
 
 @gluon.jit
-def _attn_fwd_hopper(Q, K, V, Out, Lse, BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args,
+def _attn_fwd_hopper(Q, K, V, Out, Lse, Sink, BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args,
                      stride_q, stride_k, stride_v, stride_o, stride_l, stride_blocks,
                      batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
                      CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
@@ -402,7 +407,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, BlockNum, BlockIdx, FullNum, FullIdx, sc
     q_empty = barriers(Q_BUFFERS, CONSUMERS)  # every consumer releases a buffer
     args = (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
             stride_q, stride_k, stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset,
-            qk_scale, (score_args, mask_args), (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks))
+            qk_scale, (score_args, mask_args), (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks), Sink)
     if CONSUMERS == 3:
         gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 0, SCORE_MOD, MASK_MOD,
                                         SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
@@ -453,7 +458,7 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Forw
     mods = mod_args(params, prob, "fwd")
     del mods["SPARSE"]  # (SPARSE_KV > 0)
     return _attn_fwd_hopper, (min(cdiv(items, 2), num_sms(q.device)),), dict(
-        **mods, Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], stride_q=box_strides(prob, q),
+        **mods, Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], Sink=tensors.get("Sink"), stride_q=box_strides(prob, q),
         stride_k=box_strides(prob, k), stride_v=box_strides(prob, v), stride_o=box_strides(prob, out),
         stride_l=lse_strides(prob, params),
         batch=prob.batch, nheads=prob.nheads, nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q,

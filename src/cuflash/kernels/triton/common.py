@@ -223,6 +223,15 @@ def softmax_step(s, m_i, l_i, MAY_BE_EMPTY: tl.constexpr):
 
 
 @triton.jit
+def sink_state(Sink, heads, zeros):
+    """The running max (base 2) and sum of rows that have seen one key, the learnable sink of their
+    heads (Sink[heads], natural units, value 0; cuflash/sinks.py): (sink * LOG2E, 1), or for a sink of
+    -inf (-inf, 0), the state of no key seen. zeros: 0 in the rows' shape (heads: one or a row's each)."""
+    m_i = tl.load(Sink + heads).to(tl.float32) * LOG2E + zeros
+    return m_i, tl.where(m_i == float("-inf"), zeros, zeros + 1.0)
+
+
+@triton.jit
 def score_tile(x, rows, cols, bounds, mask, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                MASK_KIND: tl.constexpr, mods=None, SCORE_MOD: tl.constexpr = None, MASK_MOD: tl.constexpr = None):
     """Logits x (base 2; natural with a SCORE_MOD, whose result is taken to base 2: softcap and ALiBi

@@ -32,7 +32,7 @@ from ..launch import workspace
 from ..variant import fast_math, logit_scale
 from .mods import forward_function, kernel_args
 from . import DecodeLaunch
-from .common import mma, score_tile, softmax_step
+from .common import mma, score_tile, sink_state, softmax_step
 
 # The decode kernel's optional tensor arguments (the index tensors first, then the new keys and values
 # to append), in the launch's tensors only when given.
@@ -151,17 +151,21 @@ def _append(K, V, KNew, VNew, table, row, first, lo, hi, seqlen_k, seqlen_new, o
 
 
 @triton.jit
-def _attend(Q, K, V, q, table, row, first, lo, hi, tok, off_hk, offs_n, offs_d, d_ok, rows_per_seq, seqlen_q,
-            head_dim, offset, window_left, window_right, qk_scale, mods, stride_k, stride_v, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
-            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-            SCORE_MOD: tl.constexpr):
+def _attend(Q, K, V, Sink, head, q, table, row, first, lo, hi, tok, off_hk, offs_n, offs_d, d_ok, rows_per_seq,
+            seqlen_q, head_dim, offset, window_left, window_right, qk_scale, mods, stride_k, stride_v,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
+            PREFETCH_PAGES: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+            INPUT_PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr):
     """The online softmax of the tile's queries q over key positions lo .. hi - 1 of the cache:
     returns the running max m_i and sum l_i (base 2) and the unnormalized output acc. The score_mod
     (softcap's and ALiBi's, builtin_mods.py) sees each query at its key position (token + offset) and
-    each key at its position in the sequence; mods = (batch, each row's head, the mod's arguments)."""
+    each key at its position in the sequence; mods = (batch, each row's head, the mod's arguments).
+    Sink: the learnable sink where this program counts it (launches()), seen first by each row of its
+    row's head (`head`)."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if Sink is not None:
+        m_i, l_i = sink_state(Sink, head, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if PAGED and PREFETCH_PAGES:
         # The page of each key read one tile ahead: with splits (few programs per SM) a K/V address
@@ -214,7 +218,8 @@ def _write(OutPart, LsePart, m_i, l_i, acc, ok, split, off_b, tok, head, row_ok,
 
 
 @triton.jit(do_not_specialize=["cache_seqlen", "step"])
-def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, KNew, VNew, Errors, score_args,
+def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, KNew, VNew, Sink, Errors,
+                score_args,
                 step, stride_q, stride_k, stride_v, stride_o, stride_l, stride_tb, stride_kn, stride_vn,
                 batch, nheads_k, seqlen_q, group_size, rows_per_seq, cache_blocks, head_dim, num_splits, cache_seqlen,
                 seqlen_new, seqlens_max, rotary_end, window_left, window_right, qk_scale,
@@ -283,8 +288,8 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
     if HAS_RIGHT:
         last_tok = tl.minimum((start_r + BLOCK_M - 1) // group_size, seqlen_q - 1)
         hi = tl.minimum(hi, last_tok + offset + window_right + 1)
-    m_i, l_i, acc = _attend(Q, K, V, q, table, row, first, lo, hi, tok, off_hk, offs_n, offs_d, d_ok, rows_per_seq,
-                            seqlen_q, head_dim, offset, window_left, window_right, qk_scale,
+    m_i, l_i, acc = _attend(Q, K, V, Sink, head, q, table, row, first, lo, hi, tok, off_hk, offs_n, offs_d, d_ok,
+                            rows_per_seq, seqlen_q, head_dim, offset, window_left, window_right, qk_scale,
                             (off_b.to(tl.int32), head[:, None].to(tl.int32), score_args), stride_k, stride_v, BLOCK_M,
                             BLOCK_N, BLOCK_D, PAGED, PREFETCH_PAGES, HAS_LEFT, HAS_RIGHT, INPUT_PRECISION, SCORE_MOD)
     _write(OutPart, LsePart, m_i, l_i, acc, ok, split, off_b, tok, head, row_ok, offs_d, d_ok, stride_o, stride_l,
@@ -292,26 +297,32 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
 
 
 @triton.jit
-def _decode_combine(OutPart, LsePart, Out, Lse, nheads, seqlen_q, head_dim, num_splits,
+def _decode_combine(OutPart, LsePart, Out, Lse, Sink, nheads, seqlen_q, head_dim, num_splits,
                     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Merges the splits of one output row (b, i, h): out = sum_s exp(lse_s - lse) * out_s with
-    lse = log sum_s exp(lse_s). Partials are (splits, B, Sq, H, D) and (splits, B, Sq, H)."""
+    lse = log sum_s exp(lse_s). Partials are (splits, B, Sq, H, D) and (splits, B, Sq, H). The
+    learnable sink (Sink, where split) is counted here, once: one more partial of out 0 and lse sink."""
     row = tl.program_id(0).to(tl.int64)  # b * seqlen_q * nheads + i * nheads + h
     rows = tl.num_programs(0)
+    h = row % nheads
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
     lse_s = tl.load(LsePart + offs_s * rows + row, mask=s_ok, other=float("-inf"))
     m = tl.max(lse_s, 0)
+    if Sink is not None:
+        sink = tl.load(Sink + h).to(tl.float32)
+        m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse_s - m_safe)
     total = tl.sum(w, 0)
+    if Sink is not None:
+        total += tl.exp(sink - m_safe)
     part = tl.load(OutPart + (offs_s[:, None] * rows + row) * head_dim + offs_d[None, :],
                    mask=s_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0)
     total_safe = tl.where(total == 0.0, 1.0, total)
     out = tl.sum(part * w[:, None], 0) / total_safe
     tl.store(Out + row * head_dim + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
-    h = row % nheads
     i = (row // nheads) % seqlen_q
     b = row // (nheads * seqlen_q)
     tl.store(Lse + (b * nheads + h) * seqlen_q + i, tl.where(total == 0.0, float("inf"), m + tl.log(total_safe)))
@@ -356,6 +367,7 @@ def launches(t: dict, params: AttentionParams, cfg: DecodeLaunch, seqlen_new: in
     decode = _decode_fwd, (splits, cfg.m_tiles, batch * nheads_k), dict(
         Q=q, K=k_cache, V=v_cache, OutPart=out_part, LsePart=lse_part,
         **{name: t.get(name) for name in OPTIONAL_TENSORS}, Errors=t["Errors"], step=t["step"],
+        Sink=t.get("Sink") if splits == 1 else None,  # (with splits, the combine counts it)
         stride_q=q.stride()[:3], stride_k=k_cache.stride()[:3], stride_v=v_cache.stride()[:3],
         stride_o=out_strides, stride_l=lse_strides,
         stride_tb=0 if block_table is None else block_table.stride(0),
@@ -382,7 +394,8 @@ def launches(t: dict, params: AttentionParams, cfg: DecodeLaunch, seqlen_new: in
     if splits == 1:
         return launches
     combine = _decode_combine, (batch * seqlen_q * nheads,), dict(
-        OutPart=out_part, LsePart=lse_part, Out=t["Out"], Lse=t["Lse"], nheads=nheads, seqlen_q=seqlen_q,
+        OutPart=out_part, LsePart=lse_part, Out=t["Out"], Lse=t["Lse"], Sink=t.get("Sink"), nheads=nheads,
+        seqlen_q=seqlen_q,
         head_dim=head_dim, num_splits=splits, BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_D=block_d,
         num_warps=4 if block_d >= 128 else 2,
     )

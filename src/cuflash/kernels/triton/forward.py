@@ -16,8 +16,8 @@ from ..lists import listed_blocks
 from ..variant import Problem, kernel_tensors, lse_strides, mod_args, variant_args
 from . import Tiles
 from .common import advance, band, dropout_keep, head_options, load_rows, load_tile, mma, \
-    query_program, read_tile, row_source, score_tile, softmax_step, store_tile, tile_aranges, tile_ptrs, \
-    tile_start
+    query_program, read_tile, row_source, score_tile, sink_state, softmax_step, store_tile, tile_aranges, \
+    tile_ptrs, tile_start
 
 
 @triton.jit
@@ -94,7 +94,7 @@ def _attn_fwd_listed(acc, m_i, l_i, q, kv, paging, mask, mods, offs, bounds, qk_
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK, Mask, Rng, BlockTable,
+def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK, Mask, Rng, BlockTable, Sink,
               BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args,
               stride_q, stride_k, stride_v, stride_o, stride_l, stride_mask, stride_tb, page_size,
               stride_blocks, nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
@@ -129,6 +129,8 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK, Mas
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if Sink is not None:  # the learnable sink, seen first (cuflash/sinks.py)
+        m_i, l_i = sink_state(Sink, off_h, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # The key tiles in three parts: those a window's left edge cuts (masked; none without a left edge),
     # those every row sees whole (unmasked, the loop that may be warp-specialized), those the diagonal
@@ -177,7 +179,8 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, tiles: Ti
         **kernel_tensors(tensors), **mod_args(params, prob, "fwd"),
         stride_q=prob.strides(q), stride_k=_kv_strides(prob, k, paged), stride_v=_kv_strides(prob, v, paged),
         stride_o=prob.strides(out), stride_l=lse_strides(prob, params), **variant_args(params, prob),
-        **({} if paged else {"BlockTable": None}), stride_tb=table.stride(0) if table is not None else 0,
+        **({} if paged else {"BlockTable": None}), **({} if "Sink" in tensors else {"Sink": None}),
+        stride_tb=table.stride(0) if table is not None else 0,
         page_size=k.shape[1] if paged else 0, PAGED=paged,
         nheads=prob.nheads, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
         group_size=prob.nheads // prob.nheads_k,
