@@ -7,7 +7,7 @@ the GPU machine's Triton in a separate environment:
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0
     PYTHONPATH=src /tmp/t36/bin/python scripts/compile_check.py [--dtype bf16,fp32] [--hdims 64,96,128,256]
         [--options plain,causal,window,softcap,alibi,attn_mask,additive_mask,dropout,varlen,score_mod,mask_mod,
-         block_mask,'varlen seqused']
+         block_mask,'varlen seqused','varlen seqused sink',sink,sink_causal,sink_score_mod]
 """
 import argparse
 import itertools
@@ -61,8 +61,11 @@ OPTIONS = {"plain": {}, "causal": dict(window_right=0), "window": dict(window_le
            "softcap": dict(softcap=30.0), "alibi": dict(alibi_slopes=torch.rand(4)), "dropout": dict(dropout_p=0.1),
            "varlen": {}, "varlen alibi": dict(alibi_slopes=torch.rand(4), window_right=0),
            "varlen causal": dict(window_right=0), "varlen seqused": dict(window_right=0),
+           "varlen seqused sink": dict(window_right=0, learnable_sink=torch.randn(4)),
            "score_mod": {}, "mask_mod": dict(window_right=0), "block_mask": {},
-           "attn_mask": {}, "additive_mask": {}}
+           "attn_mask": {}, "additive_mask": {}, "sink": dict(learnable_sink=torch.randn(4)),
+           "sink_causal": dict(learnable_sink=torch.randn(4).bfloat16(), window_right=0),
+           "sink_score_mod": dict(learnable_sink=torch.randn(4))}
 
 
 def _mods(name: str, nq: int, nk: int, h: int):
@@ -88,7 +91,7 @@ def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
     opts = dict(OPTIONS[name])
     if "dropout_p" in opts:
         opts["rng_seed"] = torch.zeros(2, dtype=torch.int64)
-    if name in ("score_mod", "mask_mod", "block_mask"):
+    if name in ("score_mod", "mask_mod", "block_mask", "sink_score_mod"):
         opts["mods"] = _mods(name, nq, nk, h)
     if name in ("attn_mask", "additive_mask"):  # SDPA's, (batch, nheads, nq, nk): bool, or bf16 added
         mask = torch.rand(2, h, nq, nk) > 0.3
@@ -96,7 +99,7 @@ def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
     if name.startswith("varlen"):
         lens_q, lens_k = [nq, 1, 17], [nk, 9, 17]
         cu_q, cu_k = (torch.tensor([0] + lens).cumsum(0).to(torch.int32) for lens in (lens_q, lens_k))
-        if name == "varlen seqused":  # (each sequence using all but its last row)
+        if name.startswith("varlen seqused"):  # (each sequence using all but its last row)
             opts["seqused_q"], opts["seqused_k"] = (torch.tensor(lens, dtype=torch.int32) - 1
                                                     for lens in (lens_q, lens_k))
         q = torch.randn(sum(lens_q), h, d, dtype=dtype)
@@ -123,7 +126,8 @@ def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
 
 def compile_decode(dtype, d, paged: bool, tensor_seqlens: bool, scored: bool) -> str | None:
     """Compiles a decode step's kernels (the causal decode appending 2 new tokens and checking the
-    index tensors' values, the split combine; scored: with softcap and ALiBi) for a cache of 4 KV heads
+    index tensors' values, the split combine; scored: with softcap, ALiBi and a learnable sink, split
+    and not: the sink is counted by the combine or by the decode kernel) for a cache of 4 KV heads
     read by 8 query heads; returns the failure, or None."""
     q = torch.randn(2, 2, 8, d, dtype=dtype)
     k_new, v_new = (torch.randn(2, 2, 4, d, dtype=dtype) for _ in range(2))
@@ -132,9 +136,10 @@ def compile_decode(dtype, d, paged: bool, tensor_seqlens: bool, scored: bool) ->
     table = torch.arange(8, dtype=torch.int32).view(2, 4) if paged else None
     seqlens = torch.tensor([5, 100], dtype=torch.int32) if tensor_seqlens else 100
     try:
-        options = dict(softcap=30.0, alibi_slopes=torch.rand(8)) if scored else {}
-        attention.decode_forward(q, k_cache, v_cache, seqlens, 2, None, None, table, AttentionParams(d ** -0.5,
-                                 window_right=0, **options), 0, k_new, v_new)
+        options = dict(softcap=30.0, alibi_slopes=torch.rand(8), learnable_sink=torch.randn(8)) if scored else {}
+        for splits in (1, 4) if scored else (0,):
+            attention.decode_forward(q, k_cache, v_cache, seqlens, 2, None, None, table,
+                                     AttentionParams(d ** -0.5, window_right=0, **options), splits, k_new, v_new)
     except Exception as exc:  # a compiler pass or ptxas failing
         lines = str(exc).strip().splitlines() or [""]
         return f"decode: {type(exc).__name__}: {lines[-1][:120]}"

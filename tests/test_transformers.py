@@ -1,5 +1,6 @@
 """Hugging Face transformers with attn_implementation="cuflash": a small Llama-style model built
-from a config (random weights, no download) against attn_implementation="sdpa"."""
+from a config (random weights, no download) against attn_implementation="sdpa", and a small gpt-oss
+(attention sinks, sliding and full attention layers) against "eager"."""
 import pytest
 import torch
 
@@ -26,6 +27,30 @@ def _models(device, dtype):
     return ref.to(device), ours.to(device)
 
 
+def _gpt_oss_config():
+    """A tiny gpt-oss: a sliding-window layer (5 tokens) then a full one, as gpt-oss alternates them, with
+    GQA; every token takes both experts (no routing choice for rounding to flip)."""
+    return transformers.GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                                     num_experts_per_tok=2, sliding_window=5,
+                                     layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4096)
+
+
+def _gpt_oss_models(device, dtype):
+    """The eager gpt-oss (sinks concatenated to the logits) and the cuflash one with the same weights,
+    sinks of a size that weighs (gpt-oss initializes them near 0)."""
+    cuflash_hf.register()
+    torch.manual_seed(0)
+    ref = transformers.GptOssForCausalLM._from_config(_gpt_oss_config(), attn_implementation="eager", dtype=dtype)
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    ours = transformers.GptOssForCausalLM._from_config(_gpt_oss_config(), attn_implementation="cuflash", dtype=dtype)
+    ours.load_state_dict(ref.state_dict())
+    assert ours.config._attn_implementation == "cuflash"  # (not sent to a hub kernel it lists)
+    return ref.to(device), ours.to(device)
+
+
 @pytest.fixture(autouse=True)
 def cuflash_calls(monkeypatch):
     """Counts the integration's calls into cuflash, so that each test can assert which model ran it."""
@@ -47,10 +72,11 @@ def _run(model, calls, **inputs):
 
 
 def _batch(device, padding_side):
+    """Three sequences of 21, 13 and 5 tokens padded on padding_side ("none": all of 21 tokens)."""
     torch.manual_seed(1)
     ids = torch.randint(0, 97, (3, 21), device=device)
     mask = torch.ones(3, 21, dtype=torch.long, device=device)
-    lengths = [21, 13, 5]
+    lengths = [21, 13, 5] if padding_side != "none" else [21, 21, 21]
     for b, n in enumerate(lengths):
         if padding_side == "right":
             mask[b, n:] = 0
@@ -59,8 +85,8 @@ def _batch(device, padding_side):
     return ids, mask
 
 
-def check_logits_and_grads(device, dtype, padding_side, tol, calls):
-    ref, ours = _models(device, dtype)
+def check_logits_and_grads(device, dtype, padding_side, tol, calls, models=_models):
+    ref, ours = models(device, dtype)
     ids, mask = _batch(device, padding_side)
     results = []
     for model in (ref, ours):
@@ -76,8 +102,8 @@ def check_logits_and_grads(device, dtype, padding_side, tol, calls):
         assert ((grads[name] - g).norm() / g.norm()).item() < tol * 10, name
 
 
-def check_generate(device, dtype, calls):
-    ref, ours = _models(device, dtype)
+def check_generate(device, dtype, calls, models=_models):
+    ref, ours = models(device, dtype)
     ids, mask = _batch(device, "left")
     out_ref = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                            output_scores=True, return_dict_in_generate=True, pad_token_id=0)
@@ -114,6 +140,26 @@ def test_llama_on_gpu(padding_side, cuflash_calls):
     check_logits_and_grads("cuda", torch.bfloat16, padding_side, 2e-2, cuflash_calls)
     cuflash_calls.clear()
     check_generate("cuda", torch.float32, cuflash_calls)
+
+
+@pytest.mark.parametrize("padding_side", ["none", "left"])
+def test_gpt_oss_logits_and_gradients_match_eager_cpu(padding_side, cuflash_calls):
+    """gpt-oss's sinks (s_aux) run as learnable_sink, in the sliding-window layer and the full one, dense
+    and (with padding) varlen: logits and every gradient, the sinks' among them, as the eager model's."""
+    check_logits_and_grads("cpu", torch.float32, padding_side, 1e-5, cuflash_calls, _gpt_oss_models)
+
+
+def test_gpt_oss_generate_with_kv_cache_cpu(cuflash_calls):
+    check_generate("cpu", torch.float32, cuflash_calls, _gpt_oss_models)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("padding_side", ["none", "left"])
+def test_gpt_oss_on_gpu(padding_side, cuflash_calls):
+    check_logits_and_grads("cuda", torch.bfloat16, padding_side, 2e-2, cuflash_calls, _gpt_oss_models)
+    cuflash_calls.clear()
+    check_generate("cuda", torch.float32, cuflash_calls, _gpt_oss_models)
 
 
 def test_packed_sequences_without_padding_cpu(cuflash_calls):

@@ -6,7 +6,8 @@
 
 Models then build flash-attn style masks (None without padding, else the 2D (batch, seqlen) padding
 mask), and attention runs through flash_attn_func, or, with padding, through
-flash_attn_varlen_func on the unpadded tokens: no compute is spent on padding. The backward is
+flash_attn_varlen_func on the unpadded tokens: no compute is spent on padding. gpt-oss's attention
+sinks (the `s_aux` its attention hands over) run as learnable_sink, with their gradient. The backward is
 bitwise reproducible when the call passes deterministic=True, FLASH_ATTENTION_DETERMINISTIC=1 is
 set (as with transformers' flash-attn path) or torch.use_deterministic_algorithms is on. Needs
 transformers >= 4.56 (AttentionInterface and AttentionMaskInterface); `pip install
@@ -14,6 +15,7 @@ cuflash-attn[transformers]`.
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -32,9 +34,28 @@ def register(name: str = NAME) -> None:
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, flash_attention_mask)
     _serve_flash_imports(name)
+    _declare_compatible(name)
 
 
 _NAMES: set[str] = set()
+
+# Models that list the flash implementations they run with (transformers' _compatible_flash_implementations)
+# and send any other whose name contains "flash" to the first of them, by module and class: those whose needs
+# cuflash meets, tested: gpt-oss (its attention sinks, s_aux).
+COMPATIBLE_MODELS = (("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssPreTrainedModel"),)
+
+
+def _declare_compatible(name: str) -> None:
+    """Adds `name` to the listed flash implementations of COMPATIBLE_MODELS (through their private class
+    attribute; tested with transformers 5.24), so that such a model runs cuflash where it is asked for."""
+    for module, class_name in COMPATIBLE_MODELS:
+        try:
+            model = getattr(importlib.import_module(module), class_name)
+        except (ImportError, AttributeError):  # a transformers without the model
+            continue
+        listed = getattr(model, "_compatible_flash_implementations", None)
+        if listed is not None and name not in listed:
+            model._compatible_flash_implementations = [*listed, name]
 
 
 def _serve_flash_imports(name: str) -> None:
@@ -88,17 +109,18 @@ def _packed(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
-                      **kwargs) -> tuple[torch.Tensor, None]:
+                      s_aux: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query (B, H, Lq, D), key and value (B, Hk, Lk, D),
-    attention_mask None or a (B, Lk') bool padding mask (True = token); returns (out (B, Lq, H, D),
-    None). Causal attention aligns to the bottom-right corner, so decoding with a KV cache works."""
+    attention_mask None or a (B, Lk') bool padding mask (True = token), s_aux gpt-oss's sinks (H,);
+    returns (out (B, Lq, H, D), None). Causal attention aligns to the bottom-right corner, so decoding
+    with a KV cache works."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # flash layout views
     deterministic = kwargs.get("deterministic")
     if deterministic is None:
         deterministic = (os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
                          or torch.are_deterministic_algorithms_enabled())
     options = dict(_flash_options(module, scaling, sliding_window, softcap, is_causal), dropout_p=dropout,
-                   deterministic=deterministic)
+                   deterministic=deterministic, learnable_sink=s_aux)
     packed = _packed(kwargs)
     if packed is not None and attention_mask is None:  # padding-free training
         return flash_attn_varlen_func(q[0], k[0], v[0], *packed, **options)[None], None
