@@ -381,6 +381,98 @@ def _check_transformers_cp(rank, world):
     assert err < 1e-6, f"Gemma-2 on the mesh: logits error {err:.2e}"
 
 
+def _assert_sink_grad(local_sink, full_sink, tol, what):
+    """The sink's gradient, each rank's share summed over the ranks, against the one-process one."""
+    grad = local_sink.grad.clone()
+    dist.all_reduce(grad)
+    err = ((grad - full_sink.grad).norm() / full_sink.grad.norm()).item()
+    assert err < tol, f"{what}: dsink error {err:.2e}"
+
+
+def _check_sinks(rank, world):
+    """A learnable sink through the ring (both layouts, causal or not, packed), the all-to-all (dense,
+    packed) and register_context_parallel's attention (gpt-oss's s_aux), forward and backward, the
+    sink's gradient summed over the ranks, against one process; then a gpt-oss (sliding and full
+    layers) on the mesh against the eager model in one process."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import cuflash.integrations.transformers as cuflash_hf
+    mesh = init_device_mesh("cpu", (world,))
+    cuflash_hf.register_context_parallel(mesh, name="cp_sinks")
+    lens = [5, 9, 4, 6, 0, 6]  # 30 tokens: a multiple of 2 and 3
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    heads, heads_k = 2 * world, world
+    dense = [(ring_flash_attn_func, "contiguous", True), (ring_flash_attn_func, "zigzag", True),
+             (ring_flash_attn_func, "zigzag", False), (ulysses_flash_attn_func, "zigzag", True)]
+    for fn, layout, causal in dense:
+        torch.manual_seed(11)
+        q, k, v, dout = (torch.randn(2, 10 * world, h, 8, dtype=torch.float64) for h in (heads, heads_k, heads_k,
+                                                                                           heads))
+        full = [t.clone().requires_grad_() for t in (q, k, v, torch.randn(heads, dtype=torch.float64))]
+        ref = cuflash.flash_attn_func(*full[:3], causal=causal, learnable_sink=full[3])
+        ref.backward(dout)
+        local = [_shard(t, rank, world, layout).detach().clone().requires_grad_() for t in (q, k, v)]
+        local.append(full[3].detach().clone().requires_grad_())
+        out = fn(*local[:3], causal=causal, layout=layout, learnable_sink=local[3])
+        out.backward(_shard(dout, rank, world, layout))
+        what = f"{fn.__name__} layout={layout} causal={causal}"
+        _assert_matches(out, local, ref, full, lambda x: _unshard(x, world, layout), 1e-12, what)
+        _assert_sink_grad(local[3], full[3], 1e-12, what)
+    for fn, causal in ((ring_flash_attn_varlen_func, True), (ulysses_flash_attn_varlen_func, False)):
+        torch.manual_seed(12)
+        q, k, v, dout = (torch.randn(30, h, 8, dtype=torch.float64) for h in (heads, heads_k, heads_k, heads))
+        full = [t.clone().requires_grad_() for t in (q, k, v, torch.randn(heads, dtype=torch.float64))]
+        ref = cuflash.flash_attn_varlen_func(*full[:3], cu, cu, max(lens), max(lens), causal=causal,
+                                             learnable_sink=full[3])
+        ref.backward(dout)
+        local = [t.chunk(world)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
+        local.append(full[3].detach().clone().requires_grad_())
+        packed = (cu, max(lens)) if fn is ring_flash_attn_varlen_func else (cu, cu, max(lens), max(lens))
+        out = fn(*local[:3], *packed, causal=causal, learnable_sink=local[3])
+        out.backward(dout.chunk(world)[rank])
+        _assert_matches(out, local, ref, full, _gather_tokens, 1e-12, fn.__name__)
+        _assert_sink_grad(local[3], full[3], 1e-12, fn.__name__)
+    module = torch.nn.Module()
+    for opts in (dict(), dict(sliding_window=5)):  # the ring, then the all-to-all
+        torch.manual_seed(13)
+        q, k, v, dout = (torch.randn(2, 30, h, 8, dtype=torch.float64) for h in (heads, heads_k, heads_k, heads))
+        full = [t.clone().requires_grad_() for t in (q, k, v, torch.randn(heads, dtype=torch.float64))]
+        ref, _ = cuflash_hf.attention_forward(module, *(t.transpose(1, 2) for t in full[:3]), None, s_aux=full[3],
+                                              **opts)
+        ref.backward(dout)
+        local = [t.chunk(world, dim=1)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
+        local.append(full[3].detach().clone().requires_grad_())
+        out, _ = ALL_ATTENTION_FUNCTIONS["cp_sinks"](module, *(t.transpose(1, 2) for t in local[:3]), None,
+                                                     s_aux=local[3], **opts)
+        out.backward(dout.chunk(world, dim=1)[rank])
+        _assert_matches(out, local, ref, full, lambda x: _unshard(x, world, "contiguous"), 1e-12, f"cp {opts}")
+        _assert_sink_grad(local[3], full[3], 1e-12, f"cp {opts}")
+
+    def config():
+        return transformers.GptOssConfig(vocab_size=97, hidden_size=48, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=12, num_key_value_heads=6, head_dim=8,
+                                         num_local_experts=2, num_experts_per_tok=2, sliding_window=5,
+                                         layer_types=["sliding_attention", "full_attention"],
+                                         max_position_embeddings=4096)
+    cuflash_hf.register()  # (gpt-oss lists the flash implementations it runs; cp_sinks is not "flash")
+    torch.manual_seed(14)
+    ref = transformers.GptOssForCausalLM._from_config(config(), attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    ours = transformers.GptOssForCausalLM._from_config(config(), attn_implementation="cp_sinks", dtype=torch.float32)
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 97, (2, 8 * world))
+    positions = torch.arange(8 * world).expand(2, -1)
+    logits = ours(input_ids=context_parallel_shard(ids, mesh),
+                  position_ids=context_parallel_shard(positions, mesh)).logits
+    expected = ref(input_ids=ids).logits
+    err = ((_mesh_unshard(logits, mesh, "contiguous") - expected).norm() / expected.norm()).item()
+    assert err < 1e-5, f"gpt-oss on the mesh: logits error {err:.2e}"  # (its experts take no fp64)
+
+
 def _check_shards_checked_once(rank, world):
     """check_shards gathers the ranks' shapes once per signature: again for new shapes, a new layout or
     another group, not for repeats."""
@@ -410,7 +502,8 @@ CHECKS = {"full": _check_against_full, "strided": _check_strided_inputs, "mesh":
           "ulysses_varlen": _check_ulysses_varlen, "ring_varlen": _check_ring_varlen,
           "ulysses_heads": _check_ulysses_heads, "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag,
           "ring_softcap": _check_ring_softcap, "mesh_options": _check_mesh_options,
-          "transformers_cp": _check_transformers_cp, "checked_once": _check_shards_checked_once}
+          "transformers_cp": _check_transformers_cp, "checked_once": _check_shards_checked_once,
+          "sinks": _check_sinks}
 
 
 def _worker(rank, world, init_file, result_dir, check):
@@ -454,7 +547,7 @@ def _run(world, check):
 
 
 @pytest.mark.parametrize("check", ["full", "strided", "ring_varlen", "ulysses", "ulysses_varlen", "ring_softcap",
-                                   "mesh_options"])
+                                   "mesh_options", "sinks"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_matches_single_process(world, check):
     """The ring and the all-to-all, dense and packed, with 2 and 3 processes (the CHECKS above)."""

@@ -71,7 +71,7 @@ def context_parallel_shard(x: torch.Tensor, mesh, layout: str = "contiguous", di
 
 
 def context_parallel_attn_func(q, k, v, mesh, softmax_scale=None, causal=False, layout="contiguous", mode="auto",
-                               window_size=(-1, -1), softcap=0.0):
+                               window_size=(-1, -1), softcap=0.0, learnable_sink=None):
     """Exact attention over a sequence sharded across a context-parallel DeviceMesh
     (context_parallel_shard cuts the shards). q (batch, seqlen_local, nheads, headdim), k and v
     (batch, seqlen_local, nheads_k, headdim); returns this rank's shard of the output.
@@ -79,7 +79,9 @@ def context_parallel_attn_func(q, k, v, mesh, softmax_scale=None, causal=False, 
     mode: "ring", "ulysses" (all-to-all) or, on a 2-D mesh, "hybrid"; "auto" takes the hybrid on a
     2-D mesh and on a 1-D mesh auto_mode's choice. window_size, softcap: as flash_attn_func, over
     the global positions; a sliding window runs through the all-to-all only (the ring and the hybrid
-    raise UNSUPPORTED_FEATURE naming it; "auto" takes the all-to-all for it at any length)."""
+    raise UNSUPPORTED_FEATURE naming it; "auto" takes the all-to-all for it at any length).
+    learnable_sink: as flash_attn_func's, in every mode; its gradient is this rank's share (sum it
+    across the ranks, as every parameter's)."""
     _check_mode(mode)
     groups = _groups(mesh)
     window = _window_lacks(window_size, causal)
@@ -90,13 +92,14 @@ def context_parallel_attn_func(q, k, v, mesh, softmax_scale=None, causal=False, 
             fail(ErrorCode.UNSUPPORTED_FEATURE, f"{window}: a 2-D mesh runs the hybrid, whose ring cannot run it; "
                  "the all-to-all over a 1-D mesh (mode='ulysses') can")
         return hybrid_flash_attn_func(q, k, v, groups[0], groups[1], softmax_scale=softmax_scale, causal=causal,
-                                      layout=layout, softcap=softcap)
+                                      layout=layout, softcap=softcap, learnable_sink=learnable_sink)
     mode = _one_dim_mode(mode, mesh.size(), q.shape[2], k.shape[2], q.shape[1] * mesh.size(), window)
     if mode == "ulysses":
         return ulysses_flash_attn_func(q, k, v, group=groups[0], softmax_scale=softmax_scale, causal=causal,
-                                       window_size=window_size, softcap=softcap, layout=layout)
+                                       window_size=window_size, softcap=softcap, layout=layout,
+                                       learnable_sink=learnable_sink)
     return ring_flash_attn_func(q, k, v, group=groups[0], softmax_scale=softmax_scale, causal=causal, layout=layout,
-                                softcap=softcap)
+                                softcap=softcap, learnable_sink=learnable_sink)
 
 
 def _same_documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> bool:
@@ -112,7 +115,7 @@ def _same_documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> b
 
 def context_parallel_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mesh,
                                       softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                      mode="auto"):
+                                      mode="auto", learnable_sink=None):
     """context_parallel_attn_func for a packed batch of documents (flash_attn_varlen_func's layout)
     on a 1-D mesh: q (total_q / W, nheads, headdim) is this rank's contiguous share of the packed
     queries (context_parallel_shard(x, mesh, dim=0)), k and v (total_k / W, nheads_k, headdim) of the
@@ -120,8 +123,8 @@ def context_parallel_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_s
     max_seqlen_q / max_seqlen_k describe the whole batch, the same on every rank. The all-to-all
     (ulysses_flash_attn_varlen_func) takes every option; the ring (ring_flash_attn_varlen_func)
     self-attention without a sliding window, and raises UNSUPPORTED_FEATURE naming what else it is
-    given ("auto" takes the all-to-all for it at any length). Returns this rank's share of the
-    output, (total_q / W, nheads, headdim)."""
+    given ("auto" takes the all-to-all for it at any length). learnable_sink as
+    context_parallel_attn_func. Returns this rank's share of the output, (total_q / W, nheads, headdim)."""
     _check_mode(mode)
     if mesh.ndim != 1:
         fail(ErrorCode.UNSUPPORTED_FEATURE, f"packed documents (cu_seqlens_q) run on a 1-D mesh, got {mesh.ndim} "
@@ -134,6 +137,6 @@ def context_parallel_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_s
     if mode == "ulysses":
         return ulysses_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                               group=group, softmax_scale=softmax_scale, causal=causal,
-                                              window_size=window_size, softcap=softcap)
+                                              window_size=window_size, softcap=softcap, learnable_sink=learnable_sink)
     return ring_flash_attn_varlen_func(q, k, v, cu_seqlens_q, max_seqlen_q, group=group, softmax_scale=softmax_scale,
-                                       causal=causal, softcap=softcap)
+                                       causal=causal, softcap=softcap, learnable_sink=learnable_sink)

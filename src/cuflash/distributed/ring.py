@@ -1,7 +1,8 @@
 """Ring attention: each rank holds a shard of the sequence (a layout of shards.py); every rank's K/V
 shard reaches every other rank (torch.distributed batch_isend_irecv, the transfers started before the
 steps that use them), partial outputs merge exactly through their log-sum-exps, and the backward
-sends the dK/dV accumulators around the ring, one hop per step."""
+sends the dK/dV accumulators around the ring, one hop per step. A learnable sink is counted once, as
+the partial every row starts from (out 0, lse sink), and its gradient is this rank's rows' share."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -13,7 +14,9 @@ from .. import ops
 from ..backend import backend_name
 from ..dtypes import lse_dtype
 from ..params import AttentionParams
-from ..validate import check_attention_inputs, check_cu_seqlens, check_softcap, check_tensor, resolve_scale
+from ..sinks import empty_lse, sink_grad
+from ..validate import check_attention_inputs, check_cu_seqlens, check_learnable_sink, check_softcap, check_tensor, \
+    resolve_scale
 from .shards import check_shards, require_process_group
 
 # The most bytes of other ranks' K/V shards a rank gathers before its first step (_Ring.shards), and
@@ -168,15 +171,18 @@ def _batched(packed: bool, *tensors):
     return tuple(t[None] for t in tensors) if packed else tensors
 
 
-def _ring_forward(q, k, v, steps: list[list[Block]], packed: bool, group):
+def _ring_forward(q, k, v, sink, steps: list[list[Block]], packed: bool, group):
     """steps[s]: the blocks of step s, whose K/V shard is that of rank (rank - s); the same number of
-    steps on every rank."""
+    steps on every rank. sink: the learnable sink (H,) or None."""
     ring = _Ring(group)
     batch, seqlen, nheads, _ = q.shape
     acc_dtype = lse_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    lse = torch.full((batch, nheads, seqlen), float("inf"), dtype=lse_dtype(q.dtype), device=q.device)
-    merged = False
+    if sink is None:
+        lse = torch.full((batch, nheads, seqlen), float("inf"), dtype=acc_dtype, device=q.device)
+    else:  # every row starts from the sink's partial: out 0, lse sink (sinks.py)
+        lse = empty_lse(sink, (batch, nheads, seqlen), acc_dtype)
+    merged = sink is not None
     for blocks, kv in zip(steps, ring.shards([k, v], len(steps))):
         for qs, ks, params in blocks:
             q_b, k_b, v_b = _unbatched(packed, q[:, qs], kv[0][:, ks], kv[1][:, ks])
@@ -222,24 +228,29 @@ class _RingFlashAttn(torch.autograd.Function):
     """q, k, v (batch, seqlen_local, heads, headdim); a packed batch as a batch of one."""
 
     @staticmethod
-    def forward(ctx, q, k, v, steps, packed, group):
+    def forward(ctx, q, k, v, sink, steps, packed, group):
         # K and V travel between ranks, which takes contiguous tensors: gloo refuses others, and NCCL
         # would send the memory a strided view spans.
         k, v = k.contiguous(), v.contiguous()
-        out, lse = _ring_forward(q, k, v, steps, packed, group)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = _ring_forward(q, k, v, sink, steps, packed, group)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.args = (steps, packed, group)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None
+        dsink = None
+        if sink is not None:  # this rank's rows' share; delta = rowsum(dO * O), as (B, H, N)
+            delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1).transpose(1, 2)
+            dsink = sink_grad(sink, lse, delta)
+        return dq, dk, dv, dsink, None, None, None
 
 
-def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, layout="contiguous", softcap=0.0):
+def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, layout="contiguous", softcap=0.0,
+                         learnable_sink=None):
     """Exact attention over a sequence sharded across the ranks of `group` (default: the world).
 
     Args:
@@ -251,6 +262,8 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
         layout: how the sequence was cut: "contiguous" (rank r holds chunk r) or "zigzag"
             (see zigzag_shard; balances the causal work).
         softcap: as flash_attn_func (0: off).
+        learnable_sink: as flash_attn_func's, the same on every rank; its gradient here is this rank's
+            rows' share (sum it across the ranks, as every parameter's).
     Returns:
         this rank's shard of the output, (batch, seqlen_local, nheads, headdim).
     """
@@ -259,20 +272,22 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
     backend_name(q.device, q.dtype)
     check_shards(q, k, group, layout)
     scale, softcap = resolve_scale(softmax_scale, q.shape[-1]), check_softcap(softcap)
+    sink = check_learnable_sink(learnable_sink, q.shape[2], q.device)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     steps = [_dense_blocks(rank, (rank - s) % size, q.shape[1], bool(causal), layout, scale, softcap)
              for s in range(size)]
-    return _RingFlashAttn.apply(q, k, v, steps, False, group)
+    return _RingFlashAttn.apply(q, k, v, sink, steps, False, group)
 
 
 def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, softmax_scale=None, causal=False,
-                                softcap=0.0):
+                                softcap=0.0, learnable_sink=None):
     """ring_flash_attn_func for a packed batch of documents (flash_attn_varlen_func's layout, self-
     attention): q (total / W, nheads, headdim) is this rank's contiguous share of the packed tokens,
     k and v (total / W, nheads_k, headdim) of the same tokens' keys and values (pad the packed batch
     to a multiple of W; documents may cross the shares' edges). cu_seqlens ((batch + 1,) int32) and
     max_seqlen describe the whole batch, the same on every rank; causal masks within each document;
-    softcap as flash_attn_varlen_func. Returns this rank's share of the output, (total / W, nheads, headdim)."""
+    softcap and learnable_sink as ring_flash_attn_func. Returns this rank's share of the output, (total / W,
+    nheads, headdim)."""
     require_process_group("ring_flash_attn_varlen_func", "contiguous")
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 3, "(total / world_size, heads, headdim)")
@@ -285,5 +300,6 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, sof
                      f"the packed batch ({share} tokens on each of {size} ranks: pad it to a multiple of {size})",
                      q.device)
     scale, softcap = resolve_scale(softmax_scale, q.shape[-1]), check_softcap(softcap)
+    sink = check_learnable_sink(learnable_sink, q.shape[1], q.device)
     steps = packed_steps(cu_seqlens.tolist(), rank, size, share, bool(causal), scale, q.device, softcap)
-    return _RingFlashAttn.apply(q[None], k[None], v[None], steps, True, group)[0]
+    return _RingFlashAttn.apply(q[None], k[None], v[None], sink, steps, True, group)[0]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..backend import backend_name
 from ..errors import ErrorCode, fail
 from ..interface import flash_attn_func, flash_attn_varlen_func
-from ..validate import check_attention_inputs
+from ..validate import check_attention_inputs, check_learnable_sink
 from .ring import ring_flash_attn_func
 from .shards import check_shards, join_sequence, require_process_group, split_sequence
 
@@ -59,7 +59,7 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, group) -> None:
 
 
 def ulysses_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, window_size=(-1, -1),
-                            softcap=0.0, alibi_slopes=None, layout="contiguous"):
+                            softcap=0.0, alibi_slopes=None, layout="contiguous", learnable_sink=None):
     """Exact attention over a sequence sharded across the ranks of `group` (default: the world),
     by exchanging heads for sequence (all-to-all).
 
@@ -71,25 +71,29 @@ def ulysses_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=Fals
         softmax_scale, causal, window_size, softcap: as flash_attn_func, over the global positions.
         alibi_slopes: (nheads,) or (batch, nheads) fp32, the same on every rank.
         layout: how the sequence was cut: "contiguous" or "zigzag" (see shards.py).
+        learnable_sink: as flash_attn_func's, (nheads,), the same on every rank; its gradient here is
+            that of this rank's heads (0 for the others; sum it across the ranks, as every parameter's).
     Returns:
         this rank's shard of the output, (batch, seqlen_local, nheads, headdim).
     """
     require_process_group("ulysses_flash_attn_func", layout)
     if alibi_slopes is not None:  # this rank's heads
         alibi_slopes = alibi_slopes.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)]
+    sink = _rank_heads(learnable_sink, q, group)
     return _exchanged(q, k, v, group, layout, lambda a, b, c: flash_attn_func(
         a, b, c, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes))
+        alibi_slopes=alibi_slopes, learnable_sink=sink))
 
 
 def ulysses_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, group=None,
                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                   alibi_slopes=None):
+                                   alibi_slopes=None, learnable_sink=None):
     """ulysses_flash_attn_func for a packed batch of documents (flash_attn_varlen_func's layout): q
     (total_q / W, nheads, headdim) is this rank's contiguous share of the packed queries, k and v
     (total_k / W, nheads_k, headdim) of the keys and values (pad the packed batch to a multiple of W);
     cu_seqlens_q / cu_seqlens_k, max_seqlen_q / max_seqlen_k describe the whole batch, the same on
-    every rank. Returns this rank's share of the output, (total_q / W, nheads, headdim)."""
+    every rank; learnable_sink as ulysses_flash_attn_func. Returns this rank's share of the output,
+    (total_q / W, nheads, headdim)."""
     require_process_group("ulysses_flash_attn_varlen_func", "contiguous")
     world = dist.get_world_size(group)
     for name, t, cu in (("q", q, cu_seqlens_q), ("k", k, cu_seqlens_k)):
@@ -101,11 +105,22 @@ def ulysses_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
                  f"packed batch has {int(cu[-1])}: pad it to a multiple of {world}")
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.chunk(world, dim=-1)[dist.get_rank(group)]
+    sink = _rank_heads(learnable_sink, q[None], group)
     out = _exchanged(q[None], k[None], v[None], group, "contiguous", lambda a, b, c: flash_attn_varlen_func(
         a[0], b[0], c[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
-        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)[None],
-        same_positions=False)
+        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        learnable_sink=sink)[None], same_positions=False)
     return out[0]
+
+
+def _rank_heads(learnable_sink, q: torch.Tensor, group):
+    """This rank's share of a learnable sink (nheads,) of q (B, N, nheads, D): the heads the
+    all-to-all gives it (None without a sink); checked first."""
+    if learnable_sink is None:
+        return None
+    if isinstance(q, torch.Tensor) and q.dim() == 4:  # (q's own checks come later)
+        check_learnable_sink(learnable_sink, q.shape[2], q.device)
+    return learnable_sink.chunk(dist.get_world_size(group))[dist.get_rank(group)]
 
 
 def _exchanged(q, k, v, group, layout: str, attend, same_positions: bool = True):
@@ -118,16 +133,18 @@ def _exchanged(q, k, v, group, layout: str, attend, same_positions: bool = True)
     return _Exchange.apply(attend(q, k, v), group, layout, False)
 
 def hybrid_flash_attn_func(q, k, v, ring_group, a2a_group, softmax_scale=None, causal=False, layout="contiguous",
-                           softcap=0.0):
+                           softcap=0.0, learnable_sink=None):
     """All-to-all inside `a2a_group` (the GPUs of a node), ring across `ring_group` (the nodes): each
     rank holds shard a2a_rank of its ring shard (hybrid_shard), one all-to-all gives it the ring shard
     of nheads / A heads (A = a2a_group's size), ring attention runs over ring_group on those, and the
     output goes back the same way. layout: the ring's ("contiguous" or "zigzag"; see shards.py);
-    softcap as flash_attn_func. nheads and nheads_k must be multiples of A. Returns this rank's shard
-    of the output."""
+    softcap as flash_attn_func, learnable_sink as ulysses_flash_attn_func. nheads and nheads_k must be
+    multiples of A. Returns this rank's shard of the output."""
     require_process_group("hybrid_flash_attn_func", layout)
+    sink = _rank_heads(learnable_sink, q, a2a_group)
     return _exchanged(q, k, v, a2a_group, "contiguous", lambda a, b, c: ring_flash_attn_func(
-        a, b, c, group=ring_group, softmax_scale=softmax_scale, causal=causal, layout=layout, softcap=softcap))
+        a, b, c, group=ring_group, softmax_scale=softmax_scale, causal=causal, layout=layout, softcap=softcap,
+        learnable_sink=sink))
 
 
 def hybrid_shard(x: torch.Tensor, ring_rank: int, ring_size: int, a2a_rank: int, a2a_size: int,

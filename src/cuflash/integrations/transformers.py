@@ -146,8 +146,8 @@ def register_context_parallel(mesh, name: str = "cuflash_cp", layout: str = "con
     on a 1-D mesh whose ranks divide the head counts). Packed sequences (transformers' cu_seq_lens_q,
     cu_seq_lens_k, max_length_q, max_length_k of the whole packed row, the same on every rank) need
     the contiguous layout and a 1-D mesh (context_parallel_attn_varlen_func). No padding mask (train
-    on packed or full-length sequences) and no attention dropout. What the attention cannot do raises
-    FlashAttentionError naming it."""
+    on packed or full-length sequences) and no attention dropout; gpt-oss's sinks (s_aux) as learnable_sink
+    in every mode. What the attention cannot do raises FlashAttentionError naming it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
@@ -155,7 +155,7 @@ def register_context_parallel(mesh, name: str = "cuflash_cp", layout: str = "con
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                   sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
-                  **kwargs):
+                  s_aux: torch.Tensor | None = None, **kwargs):
         if attention_mask is not None:
             fail(ErrorCode.UNSUPPORTED_FEATURE, f"{name}: context parallelism takes no padding mask (attention_mask); "
                  "pass full-length or packed sequences")
@@ -163,7 +163,7 @@ def register_context_parallel(mesh, name: str = "cuflash_cp", layout: str = "con
             fail(ErrorCode.UNSUPPORTED_FEATURE, f"{name}: dropout={dropout}: context-parallel attention has no "
                  "attention dropout (set the model's attention_dropout to 0)")
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        options = _flash_options(module, scaling, sliding_window, softcap, is_causal)
+        options = dict(_flash_options(module, scaling, sliding_window, softcap, is_causal), learnable_sink=s_aux)
         packed = _packed(kwargs)
         if packed is None:
             return context_parallel_attn_func(q, k, v, mesh, layout=layout, mode=mode, **options), None
