@@ -46,11 +46,14 @@ FLASH_ATTN_2_8 = {
     "RotaryEmbedding.forward": [("self", _REQUIRED), ("qkv", _REQUIRED), ("kv", None), ("seqlen_offset", 0),
                                 ("max_seqlen", None), ("num_heads_q", None)],
 }
-# Keyword-only arguments after flash-attn 2's: FlashAttention-4's score_mod / mask_mod and FlashAttention-3's
-# attention_chunk; on the varlen functions FlashAttention-3's seqused_q / seqused_k.
+# Keyword-only arguments after flash-attn 2's: FlashAttention-4's score_mod / mask_mod, FlashAttention-3's
+# attention_chunk, on the varlen functions FlashAttention-3's seqused_q / seqused_k, and FlashAttention-4's
+# learnable_sink (the only one flash_attn_with_kvcache takes).
 MODS = [("score_mod", None), ("mask_mod", None), ("attention_chunk", 0)]
-EXTENSIONS = {name: MODS + ([("seqused_q", None), ("seqused_k", None)] if "varlen" in name else [])
-              for name in FLASH_ATTN_2_8 if name.startswith("flash_attn_") and "kvcache" not in name}
+SEQUSED = [("seqused_q", None), ("seqused_k", None)]
+SINK = [("learnable_sink", None)]
+EXTENSIONS = {name: SINK if "kvcache" in name else MODS + (SEQUSED if "varlen" in name else []) + SINK
+              for name in FLASH_ATTN_2_8 if name.startswith("flash_attn_")}
 # torch 2.x's torch.nn.functional.scaled_dot_product_attention
 SDPA = [("query", _REQUIRED), ("key", _REQUIRED), ("value", _REQUIRED), ("attn_mask", None), ("dropout_p", 0.0),
         ("is_causal", False), ("scale", None), ("enable_gqa", False)]
