@@ -10,18 +10,12 @@ from __future__ import annotations
 import torch
 
 
-def sink_rows(sink: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """sink (H,) against softmax_lse's rows, (B, H, N) or varlen (H, total): a (H, 1) view that
-    broadcasts against either, in lse's dtype."""
-    return sink.to(lse.dtype).view(-1, 1)
-
-
 def sink_grad(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """d loss / d sink, in sink's dtype: with the sink's probability P_i = exp(sink - lse_i) of each row
-    and delta_i = rowsum(dO_i * O_i) - dlse_i (lse and delta shaped like softmax_lse), d sink_h =
-    -sum over the rows of head h of P_i * delta_i (d out_i / d sink = -P_i out_i, d lse_i / d sink = P_i).
-    Rows with lse +inf (no key, no sink) add 0."""
-    grads = torch.exp(sink_rows(sink, lse) - lse) * delta
+    and delta_i = rowsum(dO_i * O_i) - dlse_i (lse and delta shaped like softmax_lse: (B, H, N), or
+    varlen (H, total)), d sink_h = -sum over the rows of head h of P_i * delta_i (d out_i / d sink =
+    -P_i out_i, d lse_i / d sink = P_i). Rows with lse +inf (no key, no sink) add 0."""
+    grads = torch.exp(sink.to(lse.dtype).view(-1, 1) - lse) * delta  # ((H, 1) broadcasts against both layouts)
     if grads.dim() == 3:  # (B, H, N)
         grads = grads.sum(0)
     return (-grads.sum(-1)).to(sink.dtype)
