@@ -378,8 +378,8 @@ def test_sink_on_gpu(dtype, shape, causal, family, monkeypatch):
     launched, launch_args = [], gluon_forward.launch_args
     monkeypatch.setattr(gluon_forward, "launch_args", lambda *args: launched.append(args[-1]) or launch_args(*args))
     cell = table_cell(q, head_dim, length, causal)
-    if family == "triton":
-        force_candidates(monkeypatch, forward=cell.forward[-1:])
+    # (the table's entry or its Triton forward, in launch plans of their own: every launch builds its arguments)
+    force_candidates(monkeypatch, **(dict(forward=cell.forward[-1:]) if family == "triton" else {}))
     # (with lse's gradient or not: without, up to 128 keys, the one-launch backward)
     check_sink(functools.partial(_flash, causal=causal), q, k, v, sink, lse_grad=causal, causal=causal)
     gluon_expected = (family == "table" and torch.cuda.get_device_capability() == (9, 0)
