@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import BOUNDS, CPU_DTYPES, case_id, interpret, make_qkv, paged_cache, rel_err, seed_of, varlen_batch
+from attn_testing import BOUNDS, CPU_DTYPES, case_id, interpret, make_qkv, paged_cache, rel_err, seed_of, \
+    varlen_batch, varlen_oracle
 from cuflash import ErrorCode, FlashAttentionError, ops
 from cuflash.params import AttentionParams
 from cuflash.reference import attention_reference
@@ -158,15 +159,9 @@ def test_sink_and_dropout_same_on_both_backends(monkeypatch):
         assert rel_err(ours, theirs.double()) < 1e-5, name
 
 
-def _varlen_oracle(q, k, v, sink, cu_q, cu_k, **options):
-    """The oracle one sequence at a time: out (total_q, H, D) and lse (H, total_q)."""
-    outs, lses = [], []
-    for b in range(len(cu_q) - 1):
-        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        out, lse = attention_reference(q[None, rows], k[None, keys], v[None, keys], learnable_sink=sink, **options)
-        outs.append(out[0])
-        lses.append(lse[0])
-    return torch.cat(outs), torch.cat(lses, dim=1)
+def _varlen_oracle(q, k, v, sink, cu_q, cu_k, used_q=None, used_k=None, **options):
+    """varlen_oracle with the sink: out (total_q, H, D) and lse (H, total_q)."""
+    return varlen_oracle(q, k, v, cu_q, cu_k, used_q, used_k, learnable_sink=sink, **options)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
@@ -196,6 +191,80 @@ def test_sink_varlen(backend, dtype):
     qkv = torch.stack((q2, q2, q2), dim=1)
     assert torch.equal(cuflash.flash_attn_varlen_qkvpacked_func(qkv, cu, 20, learnable_sink=sink),
                        cuflash.flash_attn_varlen_func(q2, q2, q2, cu, cu, 20, 20, learnable_sink=sink))
+
+
+def check_sink_seqused(lens_q, lens_k, used_q, used_k, heads, dtype, device="cpu", lse_grad=True, **options):
+    """flash_attn_varlen_func with seqused_q / seqused_k and a sink against the oracle of each sequence over
+    its used rows (out, lse, dq, dk, dv, dsink; heads: (nheads, nheads_k, head_dim)), dO and the lse's
+    gradient NaN on the rows past seqused_q: they are not read, and add nothing to any gradient, the
+    sink's included. Those rows have out 0, lse +inf (not the sink: they are no rows of the softmax)
+    and dq, dk, dv 0 exactly."""
+    q, k, v, cu_q, cu_k = varlen_batch(lens_q, lens_k, *heads, dtype, device)
+    sink = torch.randn(heads[0], device=device) * 2
+    seqused = {name: torch.tensor(used, dtype=torch.int32, device=device)
+               for name, used in (("seqused_q", used_q), ("seqused_k", used_k))}
+
+    def ours(a, b, c, s):
+        out, lse, _ = cuflash.flash_attn_varlen_func(a, b, c, cu_q, cu_k, max(lens_q), max(lens_k), learnable_sink=s,
+                                                     return_attn_probs=True, **seqused, **options)
+        return out, lse
+    unused_q, unused_k = (torch.ones(int(cu[-1]), dtype=torch.bool, device=device) for cu in (cu_q, cu_k))
+    for b in range(len(lens_q)):
+        unused_q[cu_q[b]:cu_q[b] + used_q[b]] = False
+        unused_k[cu_k[b]:cu_k[b] + used_k[b]] = False
+    dout = torch.randn_like(q)
+    dlse = torch.randn(heads[0], q.shape[0], device=device) if lse_grad else None
+    got = _grads(ours, (q, k, v, sink), dout.masked_fill(unused_q[:, None, None], float("nan")),
+                 None if dlse is None else dlse.masked_fill(unused_q, float("nan")))
+    oracle = functools.partial(_varlen_oracle, cu_q=cu_q.tolist(), cu_k=cu_k.tolist(), used_q=used_q, used_k=used_k,
+                               **options)
+    ref = _grads(oracle, [t.double() for t in (q, k, v, sink)], dout.double(),
+                 None if dlse is None else dlse.double())
+    out, lse, dq, dk, dv, _ = got
+    assert not out[unused_q].any() and torch.isposinf(lse[:, unused_q]).all()
+    assert not dq[unused_q].any() and not dk[unused_k].any() and not dv[unused_k].any()
+    assert torch.equal(torch.isposinf(ref[1]), torch.isposinf(lse))  # (the used rows' lse: finite, the sink's)
+    got, ref = list(got), list(ref)
+    got[1], ref[1] = lse[:, ~unused_q], ref[1][:, ~unused_q]
+    errors = {name: rel_err(a, b) for name, a, b in zip(NAMES, got, ref)}
+    assert all(err < BOUNDS[dtype] for err in errors.values()), f"errors {errors} above the bound {BOUNDS[dtype]}"
+
+
+# (lens_q, lens_k, used_q, used_k), options, whether lse has a gradient. Sequences cut by seqused_q and
+# seqused_k, one using no query row, one no key (its rows: out 0, lse = sink), one with more used queries
+# than keys (causal: rows with no key); the short one's keys (up to 32) take the one-launch backward
+# without an lse gradient, which computes delta itself.
+SEQUSED_CASES = {
+    "causal": (([3, 17, 1, 12, 9], [11, 17, 2, 40, 9], [2, 17, 0, 12, 9], [7, 0, 1, 33, 4]), dict(causal=True),
+               True),
+    "window softcap, short": (([5, 20, 3, 1], [9, 32, 7, 17], [2, 20, 0, 1], [0, 30, 7, 17]),
+                              dict(window_size=(5, 2), softcap=3.0), False),
+}
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", SEQUSED_CASES)
+def test_sink_with_seqused(backend, case, dtype):
+    lens, options, lse_grad = SEQUSED_CASES[case]
+    torch.manual_seed(seed_of(case, str(dtype)))
+    check_sink_seqused(*lens, (4, 2, 24), dtype, lse_grad=lse_grad, **options)
+
+
+def test_sink_with_seqused_and_no_key(backend):
+    """No key in the whole batch (nothing launched): the used query rows' lse is the sink, whose gradient
+    is their lse's summed; the rows past seqused_q keep lse +inf and add nothing (NaN there unread)."""
+    q = torch.randn(7, 4, 16)
+    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    sink = torch.randn(4, requires_grad=True)
+    out, lse, _ = cuflash.flash_attn_varlen_func(q, q[:0], q[:0], cu_q, cu_k, 4, 0, learnable_sink=sink,
+                                                 seqused_q=torch.tensor([1, 4], dtype=torch.int32),
+                                                 seqused_k=torch.zeros(2, dtype=torch.int32), return_attn_probs=True)
+    used = torch.tensor([True, False, False, True, True, True, True])
+    assert not out.any() and torch.isposinf(lse[:, ~used]).all()
+    assert torch.equal(lse[:, used], sink.detach()[:, None].expand(4, 5))
+    dlse = torch.randn_like(lse).masked_fill(~used, float("nan"))
+    lse.backward(dlse)
+    assert torch.allclose(sink.grad, dlse[:, used].sum(1))
 
 
 def test_sink_packed_dense_variants(backend):
@@ -424,6 +493,17 @@ def test_sink_variants_on_gpu(dtype, variant):
         check_sink(functools.partial(_flash, deterministic=True, **options), q, k, v, sink, **options)
     else:
         check_sink(functools.partial(_flash, **options), q, k, v, sink, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lse_grad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_sink_with_seqused_on_gpu(dtype, lse_grad):
+    """check_sink_seqused on the compiled kernels (GQA 8:2, head dim 128): sequences of 1 to 1030 rows cut
+    by seqused (seqlen_q > and < seqlen_k), one with seqused_k 0, one using every row."""
+    torch.manual_seed(50 + lse_grad)
+    check_sink_seqused([1, 17, 1000, 300, 513, 64], [5, 17, 1000, 1030, 1030, 1], [1, 9, 1000, 299, 100, 64],
+                       [5, 0, 999, 40, 1030, 1], (8, 2, 128), dtype, "cuda", lse_grad=lse_grad, causal=True)
 
 
 @pytest.mark.gpu

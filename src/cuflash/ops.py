@@ -285,8 +285,8 @@ class _Attention(torch.autograd.Function):
 class _Empty(torch.autograd.Function):
     """Attention with no query or no key (a dim of size 0): out 0 and softmax_lse +inf, gradients 0,
     as flash-attn gives for seqlen_k = 0 and torch SDPA for every empty input; nothing is launched.
-    With a learnable sink (`sink`, params.learnable_sink), softmax_lse is the sink's logit, whose
-    gradient is then lse's summed over the rows (as FlashAttention-4)."""
+    With a learnable sink (`sink`, params.learnable_sink), softmax_lse is the sink's logit (+inf on the
+    rows past seqused_q), whose gradient is then lse's summed over the rows (as FlashAttention-4)."""
 
     @staticmethod
     def forward(ctx, q, k, v, params: AttentionParams, sink):
@@ -296,6 +296,8 @@ class _Empty(torch.autograd.Function):
             ctx.mark_non_differentiable(lse)
         else:
             lse = empty_lse(sink, shape, lse_dtype(q.dtype))
+            if params.seqused_q is not None:  # (rows past seqused_q are no rows of the softmax: +inf)
+                lse = lse.masked_fill(_past_seqused_q(params, q.shape[0]), float("inf"))
         ctx.save_for_backward(q, k, v, sink, lse)
         return torch.zeros_like(q, memory_format=torch.contiguous_format), lse
 
@@ -306,6 +308,14 @@ class _Empty(torch.autograd.Function):
         if sink is not None:  # (the rows' delta is -dlse: out is 0)
             dsink = sink_grad(sink, lse, -dlse) if dlse is not None else torch.zeros_like(sink)
         return (*(torch.zeros_like(t) for t in (q, k, v)), None, dsink)
+
+
+def _past_seqused_q(p: AttentionParams, total_q: int) -> torch.Tensor:
+    """(total_q,) bool: the query rows of a varlen batch past their sequence's seqused_q (on the device)."""
+    assert p.cu_seqlens_q is not None and p.seqused_q is not None
+    rows = torch.arange(total_q, dtype=p.cu_seqlens_q.dtype, device=p.cu_seqlens_q.device)
+    seq = torch.searchsorted(p.cu_seqlens_q[1:], rows, right=True)  # (each row's sequence)
+    return rows - p.cu_seqlens_q[seq] >= p.seqused_q[seq]
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams, plans: dict | None = None):

@@ -14,7 +14,9 @@ def sink_grad(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> tor
     """d loss / d sink, in sink's dtype: with the sink's probability P_i = exp(sink - lse_i) of each row
     and delta_i = rowsum(dO_i * O_i) - dlse_i (lse and delta shaped like softmax_lse: (B, H, N), or
     varlen (H, total)), d sink_h = -sum over the rows of head h of P_i * delta_i (d out_i / d sink =
-    -P_i out_i, d lse_i / d sink = P_i). Rows with lse +inf (no key, no sink) add 0."""
+    -P_i out_i, d lse_i / d sink = P_i). Rows with lse +inf (past seqused_q, or no key and a sink of
+    -inf) add 0 whatever their delta: their dO and dlse are not read (NaN there stays out)."""
+    delta = delta.masked_fill(torch.isposinf(lse), 0.0)
     grads = torch.exp(sink.to(lse.dtype).view(-1, 1) - lse) * delta  # ((H, 1) broadcasts against both layouts)
     if grads.dim() == 3:  # (B, H, N)
         grads = grads.sum(0)
