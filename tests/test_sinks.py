@@ -451,8 +451,9 @@ def test_sink_on_gpu(dtype, shape, causal, family, monkeypatch):
     force_candidates(monkeypatch, **(dict(forward=cell.forward[-1:]) if family == "triton" else {}))
     # (with lse's gradient or not: without, up to 128 keys, the one-launch backward)
     check_sink(functools.partial(_flash, causal=causal), q, k, v, sink, lse_grad=causal, causal=causal)
+    # (the Gluon kernels take head dims 64, 128 and 256: at 96 the table's cell for 128 runs Triton)
     gluon_expected = (family == "table" and torch.cuda.get_device_capability() == (9, 0)
-                      and isinstance(cell.forward[0], gluon.Forward))
+                      and isinstance(cell.forward[0], gluon.Forward) and head_dim in (64, 128, 256))
     assert bool(launched) == gluon_expected
 
 
