@@ -20,7 +20,7 @@ from cuflash.dropout import head_ids, keep_mask
 from cuflash.integrations import sdpa
 from cuflash.reference import attention_reference
 
-from attn_testing import rel_err, varlen_reference
+from attn_testing import count_plan_lookups, interpret, rel_err, varlen_reference
 
 needs_hook = pytest.mark.skipif(not sdpa.available(), reason="this torch takes no SDPA providers")
 aten = torch.ops.aten
@@ -104,7 +104,7 @@ def test_calls_cuflash_does_not_take_run_torchs_kernel(monkeypatch):
     strided = torch.randn(1, 2, 8, 32)[..., ::2]
     big = _bhnd(1, 2, 8, 264)
     cases = [((q, q, q, 0.0, False, True), {}), ((q, q, q, 1.0), {}), ((strided, q, q), {}), ((big, big, big), {}),
-             ((q, q, q.to(torch.float16)), {})]
+             ((q, q, q.to(torch.float16)), {}), ((q[0], q[0], q[0]), {})]
     for args, kwargs in cases:
         assert sdpa.sdpa_forward(*args, **kwargs) == "torch's"
     args, _ = kernels["_scaled_dot_product_flash_attention"].calls[0]
@@ -125,6 +125,24 @@ def test_calls_cuflash_does_not_take_run_torchs_kernel(monkeypatch):
                               scale=None) != "torch's"  # taken: the call is cuflash's
     assert sdpa.sdpa_backward(q.double(), q, q, q, q, torch.zeros(1, 2, 8), None, None, 8, 8, 0.0, False, cu, cu) \
         == "torch's"  # a grad_out of another dtype
+
+
+@interpret
+def test_a_repeated_sdpa_call_runs_its_kept_launch_plan(monkeypatch):
+    """The SDPA op's forward keeps its launch plans per call signature (memo.remembered) as
+    cuflash.scaled_dot_product_attention does: a repeat with new data looks nothing up; new options
+    (scale, is_causal) make plans of their own."""
+    from cuflash.kernels import attention as kernels
+    looked_up = count_plan_lookups(monkeypatch, kernels)
+    query, key, value = (_bhnd(1, 2, 24, 16) for _ in range(3))
+    first = sdpa.sdpa_forward(query, key, value, 0.0, True)[0]
+    assert looked_up == ["attention_forward"]
+    assert torch.equal(sdpa.sdpa_forward(query, key, value, 0.0, True)[0], first)
+    again = [t + 1 for t in (query, key, value)]
+    sdpa.sdpa_forward(*again, 0.0, True)
+    assert looked_up == ["attention_forward"]
+    sdpa.sdpa_forward(*again, 0.0, True, scale=0.5)
+    assert looked_up == ["attention_forward"] * 2
 
 
 def test_without_a_torch_kernel_the_fallback_says_so(monkeypatch):
@@ -384,8 +402,9 @@ def test_gpu_varlen_attn(window, restored):
 @pytest.mark.gpu
 @needs_hook
 def test_gpu_dropout_is_cuflashs_and_its_backward_matches(restored):
-    """Under the provider, F.scaled_dot_product_attention's dropout is cuflash's: the same seed drawn
-    from torch's generator gives cuflash.scaled_dot_product_attention's output and gradients."""
+    """Under the provider, F.scaled_dot_product_attention's dropout is cuflash's, its backward
+    regenerating the forward's mask: the same seed drawn from torch's generator gives
+    cuflash.scaled_dot_product_attention's output and gradients."""
     shape = (2, 4, 333, 64)
     inputs = [torch.randn(shape, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
     grad_out = torch.randn_like(inputs[0])
@@ -396,8 +415,8 @@ def test_gpu_dropout_is_cuflashs_and_its_backward_matches(restored):
     torch.manual_seed(5)
     theirs = _fwd_bwd(lambda q, k, v: cuflash.scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True),
                       inputs, grad_out)
-    for a, b in zip(ours, theirs):
-        assert torch.equal(a, b)
+    for a, b in zip(ours, theirs):  # (another mask would differ by tens of percent; dQ's adds vary in order)
+        assert rel_err(a, b) < 1e-2
 
 
 @pytest.mark.gpu

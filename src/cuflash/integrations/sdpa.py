@@ -42,7 +42,7 @@ from .. import ops
 from ..backend import backend_name
 from ..dropout import draw_seed
 from ..errors import ErrorCode, FlashAttentionError, fail
-from ..memo import checked, signature
+from ..memo import remembered, signature
 from ..params import AttentionParams
 from ..validate import check_attention_inputs
 
@@ -121,9 +121,11 @@ def _torch_op(name: str, *args, **kwargs):
     return kernel.call_boxed(_CUDA_KEYS, *args, **kwargs)  # type: ignore[attr-defined]
 
 
-def _servable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether cuflash takes q (B, Nq, H, D), k and v (B, Nk, Hk, D): what flash_attn_func's checks
-    and its backend accept, checked once per call signature (memo.py)."""
+def _checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *options) -> tuple[bool, dict | None]:
+    """(whether cuflash takes q (B, Nq, H, D), k and v (B, Nk, Hk, D): what flash_attn_func's checks
+    and its backend accept; the dict in which the backend keeps the launch plans of the call signature
+    with `options`, those of the call's options its plans depend on), once per call signature
+    (memo.remembered)."""
     def build() -> bool:
         try:
             check_attention_inputs(q, k, v, ("query", "key", "value"), empty=True)
@@ -131,7 +133,11 @@ def _servable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         except FlashAttentionError:
             return False
         return True
-    return checked(signature((q, k, v), NAME), build)
+    return remembered(signature((q, k, v), NAME, *options), build)
+
+
+def _servable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return _checked(q, k, v)[0]
 
 
 def _packed_servable(q, k, v, cum_seq_q, cum_seq_k) -> bool:
@@ -159,11 +165,11 @@ def _params(q: torch.Tensor, scale, is_causal: bool, window_left, window_right, 
                            deterministic=torch.are_deterministic_algorithms_enabled())
 
 
-def _forward(q, k, v, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of cuflash's backend. The dispatcher calls the override below autograd, which has
-    recorded the aten op already: nothing here records a graph."""
+def _forward(q, k, v, params: AttentionParams, plans: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of cuflash's backend (plans: _checked's). The dispatcher calls the override below
+    autograd, which has recorded the aten op already: nothing here records a graph."""
     with torch.no_grad():
-        return ops.forward(q, k, v, params)
+        return ops.forward(q, k, v, params, plans)
 
 
 def _backward(grad_out, q, k, v, out, lse, params: AttentionParams):
@@ -192,16 +198,24 @@ def _dropout_ok(dropout_p) -> bool:
     return 0.0 <= dropout_p < 1.0
 
 
+def _flash_layout(query, key, value) -> tuple:
+    """(B, N, H, D) views of the SDPA op's (B, H, N, D) inputs; Nones where they are not 4-D."""
+    if not query.ndim == key.ndim == value.ndim == 4:
+        return None, None, None
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+
 def sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     """aten::_scaled_dot_product_flash_attention: query (B, H, Nq, D), key and value (B, Hk, Nk, D) ->
     (output (B, H, Nq, D), logsumexp (B, H, Nq) fp32, None, None, Nq, Nk, rng_state, unused,
     debug_attn_mask (empty))."""
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    if return_debug_mask or not _dropout_ok(dropout_p) or query.ndim != 4 or not _servable(q, k, v):
+    q, k, v = _flash_layout(query, key, value)
+    servable, plans = (False, None) if q is None else _checked(q, k, v, scale, is_causal)
+    if return_debug_mask or not _dropout_ok(dropout_p) or not servable:
         return _torch_op("_scaled_dot_product_flash_attention", query, key, value, dropout_p, is_causal,
                          return_debug_mask, scale=scale)
     params = _params(q, scale, is_causal, None, None, dropout_p)
-    out, lse = _forward(q, k, v, params)
+    out, lse = _forward(q, k, v, params, plans)
     return (out.transpose(1, 2), lse, None, None, query.shape[2], key.shape[2], *_rng_state(q, params),
             _no_debug_mask(q))
 
@@ -210,9 +224,9 @@ def sdpa_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_se
                   is_causal, philox_seed, philox_offset, *, scale=None):
     """aten::_scaled_dot_product_flash_attention_backward: (grad_query, grad_key, grad_value) shaped
     like query, key, value, from sdpa_forward's output, logsumexp and rng_state (philox_seed)."""
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    if (not _dropout_ok(dropout_p) or query.ndim != 4 or grad_out.shape != query.shape
-            or grad_out.dtype != query.dtype or not _servable(q, k, v)):
+    q, k, v = _flash_layout(query, key, value)
+    if (q is None or not _dropout_ok(dropout_p) or grad_out.shape != query.shape or grad_out.dtype != query.dtype
+            or not _servable(q, k, v)):
         return _torch_op("_scaled_dot_product_flash_attention_backward", grad_out, query, key, value, out, logsumexp,
                          cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset,
                          scale=scale)
