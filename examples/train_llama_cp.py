@@ -6,6 +6,14 @@ without parallelism on the same data (--dp 1 --cp 1).
 
     torchrun --nproc_per_node=8 examples/train_llama_cp.py --cp 8 --seq-len 131072     # 8 GPUs, 128k
     torchrun --nproc_per_node=2 examples/train_llama_cp.py --device cpu --cp 2         # a toy on the CPU
+
+With --doc-len, each row packs documents of that many tokens (the last one shorter), attention and the
+next-token targets stay within each document (transformers' padding-free cu_seq_lens_* kwargs), and
+context_parallel_shard cuts the packed row: --layout zigzag cuts every document into 2 x cp chunks,
+which balances the ring's causal work over long documents (lengths multiples of 2 x cp).
+
+    torchrun --nproc_per_node=4 examples/train_llama_cp.py --cp 4 --batch 1 --seq-len 262144 \
+        --doc-len 65536 --layout zigzag --cp-mode ring
 """
 from __future__ import annotations
 
@@ -31,6 +39,8 @@ def parse(argv=None):
     p.add_argument("--cp-mode", default="auto", choices=["auto", "ring", "ulysses"],
                    help="a 1-D cp group's exchange (auto: the all-to-all up to 128k tokens where the heads divide)")
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--doc-len", type=int, default=0,
+                   help="pack each row with documents of this many tokens (0: one sequence per row); needs --batch 1")
     p.add_argument("--batch", type=int, default=2, help="sequences per data-parallel rank")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -44,6 +54,8 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.cp_inner and args.cp_mode != "auto":
         p.error("--cp-mode is a 1-D cp group's choice: with --cp-inner the cp group runs the hybrid")
+    if args.doc_len and (args.batch != 1 or args.cp_inner):
+        p.error("--doc-len packs one row per rank (--batch 1) on a 1-D cp group (no --cp-inner)")
     return args
 
 
@@ -63,6 +75,20 @@ def batches(args, dp_rank: int, device):
     for _ in range(args.steps):
         ids = torch.randint(0, args.vocab, (args.dp * args.batch, args.seq_len), generator=generator)
         yield ids[dp_rank * args.batch:(dp_rank + 1) * args.batch].to(device)
+
+
+def packing(args, device) -> dict:
+    """A row's packed documents: the model's padding-free kwargs (prefix sums of the whole row, the
+    same on every rank), their position ids and the positions that have a next token in their
+    document; without --doc-len, one sequence."""
+    lengths = [min(args.doc_len, args.seq_len - start) for start in range(0, args.seq_len, args.doc_len)] \
+        if args.doc_len else [args.seq_len]
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths)) \
+        if args.doc_len else {}
+    return dict(kwargs=kwargs, cu=cu if args.doc_len else None, positions=positions,
+                last=torch.isin(torch.arange(args.seq_len, device=device), cu[1:] - 1))
 
 
 def main(argv=None) -> list[float]:
@@ -102,16 +128,18 @@ def main(argv=None) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
     start = time.perf_counter()
+    packed = packing(args, device)
     for step, ids in enumerate(batches(args, dp_rank, device)):
-        positions = torch.arange(args.seq_len, device=device).expand_as(ids)
-        targets = F.pad(ids[:, 1:], (0, 1), value=-100)  # the next token; none after the last
+        positions = packed["positions"].expand_as(ids)
+        # the next token of the document; none after a document's last
+        targets = F.pad(ids[:, 1:], (0, 1)).masked_fill(packed["last"], -100)
+        count = int((targets != -100).sum())  # the targets of this rank's sequences, whole
         if cp_mesh is not None:
             from cuflash.distributed import context_parallel_shard
-            ids, positions, targets = (context_parallel_shard(t, cp_mesh, args.layout)
+            ids, positions, targets = (context_parallel_shard(t, cp_mesh, args.layout, cu_seqlens=packed["cu"])
                                        for t in (ids, positions, targets))
-        logits = model(input_ids=ids, position_ids=positions).logits
+        logits = model(input_ids=ids, position_ids=positions, **packed["kwargs"]).logits
         loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
-        count = (args.seq_len - 1) * ids.shape[0]  # the targets of this rank's sequences, whole
         (loss_sum / count * loss_scale).backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -1,8 +1,11 @@
 """Context parallelism on several GPUs: correctness against one process, then per-GPU throughput of the
-ring, the all-to-all, (with --inner) the hybrid and (packed) the ring over packed documents of
---doc-tokens each, against one GPU attending over the same per-GPU length (each rank's GPU alone, their
-mean; of such documents; repeated to a rank's share of the work, so that both run about as long), with
-the time of each exchange and of the compute beside it, and the most GPU memory a rank held.
+ring, the all-to-all, (with --inner) the hybrid and the ring over packed documents of --doc-tokens each
+(packed: in contiguous shares; packed_zigzag: each document cut into 2W chunks, which balances the causal
+work), against one GPU attending over the same per-GPU length (each rank's GPU alone, their mean; of such
+documents; repeated to a rank's share of the work, so that both run about as long), and against one GPU
+at its best, on one causal sequence of --ref-tokens (16k) tokens with the same heads, head dim and dtype
+(one_gpu_16k_tflops_fwdbwd, efficiency_vs_16k_fwdbwd), with the time of each exchange and of the compute
+beside it, and the most GPU memory a rank held.
 Writes cp_bench.csv (a row per run) and cp_bench.png (efficiency against tokens).
 Causal, bf16, D=128, 32 query heads and 8 KV heads by default.
 
@@ -22,10 +25,12 @@ import torch.distributed as dist
 import cuflash
 from cuflash.distributed import context_parallel_attn_func, context_parallel_shard, ring_flash_attn_varlen_func
 from cuflash.distributed.ring import packed_steps
+from cuflash.distributed.shards import split_packed
 
 FIELDS = ["world_size", "tokens", "tokens_per_gpu", "mode", "layout", "fwd_ms", "fwdbwd_ms", "tflops_per_gpu_fwd",
           "tflops_per_gpu_fwdbwd", "one_gpu_tflops_fwd", "one_gpu_tflops_fwdbwd", "efficiency_fwd",
-          "efficiency_fwdbwd", "ring_steps", "step_ms", "exchange_ms", "step_bwd_ms", "exchange_bwd_ms", "peak_gib"]
+          "efficiency_fwdbwd", "one_gpu_16k_tflops_fwdbwd", "efficiency_vs_16k_fwdbwd", "ring_steps", "step_ms",
+          "exchange_ms", "step_bwd_ms", "exchange_bwd_ms", "peak_gib"]
 TIMING = {"reps": 5, "warmup": 2}  # --reps, --warmup
 
 
@@ -60,7 +65,7 @@ def setup(mesh, mode, tokens, args, device):
     context-parallel call on shards; the one-process call on whole tensors; its causal FLOPs; the
     ring steps it takes, 1 for the all-to-all)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if mode != "packed":
+    if not mode.startswith("packed"):
         return (lambda t: context_parallel_shard(t, mesh, args.layout),
                 lambda a, b, c: context_parallel_attn_func(a, b, c, mesh, causal=True, layout=args.layout, mode=mode),
                 lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=True),
@@ -69,17 +74,25 @@ def setup(mesh, mode, tokens, args, device):
     lengths = [min(args.doc_tokens, tokens - start) for start in range(0, tokens, args.doc_tokens)]
     cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
     longest = max(lengths)
-    steps = len(packed_steps(cu.tolist(), rank, world, tokens // world, True, 1.0, torch.device("cpu")))
-    return (lambda t: t.chunk(world)[rank],
-            lambda a, b, c: ring_flash_attn_varlen_func(a, b, c, cu, longest, group=mesh.get_group(0), causal=True),
+    layout = packed_layout(mode)
+    steps = world if layout == "zigzag" else \
+        len(packed_steps(cu.tolist(), rank, world, tokens // world, True, 1.0, torch.device("cpu")))
+    return (lambda t: split_packed(t, cu, world, layout)[rank],
+            lambda a, b, c: ring_flash_attn_varlen_func(a, b, c, cu, longest, group=mesh.get_group(0), causal=True,
+                                                        layout=layout),
             lambda a, b, c: cuflash.flash_attn_varlen_func(a, b, c, cu, cu, longest, longest, causal=True),
             sum(4 * args.heads * n * n * args.dim / 2 for n in lengths), steps)
+
+
+def packed_layout(mode: str) -> str:
+    """How a packed mode cuts the documents among the ranks (cuflash.distributed.shards)."""
+    return "zigzag" if mode == "packed_zigzag" else "contiguous"
 
 
 def check(mesh, mode, args, device, dtype):
     """Relative error of out, dq, dk, dv against one process on the whole sequence (every rank)."""
     shard, attend, whole, _, _ = setup(mesh, mode, args.check_tokens, args, device)
-    q, k, v, dout = problem(args.check_tokens, args, dtype, device, mode == "packed")
+    q, k, v, dout = problem(args.check_tokens, args, dtype, device, mode.startswith("packed"))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = whole(*full)
     ref.backward(dout)
@@ -112,7 +125,7 @@ def peak_gib(device) -> float:
 def exchange_ms(mesh, mode, tensors, device) -> float:
     """One exchange of `tensors`: a hop around the ring (ring, packed: each to the next rank, from the
     previous), or an all-to-all of each (ulysses; the hybrid's within a node)."""
-    ring = mode in ("ring", "packed")
+    ring = mode == "ring" or mode.startswith("packed")
     group = mesh.get_group(0 if ring else mesh.ndim - 1)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if ring:
@@ -142,7 +155,7 @@ def exchanges(mesh, mode, q, k, v, fwd_ms, fwdbwd_ms, steps, device) -> dict:
     (exchange_bwd_ms: a hop of K/V and of dK/dV together); a ring of one step exchanges nothing (0).
     The all-to-all's exchanges (q, k, v; the backward: dout, dq, dk, dv) run between its computations,
     once per call."""
-    ring = mode in ("ring", "packed")
+    ring = mode == "ring" or mode.startswith("packed")
     grads = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)] if ring else [q, q, k, v]
     moves = not ring or steps > 1
     return dict(ring_steps=steps, step_ms=fwd_ms / steps,
@@ -157,7 +170,8 @@ def run(mesh, mode, tokens, args, device, dtype) -> dict:
     _, attend, _, flops, steps = setup(mesh, mode, tokens, args, device)
     # Timing needs no whole problem: each rank draws its shard's shape (cutting shards out of the
     # whole problem built on every rank took 20 GiB a rank at 1M tokens, beside the call's own).
-    *local, local_dout = problem(per_gpu, args, dtype, device, mode == "packed", seed=1 + dist.get_rank())
+    packed = mode.startswith("packed")
+    *local, local_dout = problem(per_gpu, args, dtype, device, packed, seed=1 + dist.get_rank())
     local = [t.requires_grad_() for t in local]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -165,7 +179,7 @@ def run(mesh, mode, tokens, args, device, dtype) -> dict:
     both = timed(lambda: torch.autograd.grad(attend(*local), local, local_dout), device)
     peak = peak_gib(device)
     _, _, whole, one_flops, _ = setup(mesh, mode, per_gpu, args, device)
-    one = [t.requires_grad_() for t in problem(per_gpu, args, dtype, device, mode == "packed")[:3]]
+    one = [t.requires_grad_() for t in problem(per_gpu, args, dtype, device, packed)[:3]]
     # The one-GPU call runs as many times back to back as a rank's share of the work holds its work
     # (world times for a causal sequence, once for packed documents), so that both timings last
     # about as long: under seconds of load the GPUs reach their power cap and their clocks fall.
@@ -179,7 +193,7 @@ def run(mesh, mode, tokens, args, device, dtype) -> dict:
     one_tflops_fwd, one_tflops_both = mean_over_ranks([one_flops / one_fwd / 1e9, 3.5 * one_flops / one_both / 1e9],
                                                       device)
     row = dict(world_size=world, tokens=tokens, tokens_per_gpu=per_gpu, mode=mode,
-               layout="contiguous" if mode == "packed" else args.layout, fwd_ms=fwd,
+               layout=packed_layout(mode) if packed else args.layout, fwd_ms=fwd,
                fwdbwd_ms=both, tflops_per_gpu_fwd=flops / world / fwd / 1e9,
                tflops_per_gpu_fwdbwd=3.5 * flops / world / both / 1e9,
                one_gpu_tflops_fwd=one_tflops_fwd, one_gpu_tflops_fwdbwd=one_tflops_both,
@@ -187,6 +201,21 @@ def run(mesh, mode, tokens, args, device, dtype) -> dict:
     row["efficiency_fwd"] = row["tflops_per_gpu_fwd"] / row["one_gpu_tflops_fwd"]
     row["efficiency_fwdbwd"] = row["tflops_per_gpu_fwdbwd"] / row["one_gpu_tflops_fwdbwd"]
     return row
+
+
+def one_gpu_at_its_best(args, device, dtype) -> float:
+    """Forward+backward TFLOP/s of one GPU on one causal sequence of --ref-tokens tokens (16k, where a
+    GPU runs at its best), with the benchmark's heads, head dim and dtype: each rank's GPU alone, their
+    mean. Eight calls back to back per timing, so that the GPUs run under load as in the other timings."""
+    tokens = args.ref_tokens
+    q, k, v = (t.requires_grad_() for t in problem(tokens, args, dtype, device, False)[:3])
+    grad = torch.ones_like(q)
+
+    def calls():
+        for _ in range(8):
+            torch.autograd.grad(cuflash.flash_attn_func(q, k, v, causal=True), (q, k, v), grad)
+    ms = timed(calls, device) / 8
+    return mean_over_ranks([3.5 * 4 * args.heads * tokens * tokens * args.dim / 2 / ms / 1e9], device)[0]
 
 
 def write(rows, out):
@@ -213,6 +242,8 @@ def plot(rows, path):
                 label=f"{mode} fwd+bwd")
         ax.plot([r["tokens"] for r in mine], [r["efficiency_fwd"] for r in mine], marker="x", linestyle="--",
                 color=f"C{i}", label=f"{mode} fwd")
+        ax.plot([r["tokens"] for r in mine], [r["efficiency_vs_16k_fwdbwd"] for r in mine], marker="s", linestyle=":",
+                color=f"C{i}", label=f"{mode} fwd+bwd vs one GPU at 16k")
     ax.axhline(0.9, color="grey", linestyle=":", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens (whole sequence)")
@@ -229,7 +260,8 @@ def main():
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tokens", default="131072,1048576", help="whole-sequence lengths, comma-separated")
     p.add_argument("--modes", default="ring,ulysses",
-                   help="from ring, ulysses (a 1-D mesh), hybrid (--inner), packed (the ring over documents)")
+                   help="from ring, ulysses (a 1-D mesh), hybrid (--inner), packed and packed_zigzag (the ring over "
+                   "documents in contiguous shares or cut into 2W chunks each)")
     p.add_argument("--doc-tokens", type=int, default=16384, help="packed: tokens per document (the last shorter)")
     p.add_argument("--inner", type=int, default=0, help="the hybrid's all-to-all size (ranks per node)")
     p.add_argument("--heads", type=int, default=32)
@@ -238,6 +270,8 @@ def main():
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"],
                    help="how the sequence is cut (zigzag balances the ring's causal work; packed: contiguous)")
     p.add_argument("--check-tokens", type=int, default=8192)
+    p.add_argument("--ref-tokens", type=int, default=16384,
+                   help="the one-GPU reference of the *_16k columns (less only for smoke runs)")
     p.add_argument("--reps", type=int, default=TIMING["reps"], help="timed runs per measurement (the median is kept)")
     p.add_argument("--warmup", type=int, default=TIMING["warmup"])
     p.add_argument("--out", default=None)
@@ -251,6 +285,7 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     from torch.distributed.device_mesh import init_device_mesh
     world = dist.get_world_size()
+    best = one_gpu_at_its_best(args, device, dtype)
     rows = []
     for mode in args.modes.split(","):
         shape = (world // args.inner, args.inner) if mode == "hybrid" else (world,)
@@ -260,7 +295,8 @@ def main():
             print(f"{mode}: vs one process " + " ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)
         for tokens in map(int, args.tokens.split(",")):
             row = run(mesh, "auto" if mode == "hybrid" else mode, tokens, args, device, dtype)
-            row["mode"] = mode
+            row.update(mode=mode, one_gpu_16k_tflops_fwdbwd=best,
+                       efficiency_vs_16k_fwdbwd=row["tflops_per_gpu_fwdbwd"] / best)
             rows.append(row)
             if dist.get_rank() == 0:
                 print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)

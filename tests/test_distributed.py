@@ -19,8 +19,8 @@ from cuflash.distributed import context_parallel_attn_func, context_parallel_att
     zigzag_shard, zigzag_unshard
 from cuflash.distributed.mesh import ULYSSES_MAX_TOKENS, auto_mode
 from cuflash.distributed import ring, shards
-from cuflash.distributed.ring import packed_steps
-from cuflash.distributed.shards import join_sequence
+from cuflash.distributed.ring import dense_steps, packed_steps, zigzag_packed_steps
+from cuflash.distributed.shards import join_packed, join_sequence, split_packed
 
 DEADLINE_S = 120
 
@@ -236,9 +236,17 @@ def _check_mesh(rank, world):
     for mode, words in (("hybrid", "2-D") if world == 2 else ("ring", "2-D"), ("sideways", "mode")):
         with pytest.raises(cuflash.FlashAttentionError, match=words):
             context_parallel_attn_func(q, q, q, mesh, mode=mode)
-    if world == 4:  # the hybrid's ring has no sliding window, and no varlen path
-        with pytest.raises(cuflash.FlashAttentionError, match="window_size"):
-            context_parallel_attn_func(q, q, q, mesh, causal=True, window_size=(3, 0))
+    if world == 4:  # the hybrid's ring takes a sliding window; it has no varlen path
+        torch.manual_seed(2)
+        q, k, v, dout = (torch.randn(2, 8 * world, h, 8, dtype=torch.float64) for h in (4, 2, 2, 4))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = cuflash.flash_attn_func(*full, causal=True, window_size=(5, 0))
+        ref.backward(dout)
+        local = [context_parallel_shard(t, mesh, "zigzag").detach().clone().requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attn_func(*local, mesh, causal=True, layout="zigzag", window_size=(5, 0))
+        out.backward(context_parallel_shard(dout, mesh, "zigzag"))
+        _assert_matches(out, local, ref, full, lambda x: _mesh_unshard(x, mesh, "zigzag"), 1e-12, "hybrid window")
+        q = torch.randn(1, 8, 4, 8)
         cu = torch.tensor([0, 32], dtype=torch.int32)
         with pytest.raises(cuflash.FlashAttentionError, match="1-D mesh"):
             context_parallel_attn_varlen_func(q[0], q[0], q[0], cu, cu, 32, 32, mesh)
@@ -304,27 +312,36 @@ def _check_mesh_options(rank, world):
         out = context_parallel_attn_varlen_func(*local, cu, cu.clone(), max(lens), max(lens), mesh, mode=mode, **opts)
         out.backward(dout.chunk(world)[rank])
         _assert_matches(out, local, ref, full, _gather_tokens, 1e-12, f"packed mode={mode} {opts}")
-    q = torch.randn(2, 10, 2 * world, 8, dtype=torch.float64)
-    odd = torch.randn(2, 10, 2 * world + 1, 8, dtype=torch.float64)
-    for mode, heads in (("ring", q), ("auto", odd)):  # auto: the all-to-all cannot split 2W + 1 heads
-        with pytest.raises(cuflash.FlashAttentionError, match=r"window_size=\(3, 0\)") as info:
-            context_parallel_attn_func(heads, heads, heads, mesh, mode=mode, causal=True, window_size=(3, 0))
-        assert info.value.code == cuflash.ErrorCode.UNSUPPORTED_FEATURE
+    q = torch.randn(2, 4 * world, 2 * world, 8, dtype=torch.float64)
+    odd = torch.randn(2, 4 * world, 2 * world + 1, 8, dtype=torch.float64)
+    for mode, heads in (("ring", q), ("auto", odd)):  # auto: the all-to-all cannot split 2W + 1 heads: the ring
+        ref = cuflash.flash_attn_func(heads, heads, heads, causal=True, window_size=(3, 0))
+        out = context_parallel_attn_func(*(context_parallel_shard(heads, mesh),) * 3, mesh, mode=mode, causal=True,
+                                         window_size=(3, 0))
+        assert ((_mesh_unshard(out, mesh, "contiguous") - ref).norm() / ref.norm()).item() < 1e-12, mode
     cu_k = torch.tensor([0, 10, 30], dtype=torch.int32)
-    for words, opts in (("window_size", dict(cu_seqlens_k=cu, window_size=(2, 2))),
-                        ("cu_seqlens_k", dict(cu_seqlens_k=cu_k))):
+    zigzag_cu = torch.tensor([0, 4 * world, 10 * world], dtype=torch.int32)
+    uneven_cu = torch.tensor([0, 1, 4 * world], dtype=torch.int32)  # documents of 1 and 4W - 1 tokens
+    refusals = [("cu_seqlens_k", "ring", cu, dict(cu_seqlens_k=cu_k)),
+                ("window_size", "ring", zigzag_cu, dict(window_size=(2, 2), layout="zigzag")),
+                ("layout='zigzag'", "ulysses", zigzag_cu, dict(layout="zigzag")),
+                ("pad each document", "ring", uneven_cu, dict(layout="zigzag"))]
+    for words, mode, cu_q, opts in refusals:
+        opts = dict(dict(cu_seqlens_k=cu_q), **opts)
+        shard = torch.randn(int(cu_q[-1]) // world, 2 * world, 8, dtype=torch.float64)
         with pytest.raises(cuflash.FlashAttentionError, match=words):
-            context_parallel_attn_varlen_func(q[0, :30 // world], q[0, :30 // world], q[0, :30 // world], cu,
-                                              max_seqlen_q=max(lens), max_seqlen_k=max(lens), mesh=mesh, mode="ring",
-                                              **opts)
+            longest = int(cu_q.diff().max())
+            context_parallel_attn_varlen_func(shard, shard, shard, cu_q, max_seqlen_q=longest, max_seqlen_k=longest,
+                                              mesh=mesh, mode=mode, **opts)
 
 
 def _check_transformers_cp(rank, world):
     """register_context_parallel's attention called as transformers calls it (query (B, H, L, D) of
     this rank's shard; sliding_window, softcap, is_causal and the padding-free cu_seq_lens_* kwargs of
     the whole packed row), through the ring, the all-to-all and auto, against attention_forward on the
-    whole sequence in one process with the same options, forward and backward; what a mode cannot
-    run (a window in the ring, dropout, packed zigzag shards) raises naming it. Then a Gemma-2 (sliding
+    whole sequence in one process with the same options, forward and backward, and packed sequences in
+    zigzag shards through the ring; what a mode cannot run (dropout, documents the zigzag layout cannot
+    cut) raises naming it. Then a Gemma-2 (sliding
     and full layers, softcapped logits) on the mesh against the eager model in one process."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
@@ -339,7 +356,8 @@ def _check_transformers_cp(rank, world):
     lens = [5, 9, 4, 6, 0, 6]  # 30 tokens: a multiple of 2 and 3
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     packed = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=max(lens), max_length_k=max(lens))
-    cases = [("ring", dict(softcap=0.5)), ("ring", dict(is_causal=False)), ("ulysses", dict(sliding_window=5)),
+    cases = [("ring", dict(softcap=0.5)), ("ring", dict(is_causal=False)), ("ring", dict(sliding_window=5)),
+             ("ring", dict(packed, sliding_window=3)), ("ulysses", dict(sliding_window=5)),
              ("ulysses", dict(sliding_window=4, is_causal=False, softcap=0.5)), ("auto", dict(sliding_window=5)),
              ("ring", dict(packed, softcap=0.5)), ("ring", dict(packed, is_causal=False)),
              ("ulysses", dict(packed, sliding_window=3)), ("auto", dict(packed, sliding_window=3, softcap=0.5))]
@@ -355,11 +373,24 @@ def _check_transformers_cp(rank, world):
         out.backward(dout.chunk(world, dim=1)[rank])
         what = f"mode={mode} {sorted(opts)} softcap={opts.get('softcap')} window={opts.get('sliding_window')}"
         _assert_matches(out, local, ref, full, lambda x: _unshard(x, world, "contiguous"), 1e-12, what)
+    lens = [2 * world, 8 * world, 0, 4 * world]  # whole documents of 2W-chunks: the zigzag layout
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    zigzag = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=max(lens), max_length_k=max(lens))
+    torch.manual_seed(9)
+    q, k, v, dout = (torch.randn(1, sum(lens), h, 8, dtype=torch.float64) for h in (4, 2, 2, 4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, _ = cuflash_hf.attention_forward(module, *(t.transpose(1, 2) for t in full), None, **zigzag)
+    ref.backward(dout)
+    local = [context_parallel_shard(t, mesh, "zigzag", dim=1, cu_seqlens=cu).detach().clone().requires_grad_()
+             for t in (q, k, v)]
+    out, _ = ALL_ATTENTION_FUNCTIONS["cp_zigzag"](module, *(t.transpose(1, 2) for t in local), None, **zigzag)
+    out.backward(context_parallel_shard(dout, mesh, "zigzag", dim=1, cu_seqlens=cu))
+    _assert_matches(out, local, ref, full, lambda x: _gather_packed(x, cu, "zigzag", dim=1), 1e-12, "zigzag packed")
     q = torch.randn(1, 4, 30 // world, 8, dtype=torch.float64)
-    refusals = [("cp_ring", dict(sliding_window=5), "window_size"),
-                ("cp_ring", dict(packed, sliding_window=3), "window_size"),
-                ("cp_auto", dict(dropout=0.1), "dropout"), ("cp_ulysses", dict(packed, dropout=0.1), "dropout"),
-                ("cp_zigzag", packed, "layout")]
+    uneven = torch.tensor([0, 1, 30], dtype=torch.int32)  # documents of 1 and 29 tokens
+    refusals = [("cp_auto", dict(dropout=0.1), "dropout"), ("cp_ulysses", dict(packed, dropout=0.1), "dropout"),
+                ("cp_zigzag", dict(cu_seq_lens_q=uneven, cu_seq_lens_k=uneven, max_length_q=29, max_length_k=29),
+                 "pad each document")]
     for name, opts, words in refusals:
         with pytest.raises(cuflash.FlashAttentionError, match=words):
             ALL_ATTENTION_FUNCTIONS[name](module, q, q, q, None, **opts)
@@ -473,6 +504,147 @@ def _check_sinks(rank, world):
     assert err < 1e-5, f"gpt-oss on the mesh: logits error {err:.2e}"  # (its experts take no fp64)
 
 
+def _gather_packed(x, cu_seqlens, layout, dim=0):
+    """The whole packed batch from every rank's shard (split_packed's layout)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return join_packed(parts, cu_seqlens, layout, dim)
+
+
+def _check_ring_windows(rank, world):
+    """Sliding windows through the ring: dense in both layouts (windows inside a chunk and across
+    shards, causal or not, some bounded on one side only), packed in contiguous shares (a document
+    crossing the shares' edges, one longer than a share, an empty one); forward and backward against
+    one process."""
+    windows = [(3, 0), (11, 0), (5, 2), (-1, 4), (2, -1), (1, 1)]
+    for layout, causal, window in itertools.product(("contiguous", "zigzag"), (False, True), windows):
+        torch.manual_seed(13)
+        q, k, v, dout = (torch.randn(2, 8 * world, h, 8, dtype=torch.float64) for h in (4, 2, 2, 4))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = cuflash.flash_attn_func(*full, causal=causal, window_size=window, softcap=0.5)
+        ref.backward(dout)
+        local = [_shard(t, rank, world, layout).detach().clone().requires_grad_() for t in (q, k, v)]
+        out = ring_flash_attn_func(*local, causal=causal, layout=layout, window_size=window, softcap=0.5)
+        out.backward(_shard(dout, rank, world, layout))
+        _assert_matches(out, local, ref, full, lambda x: _unshard(x, world, layout), 1e-12,
+                        f"layout={layout} causal={causal} window={window}")
+    lens = [5, 13, 1, 0, 4, 7]  # 30 tokens: a multiple of 2 and 3
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    for causal, window in itertools.product((False, True), [(3, 0), (6, 2), (-1, 3), (2, -1), (20, 20)]):
+        torch.manual_seed(14)
+        q, k, v, dout = (torch.randn(30, h, 8, dtype=torch.float64) for h in (6, 2, 2, 6))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = cuflash.flash_attn_varlen_func(*full, cu, cu, max(lens), max(lens), causal=causal, window_size=window)
+        ref.backward(dout)
+        local = [t.chunk(world)[rank].detach().clone().requires_grad_() for t in (q, k, v)]
+        out = ring_flash_attn_varlen_func(*local, cu, max(lens), causal=causal, window_size=window)
+        out.backward(dout.chunk(world)[rank])
+        _assert_matches(out, local, ref, full, _gather_tokens, 1e-12, f"packed causal={causal} window={window}")
+
+
+def _check_ring_packed_zigzag(rank, world):
+    """Packed documents in the zigzag layout (context_parallel_shard with cu_seqlens cuts them; each
+    document cut into 2W chunks): a long document, short ones, an empty one, causal or not, softcap,
+    GQA, fp64 and fp32, forward and backward, through ring_flash_attn_varlen_func and
+    context_parallel_attn_varlen_func (auto takes the ring), against flash_attn_varlen_func in one
+    process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    unit = 2 * world
+    cases = itertools.product(([1, 6, 0, 2], [9], [0, 1]), (False, True),
+                              ((6, torch.float64), (2, torch.float64), (3, torch.float32)))
+    for units, causal, (nheads_k, dtype) in cases:
+        lens = [n * unit for n in units]
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        torch.manual_seed(15)
+        q, dout = (torch.randn(sum(lens), 6, 8, dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(sum(lens), nheads_k, 8, dtype=dtype) for _ in range(2))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = cuflash.flash_attn_varlen_func(*full, cu, cu, max(lens), max(lens), causal=causal, softcap=0.5)
+        ref.backward(dout)
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        for through_mesh in (False, True):
+            local = [context_parallel_shard(t, mesh, "zigzag", dim=0, cu_seqlens=cu).detach().clone().requires_grad_()
+                     for t in (q, k, v)]
+            if through_mesh:
+                out = context_parallel_attn_varlen_func(*local, cu, cu, max(lens), max(lens), mesh, causal=causal,
+                                                        softcap=0.5, layout="zigzag")
+            else:
+                out = ring_flash_attn_varlen_func(*local, cu, max(lens), causal=causal, softcap=0.5, layout="zigzag")
+            out.backward(split_packed(dout, cu, world, "zigzag")[rank])
+            _assert_matches(out, local, ref, full, lambda x: _gather_packed(x, cu, "zigzag"), tol,
+                            f"zigzag lens={lens} causal={causal} heads=6/{nheads_k} {dtype} mesh={through_mesh}")
+
+
+def _assert_sink_case(tensors, attend_full, attend_local, shard, unshard, what):
+    """attend_full(q, k, v, sink) in one process against attend_local(q, k, v, sink) on this rank's
+    shards (shard cuts q, k, v and dout; the sink is the same on every rank): the output, the gradients
+    and the sink's, summed over the ranks."""
+    q, k, v, dout = tensors
+    full = [t.clone().requires_grad_() for t in (q, k, v, torch.randn(q.shape[-2], dtype=q.dtype))]
+    ref = attend_full(*full)
+    ref.backward(dout)
+    local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    local.append(full[3].detach().clone().requires_grad_())
+    out = attend_local(*local)
+    out.backward(shard(dout))
+    _assert_matches(out, local, ref, full, unshard, 1e-12, what)
+    _assert_sink_grad(local[3], full[3], 1e-12, what)
+
+
+def _check_ring_sinks(rank, world):
+    """A learnable sink through the ring's packed zigzag layout (ring_flash_attn_varlen_func and
+    context_parallel_attn_varlen_func: a long document, short ones, an empty one, causal or not, GQA)
+    and through its windows (dense in both layouts, packed in contiguous shares), against one process;
+    a window over packed zigzag shards is refused naming it, sink or not."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    for units, causal, through_mesh in itertools.product(([1, 6, 0, 2], [0, 1]), (False, True), (False, True)):
+        lens = [n * 2 * world for n in units]
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        torch.manual_seed(16)
+        tensors = [torch.randn(sum(lens), h, 8, dtype=torch.float64) for h in (6, 2, 2, 6)]
+        if through_mesh:
+            def local(q, k, v, sink):
+                return context_parallel_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), mesh, causal=causal,
+                                                         layout="zigzag", learnable_sink=sink)
+        else:
+            def local(q, k, v, sink):
+                return ring_flash_attn_varlen_func(q, k, v, cu, max(lens), causal=causal, layout="zigzag",
+                                                   learnable_sink=sink)
+        _assert_sink_case(tensors, lambda q, k, v, sink: cuflash.flash_attn_varlen_func(
+            q, k, v, cu, cu, max(lens), max(lens), causal=causal, learnable_sink=sink), local,
+            lambda t: split_packed(t, cu, world, "zigzag")[rank], lambda x: _gather_packed(x, cu, "zigzag"),
+            f"zigzag sink lens={lens} causal={causal} mesh={through_mesh}")
+    for layout, (causal, window) in itertools.product(("contiguous", "zigzag"),
+                                                      ((True, (3, 0)), (False, (5, 2)), (False, (-1, 4)))):
+        torch.manual_seed(17)
+        _assert_sink_case(
+            [torch.randn(2, 8 * world, h, 8, dtype=torch.float64) for h in (4, 2, 2, 4)],
+            lambda q, k, v, sink: cuflash.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                                          learnable_sink=sink),
+            lambda q, k, v, sink: ring_flash_attn_func(q, k, v, causal=causal, layout=layout, window_size=window,
+                                                       learnable_sink=sink),
+            lambda t: _shard(t, rank, world, layout), lambda x: _unshard(x, world, layout),
+            f"dense sink layout={layout} causal={causal} window={window}")
+    lens = [5, 13, 1, 0, 4, 7]  # 30 tokens: a multiple of 2 and 3
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    for causal, window in ((True, (3, 0)), (False, (6, 2))):
+        torch.manual_seed(18)
+        _assert_sink_case(
+            [torch.randn(30, h, 8, dtype=torch.float64) for h in (6, 2, 2, 6)],
+            lambda q, k, v, sink: cuflash.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
+                                                                 window_size=window, learnable_sink=sink),
+            lambda q, k, v, sink: ring_flash_attn_varlen_func(q, k, v, cu, max(lens), causal=causal,
+                                                              window_size=window, learnable_sink=sink),
+            lambda t: t.chunk(world)[rank], _gather_tokens, f"packed sink causal={causal} window={window}")
+    q = torch.randn(4, 2, 8, dtype=torch.float64)  # (this rank's share of one document of 4W tokens)
+    cu = torch.tensor([0, 4 * world], dtype=torch.int32)
+    with pytest.raises(cuflash.FlashAttentionError, match="window_size"):
+        ring_flash_attn_varlen_func(q, q, q, cu, 4 * world, causal=True, layout="zigzag", window_size=(2, 0),
+                                    learnable_sink=torch.zeros(2, dtype=torch.float64))
+
+
 def _check_shards_checked_once(rank, world):
     """check_shards gathers the ranks' shapes once per signature: again for new shapes, a new layout or
     another group, not for repeats."""
@@ -503,15 +675,65 @@ CHECKS = {"full": _check_against_full, "strided": _check_strided_inputs, "mesh":
           "ulysses_heads": _check_ulysses_heads, "mismatch": _check_mismatched_shards, "odd_zigzag": _check_odd_zigzag,
           "ring_softcap": _check_ring_softcap, "mesh_options": _check_mesh_options,
           "transformers_cp": _check_transformers_cp, "checked_once": _check_shards_checked_once,
-          "sinks": _check_sinks}
+          "ring_windows": _check_ring_windows, "ring_packed_zigzag": _check_ring_packed_zigzag,
+          "sinks": _check_sinks, "ring_sinks": _check_ring_sinks}
+
+
+def _check_torch_context_parallel(rank, world):
+    """torch's own context parallelism (context_parallel(): its ring, with its head-tail load balancer,
+    calling aten::_scaled_dot_product_flash_attention on each pair of shards) with cuflash's SDPA
+    provider active, on GPUs: a profile names cuflash's kernels, and the output and the gradients
+    match one GPU's torch flash attention on the whole sequence."""
+    import torch.nn.attention as attention
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    mesh = init_device_mesh("cuda", (world,))
+    flash = [attention.SDPBackend.FLASH_ATTENTION]
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 8, 2048 * world, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    with attention.sdpa_kernel(flash):
+        ref = F.scaled_dot_product_attention(*full, is_causal=True)
+    ref.backward(dout)
+    cuflash.activate_sdpa_provider()
+    try:
+        local = [t.clone() for t in (q, k, v, dout)]
+        with context_parallel(mesh, buffers=local, buffer_seq_dims=[2] * 4):
+            for t in local[:3]:
+                t.requires_grad_()
+            with attention.sdpa_kernel(flash), torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                out = F.scaled_dot_product_attention(*local[:3], is_causal=True)
+                out.backward(local[3])
+                torch.cuda.synchronize()
+            grads = [t.grad for t in local[:3]]
+            for t in local[:3]:
+                t.requires_grad_(False)
+            whole = context_parallel_unshard(mesh, [out.detach(), *grads], [2] * 4)
+    finally:
+        attention.restore_flash_attention_impl()
+    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    assert any(n.startswith("_attn_fwd") for n in names) and any(n.startswith("_attn_bwd") for n in names), names
+    for name, mine, theirs in zip(("out", "dq", "dk", "dv"), whole, (ref, *(t.grad for t in full))):
+        err = ((mine.float() - theirs.float()).norm() / theirs.float().norm()).item()
+        assert err < 2e-2, f"torch context_parallel on cuflash: {name} error {err:.2e}"
+
+
+# Checks that run on GPUs (one a rank, NCCL); the others run on the CPU (gloo).
+GPU_CHECKS = {"torch_context_parallel": _check_torch_context_parallel}
 
 
 def _worker(rank, world, init_file, result_dir, check):
-    os.environ["CUFLASH_BACKEND"] = "cpu"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=DEADLINE_S))
+    if check in GPU_CHECKS:
+        torch.cuda.set_device(rank)
+    else:
+        os.environ["CUFLASH_BACKEND"] = "cpu"
+    dist.init_process_group("nccl" if check in GPU_CHECKS else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=DEADLINE_S))
     try:
-        CHECKS[check](rank, world)
+        {**CHECKS, **GPU_CHECKS}[check](rank, world)
         message = "ok"
     except BaseException:
         message = traceback.format_exc()
@@ -547,11 +769,20 @@ def _run(world, check):
 
 
 @pytest.mark.parametrize("check", ["full", "strided", "ring_varlen", "ulysses", "ulysses_varlen", "ring_softcap",
-                                   "mesh_options", "sinks"])
+                                   "mesh_options", "sinks", "ring_windows", "ring_packed_zigzag",
+                                   "ring_sinks"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_matches_single_process(world, check):
     """The ring and the all-to-all, dense and packed, with 2 and 3 processes (the CHECKS above)."""
     _run(world, check)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(not cuflash.sdpa_provider_available(), reason="this torch takes no SDPA providers")
+def test_torch_context_parallel_runs_on_cuflash_on_two_gpus():
+    """torch's context_parallel() over 2 GPUs with cuflash's SDPA provider active (GPU_CHECKS)."""
+    _run(2, "torch_context_parallel")
 
 
 def test_ring_gathers_at_most_an_eighth_of_a_gpus_memory(monkeypatch):
@@ -576,10 +807,144 @@ def test_packed_ring_stops_after_the_last_step_with_work(lens, size, causal, ste
         assert len(blocks) == steps
 
 
+def _pairs(block_q: slice, block_k: slice, left: int, right: int, n: int, m: int) -> torch.Tensor:
+    """The (n, m) bool matrix of local (query row, key row) pairs a block with a top-left window sees."""
+    visible = torch.zeros(n, m, dtype=torch.bool)
+    i = torch.arange(block_q.stop - block_q.start)[:, None]
+    j = torch.arange(block_k.stop - block_k.start)[None]
+    ok = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    visible[block_q, block_k] = ok
+    return visible
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_blocks_see_exactly_the_windows_pairs(layout):
+    """Every (query, key) pair of the whole sequence that a window (causal or not, one-sided, wider
+    than a shard) lets through is seen by exactly one block of exactly one ring step, and no other:
+    the blocks' trimmed rows and shifted windows against the window over global positions."""
+    size, seqlen = 4, 6  # 24 tokens; zigzag chunks of 3
+    position = torch.cat([torch.arange(r * seqlen, (r + 1) * seqlen) if layout == "contiguous"
+                          else zigzag_shard(torch.arange(size * seqlen)[None], r, size)[0] for r in range(size)])
+    for causal, window in itertools.product((False, True), [(0, 0), (2, 0), (4, 1), (-1, 3), (5, -1), (13, 13)]):
+        left, right = window[0], 0 if causal else window[1]
+        g_q, g_k = position.view(size, seqlen)[:, :, None], position.view(size, seqlen)[:, None, :]
+        for rank in range(size):
+            seen = torch.zeros(size, seqlen, seqlen, dtype=torch.int64)  # per source shard
+            for s, blocks in enumerate(dense_steps(rank, size, seqlen, causal, layout, 1.0,
+                                                   window=ring.window_bounds(window, causal))):
+                for qs, ks, params in blocks:
+                    assert not params.bottom_right or params.window_left == params.window_right == -1
+                    seen[(rank - s) % size] += _pairs(qs, ks, params.window_left, params.window_right, seqlen, seqlen)
+            expected = torch.ones(size, seqlen, seqlen, dtype=torch.bool)
+            if left >= 0:
+                expected &= g_k >= g_q[rank] - left
+            if right >= 0:
+                expected &= g_k <= g_q[rank] + right
+            assert torch.equal(seen, expected.long()), (causal, window, rank)
+
+
+def _packed_pairs_seen(steps, rows_of, rank: int, size: int, total: int) -> torch.Tensor:
+    """(total, total) counts of the global (query, key) token pairs that rank's blocks see over all ring
+    steps: each block's documents (its prefix sums) under its window (top-left aligned, as the ring's
+    packed blocks take it) at local rows mapped to global tokens by rows_of(rank)."""
+    seen = torch.zeros(total, total, dtype=torch.int64)
+    for s, blocks in enumerate(steps):
+        q_global, k_global = rows_of(rank), rows_of((rank - s) % size)
+        for qs, ks, params in blocks:
+            assert not params.bottom_right
+            cu_q, cu_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
+            for b in range(len(cu_q) - 1):
+                i = torch.arange(cu_q[b + 1] - cu_q[b])[:, None]
+                j = torch.arange(cu_k[b + 1] - cu_k[b])[None]
+                ok = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool)
+                if params.window_left >= 0:
+                    ok &= j >= i - params.window_left
+                if params.window_right >= 0:
+                    ok &= j <= i + params.window_right
+                rows = q_global[qs.start + cu_q[b] + i.flatten()]
+                keys = k_global[ks.start + cu_k[b] + j.flatten()]
+                seen[rows[:, None], keys[None]] += ok.long()
+    return seen
+
+
+def _packed_pairs_expected(lens, causal, window) -> torch.Tensor:
+    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    start = torch.tensor([0, *itertools.accumulate(lens)])[doc]
+    pos = torch.arange(sum(lens)) - start  # the position in its document
+    ok = doc[:, None] == doc[None]
+    left, right = window
+    right = 0 if causal else right
+    if right >= 0:
+        ok &= pos[None] <= pos[:, None] + right
+    if left >= 0:
+        ok &= pos[None] >= pos[:, None] - left
+    return ok.long()
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (4, 2)),
+                                           (False, (-1, 5)), (True, (40, 0))])
+def test_packed_ring_blocks_see_exactly_the_documents_pairs(causal, window):
+    """Over all ring steps and ranks, the packed ring's blocks see every (query, key) pair of a document
+    that causal and a window let through exactly once, and nothing else: contiguous shares (documents
+    crossing the shares' edges, one longer than several shares, an empty one) with windows, and the
+    zigzag layout's chunks (without)."""
+    size = 3
+    lens = [6, 30, 0, 12, 18]  # 66 tokens: shares of 22; zigzag chunks of 1, 5, 0, 2, 3
+    bounds, total = [0, *itertools.accumulate(lens)], sum(lens)
+    expected = _packed_pairs_expected(lens, causal, window)
+    seen = sum(_packed_pairs_seen(packed_steps(bounds, r, size, total // size, causal, 1.0, torch.device("cpu"),
+                                               window=ring.window_bounds(window, causal)),
+                                  lambda x: torch.arange(x * total // size, (x + 1) * total // size), r, size, total)
+               for r in range(size))
+    assert torch.equal(seen, expected)
+    if window == (-1, -1):
+        zigzag = [split_packed(torch.arange(total), bounds, size, "zigzag")[r] for r in range(size)]
+        seen = sum(_packed_pairs_seen(zigzag_packed_steps(bounds, r, size, causal, 1.0, torch.device("cpu")),
+                                      lambda x: zigzag[x], r, size, total) for r in range(size))
+        assert torch.equal(seen, expected)
+
+
+def test_packed_zigzag_balances_the_causal_work():
+    """Under a causal mask, the zigzag layout gives every rank the same work on packed documents (the
+    visible pairs of its blocks over all steps), where contiguous shares give a document longer than a
+    share to the later ranks."""
+    size, lens = 4, [8 * 64, 8 * 4, 0, 8 * 12]
+    bounds = [0, *itertools.accumulate(lens)]
+
+    def work(blocks):
+        total = 0
+        for step in blocks:
+            for _, _, params in step:
+                n = params.cu_seqlens_q.diff().long()
+                total += int((n * (n + 1) // 2).sum() if params.window_right == 0 else (n * n).sum())
+        return total
+    zigzag = [work(zigzag_packed_steps(bounds, r, size, True, 1.0, torch.device("cpu"))) for r in range(size)]
+    assert len(set(zigzag)) == 1 and zigzag[0] * size == sum(n * (n + 1) // 2 for n in lens)
+    contiguous = [work(packed_steps(bounds, r, size, sum(lens) // size, True, 1.0, torch.device("cpu")))
+                  for r in range(size)]
+    assert max(contiguous) > 1.5 * min(contiguous)
+
+
+def test_split_packed_and_join_packed():
+    x = torch.arange(24)
+    cu = [0, 8, 8, 24]  # documents of 8, 0 and 16 tokens: chunks of 2 and 4 on 2 ranks
+    shards = split_packed(x, cu, 2, "zigzag")
+    assert shards[0].tolist() == [0, 1, 8, 9, 10, 11, 6, 7, 20, 21, 22, 23]
+    assert shards[1].tolist() == [2, 3, 12, 13, 14, 15, 4, 5, 16, 17, 18, 19]
+    assert torch.equal(join_packed(shards, torch.tensor(cu), "zigzag"), x)
+    assert torch.equal(join_packed(split_packed(x, cu, 2, "contiguous"), cu, "contiguous"), x)
+    with pytest.raises(cuflash.FlashAttentionError, match="document 0 .* 6 tokens"):
+        split_packed(x, [0, 6, 24], 2, "zigzag")
+
+
 def test_auto_mode_takes_the_all_to_all_only_where_it_led():
     """mode="auto" on a 1-D mesh: the all-to-all for whole sequences up to ULYSSES_MAX_TOKENS whose
     head counts divide among the ranks; the ring for longer ones or where a head count does not divide.
-    A call the ring cannot run (a sliding window) takes the all-to-all at any length where the heads divide."""
+    A call the ring cannot run (packed cross-attention) takes the all-to-all at any length where the heads divide."""
     assert auto_mode(32, 8, ULYSSES_MAX_TOKENS, 2) == "ulysses"
     assert auto_mode(32, 8, 2 * ULYSSES_MAX_TOKENS, 2) == "ring"
     assert auto_mode(32, 8, 1024, 16) == "ring"  # 8 KV heads among 16 ranks
@@ -631,7 +996,8 @@ def test_fsdp2_context_parallel_example_matches_one_process(tmp_path):
     """examples/train_llama_cp.py at toy size: a transformers Llama under FSDP2 with cuflash context
     parallelism over 2 processes (torchrun, gloo), through the all-to-all and through the ring (which
     sends the model's transposed K/V views), gives the loss of the one-process run at every step
-    (three optimizer steps at a learning rate that moves the toy's loss: the gradients agree too)."""
+    (three optimizer steps at a learning rate that moves the toy's loss: the gradients agree too); so
+    do packed documents cut into zigzag shards (context_parallel_shard with cu_seqlens) through the ring."""
     import json
     import subprocess
     import sys
@@ -643,6 +1009,9 @@ def test_fsdp2_context_parallel_example_matches_one_process(tmp_path):
             "cp2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     str(example), "--cp", "2"]}
     runs["cp2_ring"] = runs["cp2"] + ["--cp-mode", "ring"]
+    docs = ["--batch", "1", "--doc-len", "24"]  # documents of 24, 24 and 16 tokens in each row
+    runs["one_docs"] = runs["one"] + docs
+    runs["cp2_zigzag_docs"] = runs["cp2"] + docs + ["--cp-mode", "ring", "--layout", "zigzag"]
     losses = {}
     for name, command in runs.items():
         out = tmp_path / f"{name}.json"
@@ -653,6 +1022,8 @@ def test_fsdp2_context_parallel_example_matches_one_process(tmp_path):
     assert len(losses["one"]) == 3
     for one, cp, cp_ring in zip(losses["one"], losses["cp2"], losses["cp2_ring"]):
         assert abs(one - cp) < 1e-5 * abs(one) and abs(one - cp_ring) < 1e-5 * abs(one), losses
+    for one, cp in zip(losses["one_docs"], losses["cp2_zigzag_docs"]):  # packed documents, zigzag shards
+        assert abs(one - cp) < 1e-5 * abs(one), losses
 
 
 def test_cp_bench_runs_and_writes_its_table(tmp_path):
@@ -667,16 +1038,22 @@ def test_cp_bench_runs_and_writes_its_table(tmp_path):
                PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(bench), "--device", "cpu", "--tokens", "160,256", "--heads", "4", "--kv-heads", "2",
-                           "--dim", "16", "--check-tokens", "64", "--modes", "ring,ulysses,packed", "--doc-tokens",
-                           "40", "--out", str(tmp_path)],
+                           "--dim", "16", "--check-tokens", "64", "--modes", "ring,ulysses,packed,packed_zigzag",
+                           "--doc-tokens", "40", "--ref-tokens", "64", "--out", str(tmp_path)],
                           env=env, timeout=DEADLINE_S, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     errors = [line for line in done.stdout.splitlines() if "vs one process" in line]
-    assert len(errors) == 3 and all(float(e) < 1e-5 for line in errors for e in line.split()[-7::2]), errors
+    assert len(errors) == 4 and all(float(e) < 1e-5 for line in errors for e in line.split()[-7::2]), errors
     rows = list(csv.DictReader(open(tmp_path / "cp_bench.csv")))
     # 160 packed tokens: four 40-token documents, two in each share (one ring step, nothing exchanged);
-    # 256: a document crosses the shares' edge (two steps).
+    # 256: a document crosses the shares' edge (two steps). Cut into chunks, every document meets every rank.
     assert [(r["mode"], r["tokens"], r["layout"], r["ring_steps"]) for r in rows] == [
         ("ring", "160", "zigzag", "2"), ("ring", "256", "zigzag", "2"), ("ulysses", "160", "zigzag", "1"),
-        ("ulysses", "256", "zigzag", "1"), ("packed", "160", "contiguous", "1"), ("packed", "256", "contiguous", "2")]
+        ("ulysses", "256", "zigzag", "1"), ("packed", "160", "contiguous", "1"), ("packed", "256", "contiguous", "2"),
+        ("packed_zigzag", "160", "zigzag", "2"), ("packed_zigzag", "256", "zigzag", "2")]
     assert float(rows[4]["exchange_ms"]) == 0.0 and float(rows[5]["exchange_ms"]) > 0.0
+    best = {float(r["one_gpu_16k_tflops_fwdbwd"]) for r in rows}
+    assert len(best) == 1 and best.pop() > 0  # measured once per run
+    for r in rows:
+        assert float(r["efficiency_vs_16k_fwdbwd"]) == \
+            pytest.approx(float(r["tflops_per_gpu_fwdbwd"]) / float(r["one_gpu_16k_tflops_fwdbwd"]))

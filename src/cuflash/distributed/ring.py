@@ -13,11 +13,12 @@ import torch.distributed as dist
 from .. import ops
 from ..backend import backend_name
 from ..dtypes import lse_dtype
+from ..errors import ErrorCode, fail
 from ..params import AttentionParams
 from ..sinks import empty_lse, sink_grad
-from ..validate import check_attention_inputs, check_cu_seqlens, check_learnable_sink, check_softcap, check_tensor, \
-    resolve_scale
-from .shards import check_shards, require_process_group
+from ..validate import (check_attention_inputs, check_cu_seqlens, check_learnable_sink, check_softcap, check_tensor,
+                        check_window, resolve_scale)
+from .shards import check_packed_zigzag, check_shards, require_process_group
 
 # The most bytes of other ranks' K/V shards a rank gathers before its first step (_Ring.shards), and
 # at most an eighth of its GPU's memory (so that a smaller GPU keeps the rest for the steps); past it,
@@ -89,9 +90,62 @@ class _Ring:
 Block = tuple[slice, slice, AttentionParams]
 
 
-def _dense_blocks(rank: int, src: int, seqlen: int, causal: bool, layout: str, scale: float,
-                  softcap: float) -> list[Block]:
+def window_bounds(window_size, causal: bool) -> tuple[int, int] | None:
+    """(left, right) of a sliding window over the global positions, checked (causal makes right 0), or
+    None where it bounds no more than causal does (the blocks then need no window)."""
+    left, right = check_window(window_size)
+    right = 0 if causal else right
+    return None if left < 0 and (right < 0 or causal) else (left, right)
+
+
+def _window_span(q_rows: tuple[int, int], q_at: int, k_rows: tuple[int, int], k_at: int, left: int,
+                 right: int) -> tuple[int, int, int, int, int, int] | None:
+    """The queries at local rows q_rows = (start, end) (global positions from q_at) against the keys at
+    k_rows (from k_at) under the window (left, right) over the global positions (-1: unbounded): the
+    rows and keys trimmed to those that see or are seen, (q start, q end, k start, k end, left, right)
+    with the window shifted to their local positions, top-left aligned (trimmed, every bound is >= 0
+    or none: -1 also where every pair meets it), or None where no query sees a key."""
+    n, m = q_rows[1] - q_rows[0], k_rows[1] - k_rows[0]
+    k0 = max(k_at, q_at - left) if left >= 0 else k_at
+    k1 = min(k_at + m, q_at + n + right) if right >= 0 else k_at + m
+    q0 = max(q_at, k0 - right) if right >= 0 else q_at
+    q1 = min(q_at + n, k1 + left) if left >= 0 else q_at + n
+    if k0 >= k1 or q0 >= q1:
+        return None
+    shift = q0 - k0  # a local query row i is at global q0 + i, a local key j at k0 + j
+    local_left = left - shift if left >= 0 and left - shift < q1 - q0 - 1 else -1
+    local_right = right + shift if right >= 0 and right + shift < k1 - k0 - 1 else -1
+    return (q_rows[0] + q0 - q_at, q_rows[0] + q1 - q_at, k_rows[0] + k0 - k_at, k_rows[0] + k1 - k_at, local_left,
+            local_right)
+
+
+def _windowed_blocks(q_chunks: list[tuple[int, int, int]], k_chunks: list[tuple[int, int, int]],
+                     window: tuple[int, int], scale: float, softcap: float) -> list[Block]:
+    """Blocks of the chunk pairs (local start, local end, global position of the start) under a window."""
+    blocks = []
+    for q_lo, q_hi, q_at in q_chunks:
+        for k_lo, k_hi, k_at in k_chunks:
+            span = _window_span((q_lo, q_hi), q_at, (k_lo, k_hi), k_at, *window)
+            if span is not None:
+                params = AttentionParams(scale, span[4], span[5], bottom_right=False, softcap=softcap)
+                blocks.append((slice(span[0], span[1]), slice(span[2], span[3]), params))
+    return blocks
+
+
+def _dense_chunks(rank: int, size: int, seqlen: int, layout: str) -> list[tuple[int, int, int]]:
+    """rank's shard of a (batch, seqlen_local) sharding as chunks (local start, end, global position)."""
+    if layout == "contiguous":
+        return [(0, seqlen, rank * seqlen)]
+    half = seqlen // 2
+    return [(0, half, rank * half), (half, seqlen, (2 * size - 1 - rank) * half)]
+
+
+def _dense_blocks(rank: int, src: int, size: int, seqlen: int, causal: bool, layout: str, scale: float,
+                  softcap: float, window: tuple[int, int] | None = None) -> list[Block]:
     """What rank's queries attend to in src's K/V shard of a (batch, seqlen_local) sharding."""
+    if window is not None:
+        return _windowed_blocks(_dense_chunks(rank, size, seqlen, layout), _dense_chunks(src, size, seqlen, layout),
+                                window, scale, softcap)
     everything = slice(0, seqlen)
     # Causal blocks are the square diagonal blocks: top-left aligned, row i sees keys j <= i.
     full = AttentionParams(scale, softcap=softcap)
@@ -108,45 +162,104 @@ def _dense_blocks(rank: int, src: int, seqlen: int, causal: bool, layout: str, s
     return [(slice(half, seqlen), everything, full)]  # only q's second chunk comes after both of src's
 
 
-def _packed_span(bounds: list[int], rank: int, src: int, share: int, causal: bool):
+def dense_steps(rank: int, size: int, seqlen: int, causal: bool, layout: str, scale: float, softcap: float = 0.0,
+                window: tuple[int, int] | None = None) -> list[list[Block]]:
+    """rank's blocks at each ring step of a (batch, seqlen_local) sharding, up to the last step at which
+    any rank has a block (a window shorter than the sequence leaves the later steps nothing to do)."""
+    def blocks(r: int, s: int) -> list[Block]:
+        return _dense_blocks(r, (r - s) % size, size, seqlen, causal, layout, scale, softcap, window)
+    steps = size if window is None else 1 + max(s for r in range(size) for s in range(size) if blocks(r, s))
+    return [blocks(rank, s) for s in range(steps)]
+
+
+# A span of a packed batch's ring step: (first query row, the queries' prefix sums, first key row, the
+# keys' prefix sums, window_left, window_right) of one varlen call.
+Span = tuple[int, list[int], int, list[int], int, int]
+
+
+def _packed_span(bounds: list[int], rank: int, src: int, share: int, causal: bool,
+                 window: tuple[int, int] | None) -> Span | None:
     """What rank's queries attend to in src's K/V shard of a packed batch of documents (prefix sums
     `bounds`) cut into contiguous shares of `share` tokens, or None for nothing: one varlen call over
     the documents that meet rank's share, each document's queries in the share against its keys in
     src's share (none: a zero-length part; causal: every key when src's share comes first, the
-    diagonal's causal mask when it is rank's own share, nothing after). Returns the call's query and
-    key prefix sums and its first key's position in src's share."""
+    diagonal's causal mask when it is rank's own share, nothing after). A window (bottom-right aligned
+    in each document's part: the parts of the diagonal are the same positions) trims the parts of
+    another share, which only one document can meet (it crosses the shares between them)."""
     if causal and src > rank:
         return None
     q_lo, q_hi, k_lo, k_hi = rank * share, (rank + 1) * share, src * share, (src + 1) * share
     docs = [(a, b) for a, b in zip(bounds, bounds[1:]) if a < q_hi and b > q_lo]
+    if window is not None and src != rank:
+        crossing = [(a, b) for a, b in docs if a < k_hi and b > k_lo]
+        if not crossing:
+            return None
+        a, b = crossing[0]
+        q_rows, k_rows = (max(a, q_lo), min(b, q_hi)), (max(a, k_lo), min(b, k_hi))
+        span = _window_span((q_rows[0] - q_lo, q_rows[1] - q_lo), q_rows[0], (k_rows[0] - k_lo, k_rows[1] - k_lo),
+                            k_rows[0], *window)
+        return None if span is None else (span[0], [0, span[1] - span[0]], span[2], [0, span[3] - span[2]], *span[4:])
     cu_q = [max(a, q_lo) - q_lo for a, _ in docs] + [share]
     cu_k = [min(max(a, k_lo), k_hi) for a, _ in docs] + [min(max(docs[-1][1], k_lo), k_hi)]
     first = cu_k[0]
     cu_k = [c - first for c in cu_k]
-    return None if cu_k[-1] == 0 else (cu_q, cu_k, first - k_lo)  # None: no key of src's share in them
+    if cu_k[-1] == 0:
+        return None  # no key of src's share in them
+    left, right = window if window is not None else (-1, 0 if causal and src == rank else -1)
+    return 0, cu_q, first - k_lo, cu_k, left, right
+
+
+def _span_block(span: Span, scale: float, softcap: float, device: torch.device) -> Block:
+    q_start, cu_q, k_start, cu_k, left, right = span
+    # Top-left aligned, as a window span's shifted window is; the other spans attend fully or over the
+    # same positions in each document, where both alignments are the same.
+    params = AttentionParams(scale, left, right, bottom_right=False, softcap=softcap,
+                             cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+                             cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+                             max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
+                             max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])))
+    return slice(q_start, q_start + cu_q[-1]), slice(k_start, k_start + cu_k[-1]), params
 
 
 def packed_steps(bounds: list[int], rank: int, size: int, share: int, causal: bool, scale: float,
-                  device: torch.device, softcap: float = 0.0) -> list[list[Block]]:
-    """rank's blocks at each step of the ring over a packed batch, up to the last step at which any
-    rank has a block: documents shorter than a share meet few shards, and later steps would only
-    move K/V and dK/dV around."""
-    spans = [[_packed_span(bounds, r, (r - s) % size, share, causal) for s in range(size)] for r in range(size)]
+                 device: torch.device, softcap: float = 0.0,
+                 window: tuple[int, int] | None = None) -> list[list[Block]]:
+    """rank's blocks at each step of the ring over a packed batch in contiguous shares, up to the last
+    step at which any rank has a block: documents shorter than a share meet few shards (a window few
+    of those), and later steps would only move K/V and dK/dV around."""
+    spans = [[_packed_span(bounds, r, (r - s) % size, share, causal, window) for s in range(size)]
+             for r in range(size)]
     steps = 1 + max(s for r in range(size) for s in range(size) if spans[r][s] is not None)
-    blocks: list[list[Block]] = []
-    for s, span in enumerate(spans[rank][:steps]):
-        if span is None:
-            blocks.append([])
-            continue
-        cu_q, cu_k, start = span
-        params = AttentionParams(
-            scale, window_right=0 if causal and s == 0 else -1, softcap=softcap,
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
-            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
-            max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
-            max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])))
-        blocks.append([(slice(0, share), slice(start, start + cu_k[-1]), params)])
-    return blocks
+    return [[] if span is None else [_span_block(span, scale, softcap, device)] for span in spans[rank][:steps]]
+
+
+def zigzag_packed_steps(bounds: list[int], rank: int, size: int, causal: bool, scale: float, device: torch.device,
+                        softcap: float = 0.0) -> list[list[Block]]:
+    """rank's blocks at each ring step over a packed batch in the zigzag layout (shards.py: chunk r of
+    every document, then chunk 2W-1-r of every document; the same chunk lengths on every rank). Each
+    block is one varlen call of a part of the queries (the first or the second chunks) against a part
+    of the keys; under a causal mask: the diagonal's first chunks causally, its second chunks against
+    its first ones and causally against themselves; an earlier rank's first chunks from both parts; a
+    later rank's both parts from the second chunks. Every rank and step does the same work."""
+    chunks = check_packed_zigzag(bounds, size)
+    half = sum(chunks)
+    cu = torch.tensor([0] + chunks, device=device).cumsum(0).to(torch.int32)
+    longest = max(chunks, default=0)
+    parts = (slice(0, half), slice(half, 2 * half))
+    params = {masked: AttentionParams(scale, window_right=0 if masked else -1, bottom_right=False, softcap=softcap,
+                                      cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+              for masked in (False, True)}
+    steps = []
+    for s in range(size):
+        src = (rank - s) % size
+        if not causal:
+            pairs = [(0, 0, False), (0, 1, False), (1, 0, False), (1, 1, False)]
+        elif src == rank:
+            pairs = [(0, 0, True), (1, 0, False), (1, 1, True)]
+        else:
+            pairs = [(0, 0, False), (1, 0, False)] if src < rank else [(1, 0, False), (1, 1, False)]
+        steps.append([(parts[q], parts[k], params[masked]) for q, k, masked in pairs])
+    return steps
 
 
 def _merge_into(out, lse, block_out, block_lse) -> None:
@@ -250,7 +363,7 @@ class _RingFlashAttn(torch.autograd.Function):
 
 
 def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, layout="contiguous", softcap=0.0,
-                         learnable_sink=None):
+                         window_size=(-1, -1), learnable_sink=None):
     """Exact attention over a sequence sharded across the ranks of `group` (default: the world).
 
     Args:
@@ -262,6 +375,9 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
         layout: how the sequence was cut: "contiguous" (rank r holds chunk r) or "zigzag"
             (see zigzag_shard; balances the causal work).
         softcap: as flash_attn_func (0: off).
+        window_size: (left, right) sliding window over the global positions, as flash_attn_func's
+            (-1: unbounded); each block of a step takes the window shifted to its chunks, and the
+            ring stops after the last step whose shards any window reaches.
         learnable_sink: as flash_attn_func's, the same on every rank; its gradient here is this rank's
             rows' share (sum it across the ranks, as every parameter's).
     Returns:
@@ -272,34 +388,47 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
     backend_name(q.device, q.dtype)
     check_shards(q, k, group, layout)
     scale, softcap = resolve_scale(softmax_scale, q.shape[-1]), check_softcap(softcap)
+    window = window_bounds(window_size, bool(causal))
     sink = check_learnable_sink(learnable_sink, q.shape[2], q.device)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    steps = [_dense_blocks(rank, (rank - s) % size, q.shape[1], bool(causal), layout, scale, softcap)
-             for s in range(size)]
+    steps = dense_steps(rank, size, q.shape[1], bool(causal), layout, scale, softcap, window)
     return _RingFlashAttn.apply(q, k, v, sink, steps, False, group)
 
 
 def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, softmax_scale=None, causal=False,
-                                softcap=0.0, learnable_sink=None):
+                                softcap=0.0, layout="contiguous", window_size=(-1, -1), learnable_sink=None):
     """ring_flash_attn_func for a packed batch of documents (flash_attn_varlen_func's layout, self-
-    attention): q (total / W, nheads, headdim) is this rank's contiguous share of the packed tokens,
-    k and v (total / W, nheads_k, headdim) of the same tokens' keys and values (pad the packed batch
-    to a multiple of W; documents may cross the shares' edges). cu_seqlens ((batch + 1,) int32) and
+    attention): q (total / W, nheads, headdim) is this rank's shard of the packed tokens, k and v
+    (total / W, nheads_k, headdim) of the same tokens' keys and values. layout (shards.py, which
+    split_packed / context_parallel_shard(..., cu_seqlens=) cut): "contiguous", a contiguous share
+    (pad the packed batch to a multiple of W; documents may cross the shares' edges), or "zigzag",
+    chunks r and 2W-1-r of every document (each document's length a multiple of 2W), which gives every
+    rank the same causal work however long the documents are. cu_seqlens ((batch + 1,) int32) and
     max_seqlen describe the whole batch, the same on every rank; causal masks within each document;
-    softcap and learnable_sink as ring_flash_attn_func. Returns this rank's share of the output, (total / W,
-    nheads, headdim)."""
-    require_process_group("ring_flash_attn_varlen_func", "contiguous")
+    softcap, window_size as flash_attn_varlen_func (a window with the contiguous layout, under which
+    the work is balanced already), learnable_sink as ring_flash_attn_func, in both layouts. Returns this
+    rank's shard of the output, (total / W, nheads, headdim)."""
+    require_process_group("ring_flash_attn_varlen_func", layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 3, "(total / world_size, heads, headdim)")
     check_attention_inputs(q[None], k[None], v[None])
     backend_name(q.device, q.dtype)
-    check_shards(q[None], k[None], group, "contiguous")
+    check_shards(q[None], k[None], group, "contiguous")  # (zigzag_packed_steps checks each document's chunks)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     share = q.shape[0]
     check_cu_seqlens("cu_seqlens", cu_seqlens, "max_seqlen", max_seqlen, share * size,
                      f"the packed batch ({share} tokens on each of {size} ranks: pad it to a multiple of {size})",
                      q.device)
     scale, softcap = resolve_scale(softmax_scale, q.shape[-1]), check_softcap(softcap)
+    window = window_bounds(window_size, bool(causal))
     sink = check_learnable_sink(learnable_sink, q.shape[1], q.device)
-    steps = packed_steps(cu_seqlens.tolist(), rank, size, share, bool(causal), scale, q.device, softcap)
+    bounds = cu_seqlens.tolist()
+    if layout == "contiguous":
+        steps = packed_steps(bounds, rank, size, share, bool(causal), scale, q.device, softcap, window)
+    elif window is not None:
+        fail(ErrorCode.UNSUPPORTED_FEATURE, f"window_size={window_size!r} with the packed zigzag layout: its blocks "
+             "pair chunks of different lengths in one call; take layout='contiguous' (a window balances the work "
+             "already)")
+    else:
+        steps = zigzag_packed_steps(bounds, rank, size, bool(causal), scale, q.device, softcap)
     return _RingFlashAttn.apply(q[None], k[None], v[None], sink, steps, True, group)[0]

@@ -5,6 +5,17 @@ Layouts of the shards along the sequence (world size W):
 - "contiguous": rank r holds chunk r of W.
 - "zigzag": the sequence is cut into 2W chunks and rank r holds chunks r and 2W-1-r, so that
   under a causal mask every rank does the same work in the ring (zigzag_shard / zigzag_unshard).
+
+A packed batch of documents (flash_attn_varlen_func's layout, prefix sums cu_seqlens) is cut along its
+tokens:
+- "contiguous": rank r holds the r-th of W equal shares of the packed tokens (documents cross the
+  shares' edges);
+- "zigzag": every document is cut into 2W equal chunks, and rank r holds chunk r of every document, in
+  document order, then chunk 2W-1-r of every document (split_packed / join_packed): under a causal mask
+  each rank does the same work on every document, as torch's per-document head-tail balancer and
+  TransformerEngine's THD layout balance it (they keep each document's two chunks together; here the
+  first and the second chunks of all documents are each contiguous, so that each part of a ring step
+  is one varlen call). Each document's length must be a multiple of 2W.
 """
 from __future__ import annotations
 
@@ -52,6 +63,47 @@ def join_sequence(shards: list[torch.Tensor], layout: str, dim: int = 1) -> torc
         return torch.cat(shards, dim=dim)
     halves = [s.chunk(2, dim=dim) for s in shards]
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
+
+
+def check_packed_zigzag(bounds: list[int], world_size: int) -> list[int]:
+    """The chunk length of each document of a packed batch (prefix sums `bounds`) cut into
+    2 * world_size chunks; raises where a document's length is not a multiple of 2 * world_size."""
+    parts = 2 * world_size
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    for i, n in enumerate(lengths):
+        if n % parts:
+            fail(ErrorCode.SHAPE_MISMATCH, f"the packed zigzag layout cuts every document into 2 * world_size = "
+                 f"{parts} chunks: document {i} of cu_seqlens has {n} tokens; pad each document to a multiple of "
+                 f"{parts}, or take layout='contiguous'")
+    return [n // parts for n in lengths]
+
+
+def _packed_rows(bounds: list[int], rank: int, world_size: int) -> list[tuple[int, int]]:
+    """The (start, end) token ranges of rank's packed zigzag shard, in its order."""
+    chunks = check_packed_zigzag(bounds, world_size)
+    return [(a + i * c, a + (i + 1) * c) for i in (rank, 2 * world_size - 1 - rank) for a, c in zip(bounds, chunks)]
+
+
+def split_packed(x: torch.Tensor, cu_seqlens, world_size: int, layout: str, dim: int = 0) -> list[torch.Tensor]:
+    """Every rank's shard, in rank order, of a packed batch x (its tokens along dim; cu_seqlens the
+    prefix sums of its documents, a tensor or a list) in `layout` (the module's doc)."""
+    if layout == "contiguous":
+        return list(x.chunk(world_size, dim=dim))
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    return [torch.cat([x.narrow(dim, a, b - a) for a, b in _packed_rows(bounds, r, world_size)], dim=dim)
+            for r in range(world_size)]
+
+
+def join_packed(shards: list[torch.Tensor], cu_seqlens, layout: str, dim: int = 0) -> torch.Tensor:
+    """The whole packed batch from every rank's shard, in rank order (split_packed's inverse)."""
+    if layout == "contiguous":
+        return torch.cat(shards, dim=dim)
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    pieces: list[tuple[tuple[int, int], torch.Tensor]] = []
+    for r, shard in enumerate(shards):
+        rows = _packed_rows(bounds, r, len(shards))
+        pieces += zip(rows, shard.split([b - a for a, b in rows], dim=dim))
+    return torch.cat([piece for _, piece in sorted(pieces, key=lambda p: p[0])], dim=dim)
 
 
 def require_process_group(name: str, layout: str) -> None:

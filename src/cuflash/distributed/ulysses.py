@@ -133,18 +133,19 @@ def _exchanged(q, k, v, group, layout: str, attend, same_positions: bool = True)
     return _Exchange.apply(attend(q, k, v), group, layout, False)
 
 def hybrid_flash_attn_func(q, k, v, ring_group, a2a_group, softmax_scale=None, causal=False, layout="contiguous",
-                           softcap=0.0, learnable_sink=None):
+                           softcap=0.0, window_size=(-1, -1), learnable_sink=None):
     """All-to-all inside `a2a_group` (the GPUs of a node), ring across `ring_group` (the nodes): each
     rank holds shard a2a_rank of its ring shard (hybrid_shard), one all-to-all gives it the ring shard
     of nheads / A heads (A = a2a_group's size), ring attention runs over ring_group on those, and the
     output goes back the same way. layout: the ring's ("contiguous" or "zigzag"; see shards.py);
-    softcap as flash_attn_func, learnable_sink as ulysses_flash_attn_func. nheads and nheads_k must be
-    multiples of A. Returns this rank's shard of the output."""
+    softcap, window_size as flash_attn_func (over the global positions), learnable_sink as
+    ulysses_flash_attn_func. nheads and nheads_k must be multiples of A. Returns this rank's shard of
+    the output."""
     require_process_group("hybrid_flash_attn_func", layout)
     sink = _rank_heads(learnable_sink, q, a2a_group)
     return _exchanged(q, k, v, a2a_group, "contiguous", lambda a, b, c: ring_flash_attn_func(
         a, b, c, group=ring_group, softmax_scale=softmax_scale, causal=causal, layout=layout, softcap=softcap,
-        learnable_sink=sink))
+        window_size=window_size, learnable_sink=sink))
 
 
 def hybrid_shard(x: torch.Tensor, ring_rank: int, ring_size: int, a2a_rank: int, a2a_size: int,

@@ -142,12 +142,14 @@ def register_context_parallel(mesh, name: str = "cuflash_cp", layout: str = "con
     DeviceMesh `mesh` (cuflash.distributed.context_parallel_attn_func): each rank runs the model on
     its shard of the sequence (cuflash.distributed.context_parallel_shard of the input ids and of the
     global position ids), causal over the global positions. sliding_window and softcap as
-    attention_forward; a sliding window runs through the all-to-all only (mode "ulysses", or "auto"
-    on a 1-D mesh whose ranks divide the head counts). Packed sequences (transformers' cu_seq_lens_q,
-    cu_seq_lens_k, max_length_q, max_length_k of the whole packed row, the same on every rank) need
-    the contiguous layout and a 1-D mesh (context_parallel_attn_varlen_func). No padding mask (train
-    on packed or full-length sequences) and no attention dropout; gpt-oss's sinks (s_aux) as learnable_sink
-    in every mode. What the attention cannot do raises FlashAttentionError naming it."""
+    attention_forward, in every mode. Packed sequences (transformers' cu_seq_lens_q, cu_seq_lens_k,
+    max_length_q, max_length_k of the whole packed row, the same on every rank) run on a 1-D mesh
+    (context_parallel_attn_varlen_func), each rank's tokens, positions and labels cut by
+    context_parallel_shard(t, mesh, layout, dim=1, cu_seqlens=cu_seq_lens_q): layout "zigzag" cuts
+    every document into 2W chunks (lengths multiples of 2W), which balances the ring's causal work
+    over long documents. No padding mask (train on packed or full-length sequences) and no attention
+    dropout; gpt-oss's sinks (s_aux) as learnable_sink in every mode and layout. What the attention
+    cannot do raises FlashAttentionError naming it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
@@ -167,10 +169,8 @@ def register_context_parallel(mesh, name: str = "cuflash_cp", layout: str = "con
         packed = _packed(kwargs)
         if packed is None:
             return context_parallel_attn_func(q, k, v, mesh, layout=layout, mode=mode, **options), None
-        if layout != "contiguous":
-            fail(ErrorCode.UNSUPPORTED_FEATURE, f"{name}: packed sequences (cu_seq_lens_q) need each rank to hold a "
-                 f"contiguous share of the packed row: layout='contiguous', got layout={layout!r}")
-        return context_parallel_attn_varlen_func(q[0], k[0], v[0], *packed, mesh, mode=mode, **options)[None], None
+        return context_parallel_attn_varlen_func(q[0], k[0], v[0], *packed, mesh, mode=mode, layout=layout,
+                                                 **options)[None], None
 
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, flash_attention_mask)
