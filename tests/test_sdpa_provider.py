@@ -19,6 +19,7 @@ import cuflash
 from cuflash.dropout import head_ids, keep_mask
 from cuflash.integrations import sdpa
 from cuflash.reference import attention_reference
+from cuflash.validate import MAX_HEAD_DIM
 
 from attn_testing import count_plan_lookups, interpret, rel_err, varlen_reference
 
@@ -102,7 +103,7 @@ def test_calls_cuflash_does_not_take_run_torchs_kernel(monkeypatch):
     monkeypatch.setattr(sdpa, "TORCH_KERNELS", kernels)
     q = _bhnd(1, 2, 8, 16)
     strided = torch.randn(1, 2, 8, 32)[..., ::2]
-    big = _bhnd(1, 2, 8, 264)
+    big = _bhnd(1, 2, 8, MAX_HEAD_DIM + 8)
     cases = [((q, q, q, 0.0, False, True), {}), ((q, q, q, 1.0), {}), ((strided, q, q), {}), ((big, big, big), {}),
              ((q, q, q.to(torch.float16)), {}), ((q[0], q[0], q[0]), {})]
     for args, kwargs in cases:
@@ -111,12 +112,15 @@ def test_calls_cuflash_does_not_take_run_torchs_kernel(monkeypatch):
     assert args[5] is True  # (return_debug_mask, passed on as given)
     flash = q.transpose(1, 2)
     slopes = torch.ones(2)
-    for kwargs in (dict(alibi_slopes=slopes), dict(seqused_k=torch.ones(1, dtype=torch.int32))):
-        assert sdpa.flash_forward(flash, flash, flash, None, None, 8, 8, 0.0, False, False, **kwargs) == "torch's"
-        assert kernels["_flash_attention_forward"].calls[-1][1]["alibi_slopes" if "alibi_slopes" in kwargs
-                                                                else "seqused_k"] is not None
     cu = torch.tensor([0, 8], dtype=torch.int32)
     packed = flash[0]
+    used = torch.ones(1, dtype=torch.int32)
+    cases = [((flash, None), dict(alibi_slopes=slopes)), ((flash, None), dict(seqused_k=used)),  # dense: no seqused
+             ((packed, cu), dict(block_table=torch.zeros(1, 1, dtype=torch.int32)))]
+    for (t, cum), kwargs in cases:
+        assert sdpa.flash_forward(t, t, t, cum, cum, 8, 8, 0.0, False, False, **kwargs) == "torch's"
+        (name, value), = kwargs.items()
+        assert kernels["_flash_attention_forward"].calls[-1][1][name] is value
     for cum in (cu.long(), cu[None]):  # prefix sums torch's kernel refuses: its error, not ours
         assert sdpa.flash_forward(packed, packed, packed, cum, cum, 8, 8, 0.0, False, False) == "torch's"
     out = torch.empty_like(packed)
@@ -245,6 +249,23 @@ def test_flash_attention_forward_packed_and_dense(case, backend):
                                **options)
     assert rel_err(dense[0][0], expected[:n_q].detach()) < 1e-5
     assert dense[1].shape == (1, heads, n_q)
+
+
+def test_packed_seqused_k(backend):
+    """seqused_k of a packed call: sequence b attends to its first seqused_k[b] keys only, causal
+    aligned to them (FlashAttention-2's and -3's semantics, cuflash's varlen seqused_k)."""
+    torch.manual_seed(16)
+    lens = [9, 14, 5]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    used = torch.tensor([4, 14, 0], dtype=torch.int32)
+    q, k, v = (torch.randn(sum(lens), 2, 16) for _ in range(3))
+    out = sdpa.flash_forward(q, k, v, cu, cu, 14, 14, 0.0, True, False, seqused_k=used)[0]
+    bounds = cu.tolist()
+    for b, n in enumerate(used.tolist()):
+        rows = slice(bounds[b], bounds[b + 1])
+        keys = slice(bounds[b], bounds[b] + n)
+        expected, _ = attention_reference(q[None, rows], k[None, keys], v[None, keys], causal=True)
+        assert rel_err(out[rows], expected[0]) < 1e-5 if n else not out[rows].any()
 
 
 def test_flash_forward_into_writes_the_output(backend):

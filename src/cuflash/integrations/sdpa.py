@@ -24,11 +24,16 @@ the SDPA op come back undefined, as torch's do. Dropout draws cuflash's counter-
 Philox stream): rng_state carries its seed, as two uint64 words, to the backward, which regenerates
 the same mask from it, so the forward and its backward must run under the same provider.
 
+seqused_k of a packed call (each sequence's first seqused_k[b] keys; causal and windows align to them)
+is FlashAttention-3's, as cuflash's varlen functions take it; the aten backward has no such argument
+(torch's varlen_attn calls it inference only), so a backward runs over every key, as torch's does.
+
 Calls cuflash does not take run torch's own kernel, captured when the provider is activated: ALiBi
-slopes (the aten backward has no slopes argument), seqused_k and block_table, return_debug_mask=True,
-and inputs the checks of flash_attn_func refuse (dtypes, head dims over 256, strided last dims, ...),
-for which torch's kernel gives torch's own error. fp32 inputs, which torch's flash kernel refuses, are
-computed (exactly, as cuflash computes them everywhere)."""
+slopes (the aten backward has no slopes argument), block_table, seqused_k of a dense call,
+return_debug_mask=True, and inputs the checks of flash_attn_func refuse (dtypes, head dims over its
+maximum, strided last dims, ...), for which torch's kernel gives torch's own error. fp32 inputs, and head
+dims from 257, which torch's flash kernel refuses, are computed (exactly, as cuflash computes them
+everywhere)."""
 from __future__ import annotations
 
 import math
@@ -140,17 +145,20 @@ def _servable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return _checked(q, k, v)[0]
 
 
-def _packed_servable(q, k, v, cum_seq_q, cum_seq_k) -> bool:
+def _packed_servable(q, k, v, cum_seq_q, cum_seq_k, seqused_k) -> bool:
     """_servable for packed q (total_q, H, D), k and v (total_k, Hk, D) with the int32 prefix sums of
-    their sequences (whose values, as torch's kernel, this does not read)."""
+    their sequences and the keys each uses (seqused_k, or None), whose values, as torch's kernel, this
+    does not read."""
     return (cum_seq_k is not None and q.ndim == k.ndim == v.ndim == 3 and _servable(q[None], k[None], v[None])
             and all(c.dtype == torch.int32 and c.ndim == 1 and c.device == q.device and c.is_contiguous()
-                    for c in (cum_seq_q, cum_seq_k)) and cum_seq_q.numel() == cum_seq_k.numel() > 0)
+                    for c in (cum_seq_q, cum_seq_k, *(() if seqused_k is None else (seqused_k,))))
+            and cum_seq_q.numel() == cum_seq_k.numel() > 0
+            and (seqused_k is None or seqused_k.numel() == cum_seq_q.numel() - 1))
 
 
 def _params(q: torch.Tensor, scale, is_causal: bool, window_left, window_right, dropout_p: float,
             rng_seed: torch.Tensor | None = None, cum_seq_q=None, cum_seq_k=None, max_q: int = 0,
-            max_k: int = 0) -> AttentionParams:
+            max_k: int = 0, seqused_k: torch.Tensor | None = None) -> AttentionParams:
     """The aten call as AttentionParams (FlashAttention-2's semantics: the module's doc). rng_seed:
     the forward's seed (the backward's), else a fresh one where dropout_p > 0."""
     if dropout_p > 0 and rng_seed is None:
@@ -160,6 +168,7 @@ def _params(q: torch.Tensor, scale, is_causal: bool, window_left, window_right, 
     return AttentionParams(1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), left, right,
                            dropout_p=float(dropout_p), rng_seed=rng_seed if dropout_p > 0 else None,
                            cu_seqlens_q=cum_seq_q, cu_seqlens_k=cum_seq_k if cum_seq_q is not None else None,
+                           seqused_k=seqused_k,
                            max_seqlen_q=int(max_q) if cum_seq_q is not None else 0,
                            max_seqlen_k=int(max_k) if cum_seq_q is not None else 0,
                            deterministic=torch.are_deterministic_algorithms_enabled())
@@ -239,12 +248,11 @@ def _flash_servable(query, key, value, cum_seq_q, cum_seq_k, dropout_p, return_d
                     alibi_slopes=None, block_table=None) -> bool:
     """Whether cuflash takes a call of _flash_attention_forward (or its backward: the options it lacks
     given as None)."""
-    if return_debug_mask or not _dropout_ok(dropout_p) or seqused_k is not None or alibi_slopes is not None \
-            or block_table is not None:
+    if return_debug_mask or not _dropout_ok(dropout_p) or alibi_slopes is not None or block_table is not None:
         return False
     if cum_seq_q is None:
-        return cum_seq_k is None and query.ndim == 4 and _servable(query, key, value)
-    return _packed_servable(query, key, value, cum_seq_q, cum_seq_k)
+        return cum_seq_k is None and seqused_k is None and query.ndim == 4 and _servable(query, key, value)
+    return _packed_servable(query, key, value, cum_seq_q, cum_seq_k, seqused_k)
 
 
 def flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
@@ -263,7 +271,7 @@ def flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout
                          is_causal, return_debug_mask, scale=scale, window_size_left=window_size_left,
                          window_size_right=window_size_right, seqused_k=seqused_k, alibi_slopes=alibi_slopes, **extra)
     params = _params(query, scale, is_causal, window_size_left, window_size_right, dropout_p, None, cum_seq_q,
-                     cum_seq_k, max_q, max_k)
+                     cum_seq_k, max_q, max_k, seqused_k)
     out, lse = _forward(query, key, value, params)
     return (out, lse, *_rng_state(query, params), _no_debug_mask(query))
 
@@ -295,7 +303,7 @@ def flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_
                          seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
                          num_splits=num_splits)
     params = _params(query, scale, is_causal, window_size_left, window_size_right, 0.0, None, cum_seq_q, cum_seq_k,
-                     max_q, max_k)
+                     max_q, max_k, seqused_k)
     result, lse = _forward(query, key, value, params)
     out.copy_(result)
     return lse
