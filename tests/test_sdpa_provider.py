@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.attention as attention
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import cuflash
 from cuflash.dropout import head_ids, keep_mask
@@ -249,6 +250,45 @@ def test_flash_attention_forward_packed_and_dense(case, backend):
                                **options)
     assert rel_err(dense[0][0], expected[:n_q].detach()) < 1e-5
     assert dense[1].shape == (1, heads, n_q)
+
+
+class _CuflashOps(TorchDispatchMode):
+    """Records the cuflash custom ops called under it, each as {argument name: value}: under a dispatch
+    mode the provider's calls take the custom ops (ops.bypasses_custom_op), as under torch.compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "cuflash":
+            self.calls.append((func._schema.name, dict(zip((a.name for a in func._schema.arguments), args))))
+        return func(*args, **(kwargs or {}))
+
+
+def test_translation_through_cuflashs_custom_ops(backend):
+    """The aten call's options land on the custom ops' arguments of their names (learnable_sink None:
+    torch's ops have no sink), and the backward op's (dq, dk, dv, [dsink], captured) comes back as the
+    aten backward's three gradients, the same as the direct path's."""
+    torch.manual_seed(17)
+    lens = [9, 3, 12]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    q, k, v, grad_out = (torch.randn(sum(lens), h, 16) for h in (4, 2, 2, 4))
+    args = (cu, cu, 12, 12, 0.0, True, False)
+    options = dict(scale=0.25, window_size_left=3, window_size_right=-1)
+    direct = sdpa.flash_forward(q, k, v, *args, **options)
+    direct_grads = sdpa.flash_backward(grad_out, q, k, v, *direct[:2], *args[:6], *direct[2:4], **options)
+    with _CuflashOps() as log:
+        outputs = sdpa.flash_forward(q, k, v, *args, **options)
+        grads = sdpa.flash_backward(grad_out, q, k, v, *outputs[:2], *args[:6], *outputs[2:4], **options)
+    assert [name for name, _ in log.calls] == ["cuflash::fwd", "cuflash::bwd"]
+    for _, call in log.calls:
+        assert call["learnable_sink"] is None and call["alibi_slopes"] is None and call["attn_mask"] is None
+        assert (call["softmax_scale"], call["window_left"], call["window_right"]) == (0.25, 3, 0)
+        assert call["cu_seqlens_q"] is cu and (call["max_seqlen_q"], call["max_seqlen_k"]) == (12, 12)
+    assert len(grads) == 3
+    for ours, theirs in zip((*outputs[:2], *grads), (*direct[:2], *direct_grads)):
+        assert torch.equal(ours, theirs)
 
 
 def test_packed_seqused_k(backend):

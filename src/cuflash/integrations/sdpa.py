@@ -181,9 +181,13 @@ def _forward(q, k, v, params: AttentionParams, plans: dict | None = None) -> tup
         return ops.forward(q, k, v, params, plans)
 
 
-def _backward(grad_out, q, k, v, out, lse, params: AttentionParams):
+def _backward(grad_out, q, k, v, out, lse, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv): the aten ops have no learnable sink (params.learnable_sink None), so cuflash's
+    backward gives no dsink."""
     with torch.no_grad():
-        return ops.backward(grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous(), q, k, v, out, lse, params)
+        dq, dk, dv = ops.backward(grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous(), q, k, v, out, lse,
+                                  params)
+    return dq, dk, dv
 
 
 def _rng_state(q: torch.Tensor, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
