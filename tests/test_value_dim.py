@@ -390,3 +390,61 @@ def test_kvcache_on_gpu(dtype, dims, paged, num_splits):
         ref, _ = attention_reference(q[b:b + 1], keys[None], values[None], causal=True)
         assert rel_err(out[b:b + 1], ref) < BOUNDS[dtype], b
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (129, 77)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("consumers,block_n,stages", [(2, 128, 2), (2, 64, 3), (2, 64, 4), (3, 64, 3)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gluon_forward_on_gpu(dtype, consumers, block_n, stages, causal, seqlen_q, seqlen_k, layout, monkeypatch):
+    """The Gluon forward at (192, 128) (Q and K in 128 + 64 columns, the S product accumulating over
+    both), forced in each configuration: 128-key tiles in 2 buffers (one Q buffer, O through a K tile),
+    64-key tiles in 3 (two Q buffers) or 4 (one, O through it), three consumers; ragged tiles, GQA, rows
+    that see no key, non-contiguous inputs; the gradients (Triton's backward) check its lse."""
+    from cuflash.kernels import gluon
+    from cuflash.kernels.gluon import forward as gluon_forward
+    from cuflash.kernels.variant import problem
+    from cuflash.params import AttentionParams
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is for Hopper (sm_90)")
+    torch.manual_seed(seqlen_q + seqlen_k)
+    q, k, v = _qkv(2, seqlen_q, seqlen_k, 8, 2, (192, 128), dtype, "cuda")
+    if layout == "bhnd":  # (views of (B, H, N, D) buffers, as SDPA's callers hand them)
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    params = AttentionParams(192 ** -0.5, window_right=0 if causal else -1)
+    assert gluon.accepts(problem(q, k, v, params), params)
+    cfg = gluon.Forward(consumers, block_n, stages)
+    force_candidates(monkeypatch, forward=(cfg, table_cell(q, 256, max(seqlen_q, seqlen_k), causal).forward[-1]))
+    launched, launch_args = [], gluon_forward.launch_args
+    monkeypatch.setattr(gluon_forward, "launch_args", lambda *args: launched.append(args[-1]) or launch_args(*args))
+    check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal), q, k, v, causal)
+    assert launched and set(launched) == {cfg}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mods", ["score_mod", "block_mask"])
+def test_gluon_forward_with_mods_on_gpu(mods):
+    """The Gluon forward at (192, 128) with a score_mod (a relative bias) and a block mask of documents,
+    against the oracle (the table keeps the Gluon forward for mods, plan._within_blocks)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is for Hopper (sm_90)")
+    torch.manual_seed(11)
+    q, k, v = _qkv(2, 1000, 1000, 8, 2, (192, 128), torch.bfloat16, "cuda")
+    docs = torch.arange(1000, device="cuda") // 256
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score - 0.01 * (q_idx - kv_idx).abs()
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+
+    if mods == "score_mod":
+        check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, score_mod=bias), q, k, v, False,
+                             with_sdpa=False, score_mod=bias)
+    else:
+        mask = cuflash.create_block_mask(same_doc, None, None, 1000, 1000, device="cuda")
+        out = cuflash.flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=mask,
+                                     enable_gqa=True).transpose(1, 2)
+        ref, _ = attention_reference(q, k, v, mask_mod=lambda b, h, i, j: same_doc(b, h, i, j))
+        assert rel_err(out, ref) < BOUNDS[torch.bfloat16]

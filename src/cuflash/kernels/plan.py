@@ -212,6 +212,9 @@ def entry(arch: int, block_d: int, fp32: bool, tf32: bool, length: Length, bande
 
 
 def _table(arch: int, block_d: int, block_dv: int, fp32: bool, length: Length, banded: bool):
+    hopper = arch == 90  # wgmma, and with it the Gluon kernels, is Hopper's alone
+    if arch >= 90 and not fp32 and (block_d, block_dv) == (256, 128):
+        return _hopper_d192(hopper, length, banded)
     block_d = max(block_d, block_dv)  # (the tiles of the larger head dim)
     if arch == 0:
         # Small, unequal tiles: the CPU tests run through the interpreter and must cover the
@@ -230,7 +233,6 @@ def _table(arch: int, block_d: int, block_dv: int, fp32: bool, length: Length, b
         if block_d <= 128:
             return (Tiles(128, 32, 4, 2),), (Tiles(32, 64, 4, 2),), (Tiles(64, 32, 4, 2),)
         return (Tiles(64, 32, 4, 1),), (Tiles(16, 64, 4, 1),), (Tiles(64, 16, 4, 1),)
-    hopper = arch == 90  # wgmma, and with it the Gluon kernels, is Hopper's alone
     if block_d <= 64:
         return _hopper_d64(hopper, block_d, length, banded)
     if block_d <= 128:
@@ -342,6 +344,19 @@ def _hopper_d256(hopper: bool, length: Length, banded: bool):
         forward = (gluon.Forward(2, 64, 2, early_k=length >= L.UP_TO_512), fwd)
         dkdv = (gluon.Dkdv(), *dkdv)
     return forward, dkdv, (Tiles(128, 32, 8, 3),)
+
+
+def _hopper_d192(hopper: bool, length: Length, banded: bool):
+    """q and k 129-256 wide, v 65-128 (DeepSeek's MLA (192, 128); the Gluon kernels at (192, 128) exactly):
+    D=256's Triton tiles, which leave the narrower v room. The Gluon forward as D=128's: 64-key tiles (3
+    buffers, two Q buffers) where D=128 takes them, else 128-key tiles in 2 buffers (208 KB: one Q buffer, O
+    leaving through a K tile); not yet timed on the GPU. The backward: Triton's."""
+    L = Length
+    forward, dkdv, dq = _hopper_d256(hopper, length, banded)
+    if hopper:
+        short = length <= L.UP_TO_256 or (banded and length <= L.UP_TO_1K)
+        forward = (gluon.Forward(2, *((64, 3) if short else (128, 2))), forward[-1])
+    return forward, dkdv[-1:], dq
 
 
 # The decode step (kernels/triton/decode.py): tiles, split count, page prefetch.

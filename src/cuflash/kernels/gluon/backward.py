@@ -61,7 +61,7 @@ def _buffers(dtype: gl.constexpr, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, STA
     held_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
     held_a = gl.allocate_shared_memory(dtype, [PARTS * HELD, ROWS, HEAD_D], held_layout)
     held_b = gl.allocate_shared_memory(dtype, [PARTS * HELD, ROWS, HEAD_D], held_layout)
-    ring_a, ring_b, a_ready, b_ready, empty = ring(dtype, BLOCK, HEAD_D, STAGES, 2)
+    ring_a, ring_b, a_ready, b_ready, empty = ring(dtype, BLOCK, HEAD_D, HEAD_D, STAGES, 2)
     held_ready = barriers(HELD, 1)
     held_free = barriers(HELD, 2)
     return held_a, held_b, ring_a, ring_b, held_ready, held_free, a_ready, b_ready, empty
