@@ -350,8 +350,8 @@ def test_triton_kernels_on_gpu(dtype, dims, causal, seqlen_q, seqlen_k, monkeypa
 @pytest.mark.parametrize("dims", GPU_PAIRS, ids=_pair_id)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_table_on_gpu(dtype, dims, causal):
-    """What the table runs at each pair (on Hopper the Gluon kernels where they take the pair, else
-    Triton), at lengths of each class, with varlen for the Triton kernels."""
+    """What the table runs at each pair (on Hopper the Gluon forward and dK/dV at (192, 128), Triton
+    elsewhere), at lengths of each class, with varlen for the Triton kernels."""
     for n in (100, 300, 1000, 3000):
         torch.manual_seed(seed_of(dims, causal, n))
         q, k, v = _qkv(2, n, n, 8, 2, dims, dtype, "cuda")
@@ -448,3 +448,35 @@ def test_gluon_forward_with_mods_on_gpu(mods):
                                      enable_gqa=True).transpose(1, 2)
         ref, _ = attention_reference(q, k, v, mask_mod=lambda b, h, i, j: same_doc(b, h, i, j))
         assert rel_err(out, ref) < BOUNDS[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (129, 77)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gluon_dkdv_on_gpu(dtype, stages, causal, seqlen_q, seqlen_k, monkeypatch):
+    """The Gluon dK/dV kernel at (192, 128), forced (split-D consumers on one 64-key item: consumer 0 dK's
+    first 128 columns, consumer 1 its last 64, each half of dV's; S^T over Q's and K's two parts; 2 or 3
+    Q/dO buffers, two K/V buffers or one), beside Triton's dQ, against the oracle: ragged tiles, GQA, rows
+    and keys that see nothing, deterministic (no atomics: bitwise the same twice)."""
+    from cuflash.kernels import gluon
+    from cuflash.kernels.gluon import backward as gluon_backward
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
+    torch.manual_seed(seqlen_q + seqlen_k + stages)
+    q, k, v = _qkv(2, seqlen_q, seqlen_k, 8, 2, (192, 128), dtype, "cuda")
+    cell = table_cell(q, 256, max(seqlen_q, seqlen_k), causal)
+    cfg = gluon.Dkdv(stages=stages)
+    force_candidates(monkeypatch, forward=cell.forward[-1:], dkdv=(cfg, cell.dkdv[-1]), dq=cell.dq[-1:])
+    launched, dkdv_launch = [], gluon_backward.dkdv_launch
+    monkeypatch.setattr(gluon_backward, "dkdv_launch", lambda *args: launched.append(args[-1]) or dkdv_launch(*args))
+
+    def fn(a, b, c):
+        return cuflash.flash_attn_func(a, b, c, causal=causal)
+    check_against_oracle(fn, q, k, v, causal)
+    assert launched and set(launched) == {cfg}
+    dout = torch.randn(*q.shape[:-1], 128, dtype=dtype, device="cuda")
+    grads = [torch.autograd.grad(fn(*leaves), leaves, dout)
+             for leaves in [[t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2)]]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
