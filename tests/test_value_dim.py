@@ -480,3 +480,27 @@ def test_gluon_dkdv_on_gpu(dtype, stages, causal, seqlen_q, seqlen_k, monkeypatc
     grads = [torch.autograd.grad(fn(*leaves), leaves, dout)
              for leaves in [[t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2)]]
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (129, 77)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gluon_dq_on_gpu(dtype, stages, causal, seqlen_q, seqlen_k, monkeypatch):
+    """The Gluon dQ kernel at (192, 128), forced (64-key tiles, S over Q's and K's two parts, dQ in two
+    accumulators leaving through each consumer's Q tiles), beside Triton's dK/dV, against the oracle:
+    ragged tiles, GQA, rows that see no key."""
+    from cuflash.kernels import gluon
+    from cuflash.kernels.gluon import backward as gluon_backward
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are for Hopper (sm_90)")
+    torch.manual_seed(seqlen_q + seqlen_k + stages + 1)
+    q, k, v = _qkv(2, seqlen_q, seqlen_k, 8, 2, (192, 128), dtype, "cuda")
+    cell = table_cell(q, 256, max(seqlen_q, seqlen_k), causal)
+    cfg = gluon.Dq(64, stages)
+    force_candidates(monkeypatch, forward=cell.forward[-1:], dkdv=cell.dkdv[-1:], dq=(cfg, cell.dq[-1]))
+    launched, dq_launch = [], gluon_backward.dq_launch
+    monkeypatch.setattr(gluon_backward, "dq_launch", lambda *args: launched.append(args[-1]) or dq_launch(*args))
+    check_against_oracle(lambda a, b, c: cuflash.flash_attn_func(a, b, c, causal=causal), q, k, v, causal)
+    assert launched and set(launched) == {cfg}

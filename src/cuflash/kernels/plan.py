@@ -351,12 +351,15 @@ def _hopper_d192(hopper: bool, length: Length, banded: bool):
     D=256's Triton tiles, which leave the narrower v room. The Gluon forward as D=128's: 64-key tiles (3
     buffers, two Q buffers) where D=128 takes them, else 128-key tiles in 2 buffers (208 KB: one Q buffer, O
     leaving through a K tile); the Gluon dK/dV with split-D consumers (as D=256's: dK's 128 + 64 columns,
-    dV's halves), dQ Triton's; not yet timed on the GPU."""
+    dV's halves); the Gluon dQ where D=128 takes it, on 64-key tiles in 3 buffers (dQ leaving through the Q
+    tiles). Not yet timed on the GPU."""
     L = Length
     forward, dkdv, dq = _hopper_d256(hopper, length, banded)
     if hopper:
         short = length <= L.UP_TO_256 or (banded and length <= L.UP_TO_1K)
         forward = (gluon.Forward(2, *((64, 3) if short else (128, 2))), forward[-1])
+        if length > L.UP_TO_512 or (length == L.UP_TO_512 and not banded):
+            dq = (gluon.Dq(64, 3), *dq)
     return forward, dkdv, dq
 
 

@@ -32,7 +32,8 @@ dK's and dV's columns, P^T and dS^T passing between them through shared memory (
 is not fused there, and the dQ pass is Triton's. So at DeepSeek's (192, 128) (q and k 192 wide, v 128):
 Q and K are held as 128 + 64 columns (common.head_parts: Gluon's tensors and shared memory are powers of
 two), each part in buffers and TMA boxes of its own, S^T two products accumulating; consumer 0 takes
-dK's first 128 columns, consumer 1 its last 64, each half of dV's.
+dK's first 128 columns, consumer 1 its last 64, each half of dV's. There the dQ kernel (unfused) takes
+64-key tiles, dQ in two accumulators (128 + 64 columns) that leave through the consumer's own Q tiles.
 Only the plain backward is here (kernels/gluon/__init__.py's accepts: 16-bit, head dims 64, 128 and
 256 and (192, 128), causal or not, GQA); everything else takes the Triton kernels. GPU only: Triton's
 interpreter does not run Gluon.
@@ -561,40 +562,52 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc, BlockNum, BlockId
 
 
 @gluon.jit
-def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
+             STAGES: gl.constexpr):
     (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty,
      stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset,
-     qk_scale, softmax_scale) = args
-    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D)
-    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_do, ROWS, HEAD_D)
-    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, BLOCK_N, HEAD_D)
-    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, BLOCK_N, HEAD_D)
+     qk_scale, softmax_scale, q_rest, k_rest) = args
+    # Q's and K's head dim HEAD_D + HEAD_D_REST in two boxes where it has two parts (common.head_parts)
+    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D + HEAD_D_REST, HEAD_D)
+    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, BLOCK_N, HEAD_D + HEAD_D_REST, HEAD_D)
+    q_rest_load, k_rest_load = None, None
+    if HEAD_D_REST:
+        q_rest_load = (descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D + HEAD_D_REST, HEAD_D_REST),
+                       q_rest)
+        k_rest_load = (descriptor(K, batch, seqlen_k, nheads_k, stride_k, BLOCK_N, HEAD_D + HEAD_D_REST,
+                                  HEAD_D_REST), k_rest)
+    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_do, ROWS, do_smem.shape[2])
+    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, BLOCK_N, v_smem.shape[2])
     n_m, items = tiles_of(seqlen_q, batch, nheads, 2 * ROWS)
     it = 0  # K/V tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
     for c in range(count(items)):
         start_m, off_b, off_h, n_tiles = query_item(work(c), n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, 2)
         off_hk = off_h // (nheads // nheads_k)
-        _load_held(done, q_desc, do_desc, start_m, off_b, off_h, q_smem, do_smem, qdo_ready, qdo_free)
+        _load_held(done, q_desc, do_desc, start_m, off_b, off_h, q_smem, do_smem, qdo_ready, qdo_free, q_rest_load)
         it = load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                     BLOCK_N, STAGES)
+                     BLOCK_N, STAGES, k_rest=k_rest_load)
         done += 1
 
 
 @gluon.jit
-def _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, base, first, last, end, rows,
+def _dq_tiles(dq, qs, do, ks, v_smem, k_ready, v_ready, kv_empty, lse, delta, base, first, last, end, rows,
               offset, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               s_layout: gl.constexpr, a_layout: gl.constexpr):
     """K/V tiles [first, last) of a work item whose tile 0 sits at position `base` of the buffer ring;
     each goes back to the loader once done, but the one at position `end`. MASKED applies the causal
-    diagonal. Keys past seqlen_k need no mask: their K rows are zero-filled, so they add nothing to dQ."""
+    diagonal. Keys past seqlen_k need no mask: their K rows are zero-filled, so they add nothing to dQ.
+    qs, ks: Q's held tile and K's ring, each with those of the rest of a head dim of two parts (else
+    None); dq: dQ's accumulator, or with two parts the pair of the parts' accumulators."""
     zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     for j in range(first, last):
         stage = (base + j) % STAGES
         phase = ((base + j) // STAGES) & 1
-        k = k_smem.index(stage)
+        k = ks[0].index(stage)
         mbarrier.wait(k_ready.index(stage), phase)
-        s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qs[0], k.permute((1, 0)), zero, use_acc=False, is_async=True)
+        if qs[1] is not None:
+            s = warpgroup_mma(qs[1], ks[1].index(stage).permute((1, 0)), s, is_async=True)
         mbarrier.wait(v_ready.index(stage), phase)
         dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
@@ -603,27 +616,41 @@ def _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta,
             s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows + offset, 1), s, float("-inf"))
         p = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(lse, 1)))
         dp = warpgroup_mma_wait(0, deps=(dp,))
-        ds = p * (dp - gl.expand_dims(delta, 1))
-        dq = warpgroup_mma(gl.convert_layout(ds.to(k.dtype), a_layout), k, dq)
+        ds = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(k.dtype), a_layout)
+        if qs[1] is None:
+            dq = warpgroup_mma(ds, k, dq)
+        else:
+            dq_first = warpgroup_mma(ds, k, dq[0], is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq_first, warpgroup_mma(ds, ks[1].index(stage), dq[1], is_async=True)))
         if base + j != end:
             mbarrier.arrive(kv_empty.index(stage), count=1)
     return dq
 
 
 @gluon.jit
-def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                WG: gl.constexpr):
+def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
+                STAGES: gl.constexpr, WG: gl.constexpr):
+    """A consumer warpgroup's work items: its 64 of an item's query rows against every K/V tile. dQ leaves
+    through the item's last V tile (both consumers' rows), or with a head dim of two parts (HEAD_D_REST >
+    0: 192 = 128 + 64; 64-key V tiles, narrower) through this consumer's own Q tiles, which hold its
+    shape."""
     (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty,
      stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset,
-     qk_scale, softmax_scale) = args
+     qk_scale, softmax_scale, q_rest, k_rest) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    dq_desc = descriptor(DQ, batch, seqlen_q, nheads, stride_dq, ROWS, HEAD_D)
+    dq_desc = descriptor(DQ, batch, seqlen_q, nheads, stride_dq, ROWS, HEAD_D + HEAD_D_REST, HEAD_D)
     q = q_smem.index(WG)
     do = do_smem.index(WG)
+    qs, ks = (q, None), (k_smem, None)
+    if HEAD_D_REST:
+        rest_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, HEAD_D_REST, 16])
+        dq_rest_desc = descriptor(DQ, batch, seqlen_q, nheads, stride_dq, ROWS, HEAD_D + HEAD_D_REST, HEAD_D_REST)
+        qs, ks = (q, q_rest.index(WG)), (k_smem, k_rest)
     # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
     n_m, items = tiles_of(seqlen_q, batch, nheads, 2 * ROWS)
     it = 0  # K/V tiles consumed so far: the ring's position
@@ -640,23 +667,36 @@ def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.co
         n_full = n_tiles
         if CAUSAL:
             n_full = gl.minimum(gl.maximum(row0 + offset + 1, 0) // BLOCK_N, n_tiles)
-        end = it + n_tiles - 1  # the item's last K/V buffer, which dQ leaves through
         dq = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+        if HEAD_D_REST:
+            dq = (dq, gl.zeros([ROWS, HEAD_D_REST], gl.float32, rest_layout))
+            end = -1  # (every K/V buffer goes back once done)
+        else:
+            end = it + n_tiles - 1  # the item's last K/V buffer, which dQ leaves through
         mbarrier.wait(qdo_ready.index(0), done & 1)
-        dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, 0, n_full, end, rows,
+        dq = _dq_tiles(dq, qs, do, ks, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, 0, n_full, end, rows,
                        offset, qk_scale, False, BLOCK_N, STAGES, s_layout, a_layout)
-        dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, n_full, n_tiles, end,
+        dq = _dq_tiles(dq, qs, do, ks, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, n_full, n_tiles, end,
                        rows, offset, qk_scale, True, BLOCK_N, STAGES, s_layout, a_layout)
-        # Q and dO go back to the loader, which fetches the next item's while this one finishes;
-        # once both consumers have released them, no product reads the last K/V buffer either:
-        # dQ leaves through its V tile, which then goes back too.
-        mbarrier.arrive(qdo_free.index(0), count=1)
-        mbarrier.wait(qdo_free.index(0), done & 1)
-        copy_out(dq_desc, [off_b, row0, off_h, 0], v_smem.index(end % STAGES),
-                  (dq * softmax_scale).to(DQ.dtype.element_ty), PART=WG)
-        tma.store_wait(0)
-        barrier()  # the thread that issued the copy has seen it read the tile
-        mbarrier.arrive(kv_empty.index(end % STAGES), count=1)
+        if HEAD_D_REST:
+            # dQ's parts leave through this consumer's Q tiles (only its own products read them, all done),
+            # which go back to the loader with dO once the copies have read them.
+            copy_out(dq_desc, [off_b, row0, off_h, 0], q, (dq[0] * softmax_scale).to(DQ.dtype.element_ty))
+            copy_out(dq_rest_desc, [off_b, row0, off_h, HEAD_D], qs[1], (dq[1] * softmax_scale).to(DQ.dtype.element_ty))
+            tma.store_wait(0)
+            barrier()  # the thread that issued the copies has seen them read the tiles
+            mbarrier.arrive(qdo_free.index(0), count=1)
+        else:
+            # Q and dO go back to the loader, which fetches the next item's while this one finishes;
+            # once both consumers have released them, no product reads the last K/V buffer either:
+            # dQ leaves through its V tile, which then goes back too.
+            mbarrier.arrive(qdo_free.index(0), count=1)
+            mbarrier.wait(qdo_free.index(0), done & 1)
+            copy_out(dq_desc, [off_b, row0, off_h, 0], v_smem.index(end % STAGES),
+                     (dq * softmax_scale).to(DQ.dtype.element_ty), PART=WG)
+            tma.store_wait(0)
+            barrier()  # the thread that issued the copy has seen it read the tile
+            mbarrier.arrive(kv_empty.index(end % STAGES), count=1)
         it += n_tiles
         done += 1
 
@@ -665,18 +705,27 @@ def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.co
 def _attn_bwd_dq_hopper(Q, K, V, DO, Lse, Delta, DQ,
                         stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, batch, nheads, nheads_k,
                         seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
-                        CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr):
-    gl.static_assert(BLOCK_N == 2 * ROWS, "dQ leaves through a V tile: both consumers' rows")
+                        CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
+                        HEAD_DV: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Q's and K's head dim HEAD_D (+ HEAD_D_REST: a head dim of two parts, common.head_parts, each in
+    buffers of its own), V's and dO's HEAD_DV."""
+    gl.static_assert(HEAD_D_REST > 0 or (BLOCK_N == 2 * ROWS and HEAD_DV == HEAD_D),
+                     "dQ leaves through a V tile: both consumers' rows, as wide as dQ")
+    dtype: gl.constexpr = Q.dtype.element_ty
     # qdo_free: both consumers are done with the item's Q and dO.
     q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty = _buffers(
-        Q.dtype.element_ty, HEAD_D, HEAD_D, BLOCK_N, STAGES, 1)
+        dtype, HEAD_D, HEAD_DV, BLOCK_N, STAGES, 1)
+    q_rest, k_rest = None, None
+    if HEAD_D_REST:
+        q_rest = buffers(dtype, 2, ROWS, HEAD_D_REST)
+        k_rest = buffers(dtype, STAGES, BLOCK_N, HEAD_D_REST)
     args = (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready,
             kv_empty, stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, batch, nheads, nheads_k, seqlen_q,
-            seqlen_k, offset, qk_scale, softmax_scale)
-    gl.warp_specialize([(_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 0)),
-                        (_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 1)),
-                        (_dq_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
+            seqlen_k, offset, qk_scale, softmax_scale, q_rest, k_rest)
+    gl.warp_specialize([(_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, 0)),
+                        (_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, 1)),
+                        (_dq_load, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES))], [4, 1],
+                       [CONSUMER_REGS, 24])
 
 
 def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
@@ -738,9 +787,8 @@ def dq_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dq):
     dq = tensors["DQ"]
     items = cdiv(prob.seqlen_q, 2 * ROWS.value) * prob.batch * prob.nheads
     grid = (min(cdiv(items, 2), num_sms(dq.device)),)
-    if prob.head_dim_v != prob.head_dim:
-        raise ValueError("the Gluon dQ kernel takes one head dim for q, k and v (dQ leaves through a V tile)")
+    head_d, head_d_rest = head_parts(prob.head_dim)
     return _attn_bwd_dq_hopper, grid, dict(
         **_shared_args(tensors, prob, params), Lse=tensors["Lse"], Delta=tensors["Delta"],
         stride_l=lse_strides(prob, params), DQ=dq, stride_dq=box_strides(prob, dq), BLOCK_N=cfg.block_n,
-        STAGES=cfg.stages, HEAD_D=prob.head_dim)
+        STAGES=cfg.stages, HEAD_D=head_d, HEAD_D_REST=head_d_rest, HEAD_DV=prob.head_dim_v)
