@@ -9,7 +9,7 @@ import torch
 
 import cuflash
 from attn_testing import BOUNDS, check_against_oracle, force_candidates, raises, rel_err, seed_of, table_cell, \
-    varlen_reference
+    varlen_oracle, varlen_reference
 from cuflash.errors import ErrorCode
 from cuflash.reference import attention_reference
 from cuflash.validate import MAX_HEAD_DIM
@@ -112,6 +112,30 @@ def test_varlen(backend, dims):
         assert ours.shape == theirs.shape and rel_err(ours, theirs) < 1e-5, name
 
 
+@pytest.mark.parametrize("dims", [(192, 128), (40, 96)], ids=_pair_id)
+def test_sink_and_seqused(backend, dims):
+    """Beside v's head dim: a learnable sink (its gradient from the delta over v's head dim) and
+    seqused_q / seqused_k (the rows past them out 0, no gradient), causal, GQA: output and gradients,
+    the sink's too, against the oracle sequence by sequence."""
+    torch.manual_seed(seed_of(dims, "sink"))
+    lens_q, lens_k, used_q, used_k = [5, 40, 3], [9, 70, 3], [4, 33, 3], [9, 50, 2]
+    cu_q, cu_k = (torch.tensor([0] + lens).cumsum(0).to(torch.int32) for lens in (lens_q, lens_k))
+    q, k, v = (t[0] for t in _qkv(1, sum(lens_q), sum(lens_k), 4, 2, dims))
+    sink = torch.randn(4)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    out = cuflash.flash_attn_varlen_func(*leaves[:3], cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                         learnable_sink=leaves[3], seqused_q=torch.tensor(used_q, dtype=torch.int32),
+                                         seqused_k=torch.tensor(used_k, dtype=torch.int32))
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    doubles = [t.double().requires_grad_() for t in (q, k, v, sink)]
+    ref = varlen_oracle(*doubles[:3], cu_q.tolist(), cu_k.tolist(), used_q, used_k, causal=True,
+                        learnable_sink=doubles[3])[0]
+    ref_grads = torch.autograd.grad(ref, doubles, dout.double())
+    for name, ours, theirs in zip(("out", "dq", "dk", "dv", "dsink"), (out, *grads), (ref, *ref_grads)):
+        assert ours.shape == theirs.shape and rel_err(ours, theirs) < 1e-5, name
+
+
 def _pages(t: torch.Tensor, cu: torch.Tensor, page: int, order: torch.Tensor, blocks: int) -> torch.Tensor:
     """The rows of t (total, Hk, D) of each sequence of cu laid in pages of a pool of `blocks`, sequence
     b's j-th page at pool block order[b][j]; the rest of the pool random."""
@@ -146,7 +170,8 @@ def test_paged_varlen(backend, dims):
 def test_kvcache(backend, dims, paged, num_splits):
     """flash_attn_with_kvcache with v_cache (and the new v) of v's head dim: the new keys and values land
     in their caches, and the output (split and combined, or not) is the oracle's on the updated caches,
-    GQA packed, causal over two new tokens."""
+    GQA packed, causal over two new tokens, with a learnable sink (counted by the decode kernel or the
+    combine)."""
     torch.manual_seed(seed_of(dims, paged, num_splits))
     d, dv = dims
     batch, nheads, nheads_k, seqlen_new, capacity, page = 2, 4, 2, 2, 48, 16
@@ -157,15 +182,16 @@ def test_kvcache(backend, dims, paged, num_splits):
     table = torch.randperm(rows)[:batch * capacity // page].view(batch, -1).int() if paged else None
     q = torch.randn(batch, seqlen_new, nheads, d)
     k_new, v_new = (torch.randn(batch, seqlen_new, nheads_k, n) for n in (d, dv))
+    sink = torch.randn(nheads)
     out, lse = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
                                                block_table=table, causal=True, num_splits=num_splits,
-                                               return_softmax_lse=True)
+                                               return_softmax_lse=True, learnable_sink=sink)
     assert out.shape == (batch, seqlen_new, nheads, dv)
     for b, n in enumerate(seqlens.tolist()):
         keys, values = ((cache[table[b].long()].flatten(0, 1) if paged else cache[b])[:n + seqlen_new]
                         for cache in (k_cache, v_cache))
         assert torch.equal(keys[n:], k_new[b]) and torch.equal(values[n:], v_new[b])
-        ref, ref_lse = attention_reference(q[b:b + 1], keys[None], values[None], causal=True)
+        ref, ref_lse = attention_reference(q[b:b + 1], keys[None], values[None], causal=True, learnable_sink=sink)
         assert rel_err(out[b:b + 1], ref) < 1e-5, b
         assert torch.allclose(lse[b].double(), ref_lse[0], atol=1e-5)
 
@@ -327,7 +353,7 @@ def test_packed_functions_keep_one_head_dim():
 
 # GPU: the compiled kernels in 16-bit (the interpreter has no bf16 dot).
 
-GPU_PAIRS = [(192, 128), (64, 128), (128, 64), (96, 40), (40, 96), (64, 256)]
+GPU_PAIRS = [(192, 128), (64, 128), (128, 64), (96, 40), (40, 96), (64, 256), (64, 512)]
 
 
 @pytest.mark.gpu
