@@ -402,6 +402,47 @@ def _store_cols(T, strides, off_b, off_hk, start_n, seqlen_k, tile, COL0: gl.con
 
 
 @gluon.jit
+def _split_d_item(args, kb, keys, lo, full, hi, base, start_n, off_b, off_hk, group, HEAD_D: gl.constexpr,
+                  HEAD_D_REST: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr):
+    """A split-D consumer's work item in K/V buffer kb: every head's query tiles (_split_d_tiles) from ring
+    position base + lo on (the masked ones before `full`), then K and V back to the loader and this
+    consumer's columns of dK and dV stored; returns base past them. Its columns: half of dV's, and half of
+    dK's or, of a head dim of two parts (HEAD_D_REST > 0: 192 = 128 + 64), the first part (consumer 0) or
+    the rest (consumer 1)."""
+    (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
+     do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do, stride_dk,
+     stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
+     mods, blocks, q_rest, k_rest) = args
+    DK_COLS: gl.constexpr = HEAD_D // 2 if HEAD_D_REST == 0 else HEAD_D if WG == 0 else HEAD_D_REST
+    DK_COL0: gl.constexpr = WG * (HEAD_D // 2 if HEAD_D_REST == 0 else HEAD_D)
+    DV_COLS: gl.constexpr = v_smem.shape[2] // 2
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DK_COLS, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DV_COLS, 16])
+    dk = gl.zeros([ROWS, DK_COLS], gl.float32, dk_layout)
+    dv = gl.zeros([ROWS, DV_COLS], gl.float32, dv_layout)
+    ks = (k_smem.index(kb), None)  # (with the rest of a head dim of two parts: _split_d_tiles')
+    if HEAD_D_REST:
+        ks = (k_smem.index(kb), k_rest.index(kb))
+    v = v_smem.index(kb)
+    qs = (q_smem, q_rest)
+    pds = (ds_smem, ds_ready, ds_free)
+    for g in range(group):
+        dk, dv = _split_d_tiles(dk, dv, ks, v, qs, do_smem, init_smem, q_ready, do_ready, empty, pds, base, lo, full,
+                                keys, offset, qk_scale, True, STAGES, WG, s_layout)
+        dk, dv = _split_d_tiles(dk, dv, ks, v, qs, do_smem, init_smem, q_ready, do_ready, empty, pds, base, full, hi,
+                                keys, offset, qk_scale, False, STAGES, WG, s_layout)
+        base += hi - lo
+    # This consumer's products are done with K and V: the loader may fetch the next item's while its
+    # columns of dK and dV are stored straight from the registers.
+    mbarrier.arrive(kv_free.index(kb), count=1)
+    _store_cols(DV, stride_dv, off_b, off_hk, start_n, seqlen_k, dv, WG * DV_COLS, dv_layout)
+    _store_cols(DK, stride_dk, off_b, off_hk, start_n, seqlen_k, dk * softmax_scale, DK_COL0, dk_layout)
+    return base
+
+
+@gluon.jit
 def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
              STAGES: gl.constexpr, WG: gl.constexpr, SPLIT_D: gl.constexpr, SCORE_MOD: gl.constexpr,
              SCORE_MOD_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
@@ -417,20 +458,12 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
      stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
      mods, blocks, q_rest, k_rest) = args
     PARTS: gl.constexpr = k_smem.shape[0] // kv_ready.shape[0]  # 64-key tiles a work item holds (as _load)
-    HEAD_DV: gl.constexpr = v_smem.shape[2]
-    # This consumer's columns of dK and of dV (split D: _dk_columns; from column DK_COL0 and WG x DV_COLS)
-    DK_COLS: gl.constexpr = (HEAD_D // 2 if HEAD_D_REST == 0 else HEAD_D if WG == 0 else HEAD_D_REST) if SPLIT_D \
-        else HEAD_D
-    DK_COL0: gl.constexpr = WG * (HEAD_D // 2 if HEAD_D_REST == 0 else HEAD_D)
-    DV_COLS: gl.constexpr = HEAD_DV // 2 if SPLIT_D else HEAD_DV
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS // 2 if SPLIT_D else ROWS, 16])
-    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DK_COLS, 16])
-    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DV_COLS, 16])
-    # (unsplit, dK and dV have one layout: the head dims are equal, kernels/gluon/__init__.py's accepts)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
+    # (unsplit: dK and dV have one head dim, kernels/gluon/__init__.py's accepts; split D: _split_d_item's)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     if FUSED:
         dq_desc = descriptor(DQAcc, batch, seqlen_q, nheads, stride_a, ROWS, HEAD_D, ROWS)
     if not SPLIT_D:
@@ -451,26 +484,18 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
         full = lo
         if CAUSAL:
             full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(key0 + ROWS - 1 - offset, 0), ROWS), lo), hi)
-        dk = gl.zeros([ROWS, DK_COLS], gl.float32, dk_layout)
-        dv = gl.zeros([ROWS, DV_COLS], gl.float32, dv_layout)
+        dk = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+        dv = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
         kb = done % KV_BUFFERS
         k = k_smem.index(PARTS * kb + (0 if SPLIT_D else WG))
         v = v_smem.index(PARTS * kb + (0 if SPLIT_D else WG))
-        ks = (k, None)  # (with the rest of a head dim of two parts: _split_d_tiles')
-        if HEAD_D_REST:
-            ks = (k, k_rest.index(kb))
         mbarrier.wait(kv_ready.index(kb), (done // KV_BUFFERS) & 1)
         base = it - lo  # tile j of head g at ring position it + (the tiles of heads before g) + j - lo
-        for g in range(group):
-            if SPLIT_D:
-                pds = (ds_smem, ds_ready, ds_free)
-                qs = (q_smem, q_rest)
-                dk, dv = _split_d_tiles(dk, dv, ks, v, qs, do_smem, init_smem, q_ready, do_ready, empty, pds,
-                                        base, lo, full, keys, offset, qk_scale, True, STAGES, WG, s_layout)
-                dk, dv = _split_d_tiles(dk, dv, ks, v, qs, do_smem, init_smem, q_ready, do_ready, empty, pds,
-                                        base, full, hi, keys, offset, qk_scale, False, STAGES, WG, s_layout)
-                base += hi - lo
-            else:
+        if SPLIT_D:
+            base = _split_d_item(args, kb, keys, lo, full, hi, base, start_n, off_b, off_hk, group, HEAD_D,
+                                 HEAD_D_REST, STAGES, WG, s_layout)
+        else:
+            for g in range(group):
                 off_h = off_hk * group + g
                 fused = None
                 if FUSED:
@@ -494,13 +519,7 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
                                     WG, s_layout, a_layout, SCORE_MOD, SCORE_MOD_GRAD, MASK_MOD)
                     base += hi - lo
         it = base + lo
-        if SPLIT_D:
-            # This consumer's products are done with K and V: the loader may fetch the next item's
-            # while its columns of dK and dV are stored straight from the registers.
-            mbarrier.arrive(kv_free.index(kb), count=1)
-            _store_cols(DV, stride_dv, off_b, off_hk, start_n, seqlen_k, dv, WG * DV_COLS, dv_layout)
-            _store_cols(DK, stride_dk, off_b, off_hk, start_n, seqlen_k, dk * softmax_scale, DK_COL0, dk_layout)
-        else:
+        if not SPLIT_D:
             if FUSED:
                 if it > 0:  # the other consumer's dQ parts of the last tile read this one's K tile
                     mbarrier.wait(ds_free.index((it - 1) % 2), ((it - 1) // 2) & 1)

@@ -309,23 +309,36 @@ def _first_tile(m_i, l_i, qs, ks, k_ready, kv_empty, it, split, rows, seqlen_k, 
 
 
 @gluon.jit
+def _row_state(Sink, off_h, s_layout: gl.constexpr, o_layout: gl.constexpr, HEAD_D: gl.constexpr,
+               BLOCK_N: gl.constexpr, dtype: gl.constexpr):
+    """A warpgroup's rows at a work item's start: (running max, running sum, O's accumulator, the P of no
+    tile yet, packed), the learnable sink seen first where there is one (cuflash/sinks.py;
+    triton/common.sink_state)."""
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    if Sink is not None:
+        m_i = gl.load(Sink + off_h).to(gl.float32) * LOG2E + l_i
+        l_i = gl.where(m_i == float("-inf"), l_i, l_i + 1.0)
+    return m_i, l_i, gl.zeros([ROWS, HEAD_D], gl.float32, o_layout), _pack(gl.zeros([ROWS, BLOCK_N], gl.float32,
+                                                                                     s_layout), dtype)
+
+
+@gluon.jit
 def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
-             STAGES: gl.constexpr,
-             CONSUMERS: gl.constexpr, WG: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
-             SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr, EVEN_BLOCKS: gl.constexpr):
+             STAGES: gl.constexpr, CONSUMERS: gl.constexpr, WG: gl.constexpr, SCORE_MOD: gl.constexpr,
+             MASK_MOD: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr,
+             EVEN_BLOCKS: gl.constexpr):
     (Q, K, V, Out, Lse, q_smem, q_rest, k_smem, k_rest, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, stride_q,
      stride_k, stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, mods,
      blocks, Sink) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    # O's head dim (V's): O leaves through Q's or K's (first) part, of O's shape (kernels/gluon/__init__.py accepts).
-    HEAD_DV: gl.constexpr = v_smem.shape[2]
-    gl.static_assert(HEAD_DV == HEAD_D, "O leaves through a Q or K buffer: Q's and K's first part as wide as O")
+    # (O is HEAD_D wide: V's head dim is Q's and K's first part, _attn_fwd_hopper)
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DV, 16])
+                                                       instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = Q.dtype.element_ty
-    o_desc = descriptor(Out, batch, seqlen_q, nheads, stride_o, ROWS, HEAD_DV)
+    o_desc = descriptor(Out, batch, seqlen_q, nheads, stride_o, ROWS, HEAD_D)
     # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
     n_m, items = tiles_of(seqlen_q, batch, nheads, CONSUMERS * ROWS)
     it = 0  # K/V tiles consumed so far: the ring's position
@@ -352,19 +365,10 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
         rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         n_mine, split = _seen(row0, n_tiles, walk, seqlen_q, seqlen_k, offset, CAUSAL, BLOCK_N, SPARSE_KV)
         item_mods = (off_b, off_h, mods[0], mods[1])
-
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-        if Sink is not None:  # the learnable sink, seen first (cuflash/sinks.py; triton/common.sink_state)
-            m_i = gl.load(Sink + off_h).to(gl.float32) * LOG2E + l_i
-            l_i = gl.where(m_i == float("-inf"), l_i, l_i + 1.0)
-        acc = gl.zeros([ROWS, HEAD_DV], gl.float32, o_layout)
-        p = _pack(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), dtype)
+        m_i, l_i, acc, p = _row_state(Sink, off_h, s_layout, o_layout, HEAD_D, BLOCK_N, dtype)
         qb = done % Q_BUFFERS
         q = q_smem.index(qb * CONSUMERS + WG)
-        qs = (q, None)  # (_scores')
-        if HEAD_D_REST:
-            qs = (q, q_rest.index(qb * CONSUMERS + WG))
+        qs = (q, q_rest.index(qb * CONSUMERS + WG) if HEAD_D_REST else None)  # (_scores')
         mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
         if n_mine > 0:
             # Tile 0 alone, then the pipelined loops: up to the split, the tiles every row sees whole
@@ -433,6 +437,8 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sink, BlockNum, BlockIdx, FullNum, FullI
                      EVEN_BLOCKS: gl.constexpr):
     """Q's and K's head dim is HEAD_D (+ HEAD_D_REST: a head dim of two parts, common.head_parts, each in
     buffers of its own), V's and O's HEAD_DV."""
+    # O leaves through a Q or a K buffer (or its first part), of O's shape (kernels/gluon/__init__.py accepts)
+    gl.static_assert(HEAD_DV == HEAD_D, "V's head dim is Q's and K's (first part)")
     dtype: gl.constexpr = Q.dtype.element_ty
     q_smem = buffers(dtype, Q_BUFFERS * CONSUMERS, ROWS, HEAD_D)
     # EARLY_K: each K buffer goes back once every S product has read it, before its V's products
