@@ -6,8 +6,8 @@ ptxas where the benchmark shapes compile fine: this finds them for free before a
 the GPU machine's Triton in a separate environment:
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0
     PYTHONPATH=src /tmp/t36/bin/python scripts/compile_check.py [--dtype bf16,fp32] [--hdims 64,96,128,256]
-        [--options plain,causal,window,softcap,alibi,attn_mask,additive_mask,dropout,varlen,score_mod,mask_mod,
-         block_mask,'varlen seqused','varlen seqused sink',sink,sink_causal,sink_score_mod]
+        [--vdims 0,128] [--options plain,causal,window,softcap,alibi,attn_mask,additive_mask,dropout,varlen,score_mod,
+         mask_mod,block_mask,'varlen seqused','varlen seqused sink',sink,sink_causal,sink_score_mod]
 """
 import argparse
 import itertools
@@ -86,8 +86,9 @@ def _mods(name: str, nq: int, nk: int, h: int):
     return Mods(score=Mod.of(relative, "score"), mask=Mod.of(document, "mask") if name == "mask_mod" else None)
 
 
-def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
-    """Compiles forward and backward for one case; returns the failure, or None."""
+def compile_case(dtype, d, nq, nk, h, hk, name, dv: int = 0) -> str | None:
+    """Compiles forward and backward for one case (dv: v's head dim, 0: d); returns the failure, or None."""
+    dv = dv or d
     opts = dict(OPTIONS[name])
     if "dropout_p" in opts:
         opts["rng_seed"] = torch.zeros(2, dtype=torch.int64)
@@ -103,19 +104,21 @@ def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
             opts["seqused_q"], opts["seqused_k"] = (torch.tensor(lens, dtype=torch.int32) - 1
                                                     for lens in (lens_q, lens_k))
         q = torch.randn(sum(lens_q), h, d, dtype=dtype)
-        k, v = (torch.randn(sum(lens_k), hk, d, dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(sum(lens_k), hk, n, dtype=dtype) for n in (d, dv))
         params = AttentionParams(d ** -0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
                                  max_seqlen_k=max(lens_k), **opts)
         lse = torch.zeros(h, sum(lens_q))
     else:
         q = torch.randn(2, nq, h, d, dtype=dtype)
-        k, v = (torch.randn(2, nk, hk, d, dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(2, nk, hk, n, dtype=dtype) for n in (d, dv))
         params = AttentionParams(d ** -0.5, **opts)
         lse = torch.zeros(2, h, nq)
     cell = entry(90, padded_head_dim(d), dtype == torch.float32, False,
-                 Length.of(max(params.max_seqlen_q or nq, params.max_seqlen_k or nk)), params.banded)
+                 Length.of(max(params.max_seqlen_q or nq, params.max_seqlen_k or nk)), params.banded,
+                 padded_head_dim(dv))
+    out = torch.randn(*q.shape[:-1], dv, dtype=dtype)  # (the output and dO: v's head dim)
     for kernel, call in (("forward", lambda: attention_forward(q, k, v, params, cell)),
-                         ("backward", lambda: attention_backward(q, q, k, v, q, lse, params, cell))):
+                         ("backward", lambda: attention_backward(out, q, k, v, out, lse, params, cell))):
         try:
             call()
         except Exception as exc:  # a compiler pass or ptxas failing
@@ -124,15 +127,16 @@ def compile_case(dtype, d, nq, nk, h, hk, name) -> str | None:
     return None
 
 
-def compile_decode(dtype, d, paged: bool, tensor_seqlens: bool, scored: bool) -> str | None:
+def compile_decode(dtype, d, paged: bool, tensor_seqlens: bool, scored: bool, dv: int = 0) -> str | None:
     """Compiles a decode step's kernels (the causal decode appending 2 new tokens and checking the
     index tensors' values, the split combine; scored: with softcap, ALiBi and a learnable sink, split
     and not: the sink is counted by the combine or by the decode kernel) for a cache of 4 KV heads
-    read by 8 query heads; returns the failure, or None."""
+    read by 8 query heads (dv: v_cache's head dim, 0: d); returns the failure, or None."""
+    dv = dv or d
     q = torch.randn(2, 2, 8, d, dtype=dtype)
-    k_new, v_new = (torch.randn(2, 2, 4, d, dtype=dtype) for _ in range(2))
-    shape = (8, 64, 4, d) if paged else (2, 256, 4, d)
-    k_cache, v_cache = (torch.zeros(shape, dtype=dtype) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 2, 4, n, dtype=dtype) for n in (d, dv))
+    shape = (8, 64, 4) if paged else (2, 256, 4)
+    k_cache, v_cache = (torch.zeros(*shape, n, dtype=dtype) for n in (d, dv))
     table = torch.arange(8, dtype=torch.int32).view(2, 4) if paged else None
     seqlens = torch.tensor([5, 100], dtype=torch.int32) if tensor_seqlens else 100
     try:
@@ -150,27 +154,28 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--hdims", default="64,128,256")
+    p.add_argument("--vdims", default="0", help="v's head dims, each with every one of --hdims (0: the same as q's)")
     p.add_argument("--options", default="plain,causal,varlen", help=f"from {','.join(OPTIONS)}")
     p.add_argument("--shapes", default=None, help=f"indices into the {len(SHAPES)} shapes (default: all)")
     args = p.parse_args()
     dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[x] for x in args.dtype.split(",")]
     failed = total = 0
     shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
-    for dtype, d, name, shape in itertools.product(dtypes, map(int, args.hdims.split(",")),
-                                                   args.options.split(","), shapes):
+    dims = list(itertools.product(map(int, args.hdims.split(",")), map(int, args.vdims.split(","))))
+    for dtype, (d, dv), name, shape in itertools.product(dtypes, dims, args.options.split(","), shapes):
         total += 1
-        error = compile_case(dtype, d, *shape, name)
+        error = compile_case(dtype, d, *shape, name, dv)
         if error:
             failed += 1
-            print(f"FAIL {dtype} D={d} {name} {shape}: {error}", flush=True)
-    for dtype, d, paged, tensor_seqlens, scored in itertools.product(dtypes, map(int, args.hdims.split(",")),
-                                                                     (False, True), (False, True), (False, True)):
+            print(f"FAIL {dtype} D={d} Dv={dv or d} {name} {shape}: {error}", flush=True)
+    for dtype, (d, dv), paged, tensor_seqlens, scored in itertools.product(dtypes, dims, (False, True), (False, True),
+                                                                           (False, True)):
         total += 1
-        error = compile_decode(dtype, d, paged, tensor_seqlens, scored)
+        error = compile_decode(dtype, d, paged, tensor_seqlens, scored, dv)
         if error:
             failed += 1
-            print(f"FAIL {dtype} D={d} decode paged={paged} tensor seqlens={tensor_seqlens} scored={scored}: {error}",
-                  flush=True)
+            print(f"FAIL {dtype} D={d} Dv={dv or d} decode paged={paged} tensor seqlens={tensor_seqlens} "
+                  f"scored={scored}: {error}", flush=True)
     print(f"{failed} of {total} cases failed to compile")
     return 1 if failed else 0
 

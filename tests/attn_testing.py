@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cuflash.errors import FlashAttentionError
 from cuflash.reference import ERROR_BOUNDS as BOUNDS, attention_reference
 # The "never more than 2x torch's own error" rule applies above this floor. For fp32 it is the
 # storage precision of the fp32 softmax_lse that every implementation keeps: at lse ~ 10-20
@@ -133,7 +134,7 @@ def check_against_oracle(fn, q, k, v, causal, with_sdpa=True, grads=True, **opti
     against the float64 oracle (given `options` of attention_reference: window, softcap, ...),
     and against torch SDPA's own error in the same dtype."""
     dtype = q.dtype
-    dout = torch.randn(q.shape, dtype=dtype, device=q.device)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], dtype=dtype, device=q.device)  # (the output's: v's head dim)
     ref = run_and_grad(lambda a, b, c: attention_reference(a, b, c, causal=causal, **options)[0],
                        q.double(), k.double(), v.double(), dout.double())
     if grads:
@@ -185,17 +186,17 @@ def rotary_reference(x, cos, sin, positions, interleaved):
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, **options):
-    """The oracle, one sequence at a time: out (total_q, H, D) in float64."""
+    """The oracle, one sequence at a time: out (total_q, H, Dv) in float64."""
     return varlen_oracle(q, k, v, cu_q, cu_k, **options)[0]
 
 
 def varlen_oracle(q, k, v, cu_q, cu_k, used_q=None, used_k=None, **options):
-    """The oracle of a varlen batch, one sequence at a time (a mod's b is its index): out (total_q, H, D)
+    """The oracle of a varlen batch, one sequence at a time (a mod's b is its index): out (total_q, H, Dv)
     and lse (H, total_q) in `dtype` (float64). used_q / used_k (lists, seqused_q / seqused_k's values):
     sequence b is attention over the first used_q[b] of its query rows and used_k[b] of its keys alone,
     its other rows out 0 and lse +inf."""
     dtype = options.get("dtype", torch.float64)
-    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=dtype, device=q.device)  # (v's head dim)
     lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=dtype, device=q.device)
     for b in range(len(cu_q) - 1):
         rows_q = slice(cu_q[b], cu_q[b + 1] if used_q is None else cu_q[b] + used_q[b])
@@ -264,3 +265,21 @@ def check_tile_loads(q, k, v, params, fwd, dkdv, dq, tol):
            dataclasses.replace(dq, tma=True)]
     for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), run(*tma), run(*plain)):
         assert rel_err(got, ref) <= tol, name
+
+
+def raises(code, *words):
+    """Context manager: expects FlashAttentionError with `code` and each of `words` in the message."""
+    class _Check:
+        def __enter__(self):
+            self.ctx = pytest.raises(FlashAttentionError)
+            self.info = self.ctx.__enter__()
+
+        def __exit__(self, *exc):
+            handled = self.ctx.__exit__(*exc)
+            err = self.info.value
+            assert err.code == code, f"expected {code.name}, got {err.code.name}: {err}"
+            assert isinstance(err, ValueError) and isinstance(err, RuntimeError)
+            for w in words:
+                assert w in str(err), f"{w!r} not in {str(err)!r}"
+            return handled
+    return _Check()

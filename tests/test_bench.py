@@ -51,6 +51,24 @@ def test_plot_of_a_flex_sweep(tmp_path):
     assert four[0] > 1.9 * one[0] and four[1] > 1.9 * one[1]  # 2 x 1 panels against 4 x 2
 
 
+def test_cpu_bench_value_head_dim(tmp_path):
+    """--hdims D:Dv times v's head dim apart (DeepSeek's 192:128) beside a plain D: both providers run
+    it, the FLOPs count QK^T over D and PV over Dv (FlashAttention-3's count), the table names it D:Dv."""
+    from cuflash.bench.harness import Case
+    rc = main(["--device", "cpu", "--providers", "cuflash,sdpa", "--seqlens", "64", "--hdims", "24:16,16",
+               "--batch", "1", "--nheads", "2", "--dtype", "fp32", "--modes", "fwd,bwd", "--iters", "2",
+               "--causal", "false", "--out", str(tmp_path)])
+    assert rc == 0
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["head_dim"], r["head_dim_v"]) for r in rows} == {("24", "16"), ("16", "16")}
+    assert all(float(r["ms"]) > 0 and float(r["rel_err"]) < 1e-5 for r in rows), [r["note"] for r in rows]
+    assert "| 24:16 | 64 |" in (tmp_path / "results.md").read_text()
+    fwd, bwd = (Case(1, 64, 2, 24, False, torch.float32, mode, head_dim_v=16).flops() for mode in ("fwd", "bwd"))
+    assert fwd == 2 * 2 * 64 * 64 * (24 + 16) and bwd == 2 * 2 * 64 * 64 * (3 * 24 + 2 * 16)
+    assert Case(1, 64, 2, 16, False, torch.float32, "bwd").flops() == 2.5 * 4 * 2 * 64 * 64 * 16
+
+
 def test_cpu_bench_variants(tmp_path):
     rc = main(["--device", "cpu", "--providers", "cuflash,sdpa", "--seqlens", "64", "--hdims", "16", "--batch", "1",
                "--nheads", "2", "--dtype", "fp32", "--modes", "fwd", "--iters", "2", "--causal", "true",

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import cuflash
-from cuflash import ErrorCode, FlashAttentionError
+from attn_testing import raises
+from cuflash import ErrorCode
 from cuflash.backend import backend_name
 from cuflash.reference import attention_reference
 
@@ -14,24 +15,6 @@ from cuflash.reference import attention_reference
 def qkv(b=2, n=8, h=4, hk=4, d=16, dtype=torch.float32):
     return torch.randn(b, n, h, d, dtype=dtype), torch.randn(b, n, hk, d, dtype=dtype), \
         torch.randn(b, n, hk, d, dtype=dtype)
-
-
-def raises(code, *words):
-    """Context manager: expects FlashAttentionError with `code` and each of `words` in the message."""
-    class _Check:
-        def __enter__(self):
-            self.ctx = pytest.raises(FlashAttentionError)
-            self.info = self.ctx.__enter__()
-
-        def __exit__(self, *exc):
-            handled = self.ctx.__exit__(*exc)
-            err = self.info.value
-            assert err.code == code, f"expected {code.name}, got {err.code.name}: {err}"
-            assert isinstance(err, ValueError) and isinstance(err, RuntimeError)
-            for w in words:
-                assert w in str(err), f"{w!r} not in {str(err)!r}"
-            return handled
-    return _Check()
 
 
 def test_wrong_ndim():

@@ -16,11 +16,11 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     """The kernels an H100 runs for a causal 300-token call compile for sm_90 with the installed
     Triton and its ptxas, outside the interpreter (scripts/compile_check.py's stand-in driver, in a
     process of its own): bf16 takes the Gluon forward and backward (at D=64; at D=256, for 1000
-    tokens, the forward with early_k and the split-D dK/dV), fp32 the Triton ones; the Gluon forward
-    with a learnable sink (D=64, 1000 tokens); and a bf16 decode step into a paged cache (append,
-    decode, combine; with a sink split and not). The CPU tests run the Triton kernels through the
-    interpreter and the Gluon ones not at all; this is where a kernel that would not compile on the GPU
-    shows first."""
+    tokens, the forward with early_k and the split-D dK/dV; at (192, 128) the forward with Q and K in two
+    parts), fp32 the Triton ones; the Gluon forward with a learnable sink (D=64, 1000 tokens); and a bf16
+    decode step into a paged cache (append, decode, combine; with a sink split and not). The CPU tests run
+    the Triton kernels through the interpreter and the Gluon ones not at all; this is where a kernel that
+    would not compile on the GPU shows first."""
     import os
     import subprocess
     import sys
@@ -33,8 +33,9 @@ def test_kernels_compile_for_hopper_without_a_gpu():
               "torch.float32)]\n"
               "errors.append(m['compile_case'](torch.bfloat16, 256, 1000, 1000, 4, 2, 'causal'))\n"
               "errors.append(m['compile_case'](torch.bfloat16, 64, 1000, 1000, 4, 2, 'sink_causal'))\n"
+              "errors.append(m['compile_case'](torch.bfloat16, 192, 1000, 1000, 4, 2, 'plain', 128))\n"
               "errors.append(m['compile_decode'](torch.bfloat16, 128, True, True, True))\n"
-              "assert errors == [None] * 5, errors\n")
+              "assert errors == [None] * 6, errors\n")
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root / "src")
     run = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,

@@ -18,10 +18,11 @@ LENGTH_CLASS_KEYS = (128, 256, 512, 1024, 2048, 4096)  # the longest (or a long)
 
 @pytest.mark.parametrize("arch", [80, 90, 100])
 def test_every_table_launch_is_accepted_by_its_kernel(arch):
-    """Every candidate of the table (each head dim class, length class, causal or not, dtype) is one
-    its kernel takes: Triton tiles last (they take every call), power-of-two tiles of 16 to 256 rows,
-    1-8 warps, warp specialization only with tensor descriptors; Gluon candidates only on Hopper for
-    16-bit inputs at D=64/128/256 (what the Gluon kernels take), with key tiles and buffers that fit
+    """Every candidate of the table (each head dim class, v's the same or (256, 128), length class, causal
+    or not, dtype) is one its kernel takes: Triton tiles last (they take every call), power-of-two tiles of
+    16 to 256 rows, 1-8 warps, warp specialization only with tensor descriptors; Gluon candidates only on
+    Hopper for 16-bit inputs at D=64/128/256 and (192, 128) (what the Gluon kernels take), with key tiles
+    and buffers that fit
     their shared memory (launch_args validates them). Which candidate wins where is measured, not
     restated here (docs/tuning.md); that each compiles and computes the right thing is
     test_every_length_class_on_gpu below."""
@@ -31,12 +32,12 @@ def test_every_table_launch_is_accepted_by_its_kernel(arch):
     from cuflash.kernels.variant import problem
 
     causal, plain = AttentionParams(0.1, window_right=0), AttentionParams(0.1)
-    for block_d in (16, 32, 64, 128, 256):
+    for block_d, block_dv in ((16, 16), (32, 32), (64, 64), (128, 128), (256, 256), (256, 128)):
         for fp32 in (False, True):
             for length, keys in zip(Length, LENGTH_CLASS_KEYS):
                 assert Length.of(keys) == length
                 for banded in (False, True):
-                    cell = entry(arch, block_d, fp32, False, length, banded)
+                    cell = entry(arch, block_d, fp32, False, length, banded, block_dv)
                     for candidates in (cell.forward, cell.dkdv, cell.dq):
                         *first, last = candidates
                         assert isinstance(last, Tiles) and not any(isinstance(c, Tiles) for c in first), cell
@@ -57,14 +58,15 @@ def test_every_table_launch_is_accepted_by_its_kernel(arch):
                     assert arch == 90 and not fp32, (block_d, length, banded)
                     if block_d not in (64, 128, 256):
                         continue
-                    q = torch.randn(1, keys, 2, block_d, dtype=torch.bfloat16)
+                    q = torch.randn(1, keys, 2, block_d if block_d == block_dv else 192, dtype=torch.bfloat16)
+                    v = torch.randn(1, keys, 2, block_dv, dtype=torch.bfloat16)
                     params = causal if banded else plain
                     if len(cell.forward) > 1:
-                        prob = problem(q, q, q, params)
+                        prob = problem(q, q, v, params)
                         assert gluon.accepts(prob, params)
-                        gluon_forward.launch_args(dict(Q=q, K=q, V=q, Out=q, Lse=q), prob, params, cell.forward[0])
+                        gluon_forward.launch_args(dict(Q=q, K=q, V=v, Out=v, Lse=q), prob, params, cell.forward[0])
                     if len(cell.dkdv) + len(cell.dq) > 2:
-                        assert gluon.accepts(problem(q, q, q, params, q), params), (block_d, length, banded)
+                        assert gluon.accepts(problem(q, q, v, params, v), params), (block_d, length, banded)
 
 
 def test_gluon_kernels_accept_only_what_they_implement(monkeypatch):

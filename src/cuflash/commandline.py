@@ -66,6 +66,22 @@ def integers(low: int, high: int | None = None) -> Callable[[str], list[int]]:
     return lambda text: [_integer(item, low, high, text, accepted) for item in text.split(",")]
 
 
+def head_dims(high: int) -> Callable[[str], list[tuple[int, int]]]:
+    """An argparse type: head dims from 1 to high, separated by commas, each D (q, k and v) or D:Dv (q's
+    and k's, then v's, as DeepSeek's MLA 192:128); as (D, Dv) pairs."""
+    accepted = f"head dims from 1 to {high}, each D or D:Dv (v's head dim after the colon), separated by commas"
+
+    def pair(item: str, text: str) -> tuple[int, int]:
+        d, _, dv = item.partition(":")
+        return _integer(d, 1, high, text, accepted), _integer(dv or d, 1, high, text, accepted)
+    return lambda text: [pair(item, text) for item in text.split(",")]
+
+
+def head_dims_text(dims: tuple[int, int]) -> str:
+    """A (D, Dv) pair as head_dims reads it: D, or D:Dv where they differ."""
+    return str(dims[0]) if dims[0] == dims[1] else f"{dims[0]}:{dims[1]}"
+
+
 def names(choices: Sequence[str]) -> Callable[[str], list[str]]:
     """An argparse type: one or more of `choices`, separated by commas."""
     def parse(text: str) -> list[str]:

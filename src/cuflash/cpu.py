@@ -292,7 +292,7 @@ def attention_forward(q, k, v, params: AttentionParams, plans: dict | None = Non
     if not params.varlen:
         return _forward(q, k, v, params)
     # Rows past a sequence's seqused_q keep out 0 and lse +inf.
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))  # (v's head dim)
     lse = torch.full(params.lse_shape(q), float("inf"), dtype=lse_dtype(q.dtype), device=q.device)
     for b, q_rows, k_rows, p in _sequences(params):
         k_b, v_b = (params.sequence_keys(t, b, k_rows.start, k_rows.stop) for t in (k, v))
@@ -321,13 +321,14 @@ def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, plans: 
 
 
 def _forward(q, k, v, p: AttentionParams, first_batch: int = 0):
-    batch, seqlen_q, nheads, head_dim = q.shape
+    batch, seqlen_q, nheads = q.shape[:3]
+    dim_v = v.shape[3]  # (the output's head dim: v's, which may differ from q's and k's)
     tiles = ScoreTiles(q, k, p, first_batch)
     nheads_k, group, dtype = tiles.nheads_k, tiles.group, tiles.dtype
     qg = _grouped(q, nheads_k, dtype)
     kg = k.to(dtype).transpose(1, 2).contiguous()  # (B, Hk, Nk, D): matmuls on strided K run slower
     vg = v.to(dtype).transpose(1, 2).contiguous()
-    out = torch.empty(batch, nheads_k, group, seqlen_q, head_dim, dtype=dtype, device=q.device)
+    out = torch.empty(batch, nheads_k, group, seqlen_q, dim_v, dtype=dtype, device=q.device)
     lse = torch.empty(batch, nheads_k, group, seqlen_q, dtype=lse_dtype(q.dtype), device=q.device)
     for m0 in range(0, seqlen_q, tiles.block_m):
         m1 = min(m0 + tiles.block_m, seqlen_q)
@@ -338,7 +339,7 @@ def _forward(q, k, v, p: AttentionParams, first_batch: int = 0):
         if p.learnable_sink is not None:  # as if a key of logit sink and value 0 had been seen (sinks.py)
             m_i = _sink_rows(p.learnable_sink, tiles, m1 - m0, dtype).expand_as(m_i).clone()
             l_i = (m_i != float("-inf")).to(dtype)
-        acc = torch.zeros(batch, nheads_k, rows, head_dim, dtype=dtype, device=q.device)
+        acc = torch.zeros(batch, nheads_k, rows, dim_v, dtype=dtype, device=q.device)
         for n0, n1, masked in tiles.blocks(m0, m1):
             x = q_blk @ kg[:, :, n0:n1].transpose(-1, -2)
             tiles.score_mod(x, m0, m1, n0, n1)
@@ -355,9 +356,9 @@ def _forward(q, k, v, p: AttentionParams, first_batch: int = 0):
         empty = l_i == 0  # rows that saw no key: out 0, lse +inf
         l_safe = torch.where(empty, 1.0, l_i)
         shape = (batch, nheads_k, group, m1 - m0)
-        out[:, :, :, m0:m1] = (acc / l_safe[..., None]).view(*shape, head_dim)
+        out[:, :, :, m0:m1] = (acc / l_safe[..., None]).view(*shape, dim_v)
         lse[:, :, :, m0:m1] = torch.where(empty, float("inf"), m_i + torch.log(l_safe)).view(shape)
-    out = out.permute(0, 3, 1, 2, 4).reshape(batch, seqlen_q, nheads, head_dim)
+    out = out.permute(0, 3, 1, 2, 4).reshape(batch, seqlen_q, nheads, dim_v)
     return out.to(q.dtype).contiguous(), lse.view(batch, nheads, seqlen_q)
 
 
@@ -376,7 +377,7 @@ def _backward(dout, q, k, v, out, lse, p: AttentionParams, first_batch: int = 0,
     vg = v.to(dtype).transpose(1, 2).contiguous()
     dq = torch.empty(batch, nheads_k, group, seqlen_q, head_dim, dtype=dtype, device=q.device)
     dk = torch.zeros(batch, nheads_k, seqlen_k, head_dim, dtype=dtype, device=q.device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros(batch, nheads_k, seqlen_k, v.shape[3], dtype=dtype, device=q.device)
     for m0 in range(0, seqlen_q, tiles.block_m):
         m1 = min(m0 + tiles.block_m, seqlen_q)
         q_blk, do_blk = _rows(qg, m0, m1), _rows(dog, m0, m1)
@@ -430,4 +431,5 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, seqlen_new: int, leftpad,
     params = dataclasses.replace(params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                  max_seqlen_q=seqlen_q, max_seqlen_k=max(1, int(lengths.max())))
     out, lse = attention_forward(q.reshape(batch * seqlen_q, nheads, head_dim), k_packed, v_packed, params)
-    return out.view(q.shape), lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()
+    out = out.view(batch, seqlen_q, nheads, v_cache.shape[3])
+    return out, lse.view(nheads, batch, seqlen_q).transpose(0, 1).contiguous()

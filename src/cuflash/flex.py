@@ -37,7 +37,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
     Args:
         query: (B, Hq, L, E); key: (B, Hkv, S, E); value: (B, Hkv, S, Ev), any strides, fp16/bf16/fp32
-            (fp64 on the CPU path). Ev must equal E for now.
+            (fp64 on the CPU path). Ev may differ from E (as in torch).
         score_mod: None or score_mod(score, b, h, q_idx, kv_idx) -> score, written in torch ops for one
             score (0-dim tensors): score = scale * q.k in fp32, b the batch index, h the query head,
             q_idx and kv_idx positions (int32). Its captured tensors are read at every call; the
@@ -54,7 +54,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             torch's Triton options.
         return_aux: None or AuxRequest(lse=...) (torch's, where it has one): then (out, AuxOutput).
     Returns:
-        out (B, Hq, L, E); with return_lse (out, lse); with return_aux (out, AuxOutput(lse, None)).
+        out (B, Hq, L, Ev); with return_lse (out, lse); with return_aux (out, AuxOutput(lse, None)).
         Rows that see no key give 0, and -inf as lse, as torch.
     """
     if torch.compiler.is_compiling() and runs_eagerly(score_mod, getattr(block_mask, "mask_mod", None)):
@@ -119,9 +119,6 @@ def _flash_layout(query, key, value, enable_gqa: bool) -> tuple[torch.Tensor, to
     for name, t in zip(names, tensors):
         check_tensor(name, t, 4, "(batch, nheads, seqlen, headdim)", empty=True)
     query, key, value = tensors
-    if value.shape[-1] != query.shape[-1]:
-        fail(ErrorCode.UNSUPPORTED_FEATURE, f"value has head dim {value.shape[-1]} but query has {query.shape[-1]}; "
-             "a value head dim other than query's is not supported yet")
     if not enable_gqa and query.shape[1] != key.shape[1]:
         fail(ErrorCode.SHAPE_MISMATCH, f"query has {query.shape[1]} heads and key {key.shape[1]}; pass "
              "enable_gqa=True for grouped-query attention (query's heads a multiple of key's)")

@@ -110,7 +110,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), fp16/bf16/fp32 (fp64 on the CPU path).
-        k, v: (batch, seqlen_k, nheads_k, headdim); nheads a multiple of nheads_k (MQA/GQA).
+        k: (batch, seqlen_k, nheads_k, headdim); nheads a multiple of nheads_k (MQA/GQA).
+        v: (batch, seqlen_k, nheads_k, headdim_v): the value head dim may differ from q's and k's
+            (FlashAttention-3/4's headdim_v, as DeepSeek's MLA (192, 128)); out has it.
         dropout_p: probability of dropping each attention probability (the rest are scaled by
             1 / (1 - dropout_p)); drawn from torch's generator, so torch.manual_seed reproduces it.
             Applied whenever > 0: pass 0.0 at evaluation, as with flash-attn.
@@ -145,7 +147,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             compared with the scaled logits as given (no softcap, ALiBi or score_mod applies to it);
             softmax_lse counts it. Differentiable.
     Returns:
-        out (batch, seqlen_q, nheads, headdim); with return_attn_probs,
+        out (batch, seqlen_q, nheads, headdim_v); with return_attn_probs,
         (out, softmax_lse (batch, nheads, seqlen_q) fp32, probs (batch, nheads, seqlen_q, seqlen_k)).
         Rows that see no key give out = 0 and softmax_lse = +inf (the sink's logit with a learnable sink).
     """
@@ -204,7 +206,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Args:
         q: (total_q, nheads, headdim): the queries of every sequence, one after the other.
-        k, v: (total_k, nheads_k, headdim).
+        k, v: (total_k, nheads_k, headdim) and (total_k, nheads_k, headdim_v) (headdim_v as in
+            flash_attn_func).
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 prefix sums: sequence b is rows
             cu_seqlens[b]:cu_seqlens[b + 1]. Must start at 0, never decrease and end at total.
             Either may be None, as FlashAttention-3 takes it: q (or k and v) is then a padded batch
@@ -215,7 +218,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         causal, window_size, alibi_slopes: as in flash_attn_func, per sequence (aligned to the
             bottom-right corner of each sequence's score matrix); the other options likewise.
         block_table: None, or (batch, max_blocks_per_seq) int32 for a paged K/V cache (forward only,
-            as flash-attn): k and v are then (num_blocks, page_block_size, nheads_k, headdim), any
+            as flash-attn): k and v are then (num_blocks, page_block_size, nheads_k, headdim[_v]), any
             page size, read in place; sequence b's keys are the first cu_seqlens_k[b + 1] -
             cu_seqlens_k[b] rows of its pages block_table[b, 0], block_table[b, 1], ...; with
             cu_seqlens_k None (FlashAttention-3's paged call), the max_blocks_per_seq *
@@ -232,7 +235,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             dq, dk, dv 0 (FlashAttention-3 leaves them unwritten).
             A value above its sequence's rows, or negative, raises before any kernel.
     Returns:
-        out (total_q, nheads, headdim); with return_attn_probs, (out, softmax_lse (nheads, total_q)
+        out (total_q, nheads, headdim_v); with return_attn_probs, (out, softmax_lse (nheads, total_q)
         fp32, probs (batch, nheads, max_seqlen_q, max_seqlen_k), zero-padded).
     """
     if _eagerly(score_mod, mask_mod, attention_chunk, return_attn_probs):
@@ -282,9 +285,10 @@ def _varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
               else "(batch, seqlen_k, nheads_k, headdim) without cu_seqlens_k" if padded_k
               else "(total_k, nheads_k, headdim)")
     check_tensor("k", k, 4 if paged or padded_k else 3, layout, empty=not paged)
-    check_tensor("v", v, 4 if paged or padded_k else 3, layout, empty=not paged)
-    if (paged or padded_k) and k.shape != v.shape:
-        fail(ErrorCode.SHAPE_MISMATCH, f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match")
+    check_tensor("v", v, 4 if paged or padded_k else 3, layout.replace("headdim", "headdim_v"), empty=not paged)
+    if (paged or padded_k) and k.shape[:-1] != v.shape[:-1]:
+        fail(ErrorCode.SHAPE_MISMATCH, f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match "
+             f"but for the head dim")
     rows_q = q.flatten(0, 1) if padded_q else q
     rows_k, rows_v = (k.flatten(0, 1), v.flatten(0, 1)) if padded_k else (k, v)
     check_attention_inputs(rows_q[None], rows_k[:1] if paged else rows_k[None], rows_v[:1] if paged else rows_v[None],
@@ -369,8 +373,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Args:
         query: (..., nheads, L, E); key: (..., nheads_k, S, E); value: (..., nheads_k, S, Ev), the
             leading dims (batch) equal; or all three (L, E), (S, E), (S, Ev) as one head (as torch
-            takes them). nheads_k == nheads unless enable_gqa, then nheads % nheads_k == 0. An Ev
-            other than E runs with every input zero-padded to the larger of the two. Any strides:
+            takes them). nheads_k == nheads unless enable_gqa, then nheads % nheads_k == 0. Ev may
+            differ from E (as in torch; the kernels take it as it is). Any strides:
             a last dim whose stride is not 1 (x[..., ::2], a transposed view), which torch takes
             and the kernels cannot read, is copied once with .contiguous() (flash_attn_func
             refuses it, as flash-attn does).
@@ -388,12 +392,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         see no key give 0, as in torch (its math backend's safe softmax).
     """
     options = (attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    # One cheap test keeps the common call off the reshaped paths below.
     if (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
-            and (query.ndim == 2 or value.shape[-1:] != query.shape[-1:])):
-        reshaped = _one_head_or_padded(query, key, value, options)
-        if reshaped is not None:
-            return reshaped
+            and query.ndim == key.ndim == value.ndim == 2):  # (L, E), (S, E), (S, Ev) as one head, as torch takes them
+        return scaled_dot_product_attention(query[None], key[None], value[None], *options)[0]
     plain = (attn_mask is None and number(dropout_p) and dropout_p == 0 and type(is_causal) is bool
              and (scale is None or type(scale) is float) and type(enable_gqa) is bool)
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -415,23 +416,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             return out
     out, _ = ops.forward(_to_flash(query), _to_flash(key), _to_flash(value), p, plans)
     out = out.transpose(1, 2)
-    return out if query.ndim == 4 else out.reshape(query.shape)
-
-
-def _one_head_or_padded(query, key, value, options):
-    """scaled_dot_product_attention of inputs torch takes and the kernels take after a reshape, or
-    None (the checks then say what is wrong): (L, E), (S, E), (S, Ev) as one head; a value head dim
-    Ev other than E with every input zero-padded to the larger (zero dims add nothing to a score or
-    to the output's first Ev dims), at the scale of query's own E, the output cut back to Ev."""
-    attn_mask, dropout_p, is_causal, scale, enable_gqa = options
-    if query.ndim == key.ndim == value.ndim == 2:
-        return scaled_dot_product_attention(query[None], key[None], value[None], *options)[0]
-    if query.ndim and value.ndim and key.shape[-1:] == query.shape[-1:] != value.shape[-1:]:
-        e, ev = query.shape[-1], value.shape[-1]
-        padded = (torch.nn.functional.pad(t, (0, max(e, ev) - t.shape[-1])) for t in (query, key, value))
-        return scaled_dot_product_attention(*padded, attn_mask, dropout_p, is_causal,
-                                            e ** -0.5 if scale is None else scale, enable_gqa)[..., :ev]
-    return None
+    return out if query.ndim == 4 else out.reshape(*query.shape[:-1], value.shape[-1])
 
 
 def _batched(t):
@@ -492,8 +477,9 @@ def _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi
 
 def forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
             learnable_sink=None, block_m=None, block_n=None):
-    """The explicit forward pass, no autograd: q (batch, seqlen_q, nheads, headdim), k, v
-    (batch, seqlen_k, nheads_k, headdim) -> (out like q, softmax_lse (batch, nheads, seqlen_q) fp32).
+    """The explicit forward pass, no autograd: q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k,
+    nheads_k, headdim), v (batch, seqlen_k, nheads_k, headdim_v) -> (out (batch, seqlen_q, nheads,
+    headdim_v), softmax_lse (batch, nheads, seqlen_q) fp32).
     The options are flash_attn_func's (softmax_lse counts a learnable_sink). block_m, block_n: the
     tiles of query rows and keys (Br and Bc in the FlashAttention papers), powers of two from 16 to
     128, both or neither (default: the tuned tiles); the CPU path and the Triton kernels honour them
@@ -507,13 +493,15 @@ def forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), 
 def backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
              softcap=0.0, alibi_slopes=None, learnable_sink=None, deterministic=False, block_m=None, block_n=None):
     """The explicit backward pass: gradients (dq, dk, dv) shaped like q, k, v, from the forward's
-    out and softmax_lse (batch, nheads, seqlen_q), with the forward's options; with learnable_sink
-    (dq, dk, dv, dsink), dsink shaped and typed like it (as FlashAttention-4's backward); deterministic
-    as in flash_attn_func; block_m, block_n as in forward."""
+    out (and its gradient dout), shaped (batch, seqlen_q, nheads, headdim_v), and softmax_lse (batch,
+    nheads, seqlen_q), with the forward's options; with learnable_sink (dq, dk, dv, dsink), dsink shaped
+    and typed like it (as FlashAttention-4's backward); deterministic as in flash_attn_func; block_m,
+    block_n as in forward."""
     p = _explicit_params(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink, block_m,
                          block_n, deterministic)
-    check_same("dout", dout, q, "q")
-    check_same("out", out, q, "q")
+    out_shape = (*q.shape[:-1], v.shape[-1])  # (q's, with v's head dim)
+    check_same("dout", dout, q, "q and v", shape=out_shape)
+    check_same("out", out, q, "q and v", shape=out_shape)
     check_same("softmax_lse", softmax_lse, q, "q", shape=(q.shape[0], q.shape[2], q.shape[1]))
     for name, t in (("dout", dout), ("out", out)):
         if t.dtype != q.dtype:

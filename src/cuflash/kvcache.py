@@ -48,8 +48,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or paged:
             (num_blocks, page_block_size, nheads_k, headdim) with block_table; any strides but the
             last dim's (a (batch, nheads_k, seqlen, headdim) cache transposed is read in place).
-        k, v: None, or (batch, seqlen_new, nheads_k, headdim): written into the cache at positions
-            cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 before attending.
+            v_cache's head dim headdim_v may differ from q's and k_cache's (as flash_attn_func's v:
+            FlashAttention-3's (192, 128), or a latent cache such as (64, 512)).
+        k, v: None, or (batch, seqlen_new, nheads_k, headdim) and (batch, seqlen_new, nheads_k,
+            headdim_v): written into the cache at positions cache_seqlens[b] ..
+            cache_seqlens[b] + seqlen_new - 1 before attending.
         rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2): rotary embedding (as
             cuflash.apply_rotary_emb) of new key i at position cache_seqlens[b] + i and of query i
             at cache_seqlens[b] + i when causal or windowed (else every query at cache_seqlens[b]).
@@ -71,7 +74,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         learnable_sink: as flash_attn_func's (forward only here: no gradient), counted once whatever
             num_splits.
     Returns:
-        out (batch, seqlen_q, nheads, headdim), and softmax_lse with return_softmax_lse.
+        out (batch, seqlen_q, nheads, headdim_v), and softmax_lse with return_softmax_lse.
     Bad input raises FlashAttentionError before the cache is touched, with one exception: on the GPU
     the values of the index tensors (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) are
     checked by the decode kernel before it reads or writes through them. A sequence with a bad value
@@ -156,8 +159,9 @@ def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     check_attention_inputs(q[:1, :1], k_cache[:1, :1], v_cache[:1, :1], ("q", "k_cache", "v_cache"))
     backend = backend_name(q.device, q.dtype)  # raises where no backend runs
     batch, seqlen_q, nheads, head_dim = q.shape
-    if k_cache.shape != v_cache.shape:
-        fail(ErrorCode.SHAPE_MISMATCH, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if k_cache.shape[:-1] != v_cache.shape[:-1]:
+        fail(ErrorCode.SHAPE_MISMATCH, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ "
+             f"but for the head dim")
     rows_per_seq = k_cache.shape[1]
     table = None
     if block_table is not None:
@@ -185,9 +189,10 @@ def _check_layout(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         fail(ErrorCode.INVALID_ARGUMENT, "pass both k and v (the new tokens) or neither")
     if k is not None:
         check_attention_inputs(q, k, v, ("q", "k", "v"))
-        if k.shape[2:] != k_cache.shape[2:] or k.dtype != k_cache.dtype:
-            fail(ErrorCode.SHAPE_MISMATCH, f"k {tuple(k.shape)} {k.dtype} does not fit k_cache "
-                 f"{tuple(k_cache.shape)} {k_cache.dtype}")
+        for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            if new.shape[2:] != cache.shape[2:] or new.dtype != cache.dtype:
+                fail(ErrorCode.SHAPE_MISMATCH, f"{name} {tuple(new.shape)} {new.dtype} does not fit {name}_cache "
+                     f"{tuple(cache.shape)} {cache.dtype}")
         seqlen_new = k.shape[1]
     causal = check_bool("causal", causal)
     left, right = check_window(window_size)

@@ -28,7 +28,7 @@ from .cache import append_to_cache
 from .dtypes import lse_dtype
 from .errors import ErrorCode, fail
 from .mods import Packed
-from .params import OP_FIELD_NAMES, AttentionParams
+from .params import OP_FIELD_NAMES, AttentionParams, empty_out
 from .sinks import empty_lse, sink_grad
 
 
@@ -74,10 +74,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax
                       max_seqlen_k: int, deterministic: bool, block_table: Optional[torch.Tensor], block_m: int,
                       block_n: int, mods: Optional[str], mod_tensors: list[torch.Tensor],
                       mod_scalars: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Nq, H, D), k and v (B, Nk, Hk, D) (varlen: (total, H, D)) -> out shaped like q and
-    softmax_lse (B, H, Nq) (varlen: (H, total_q)), fp32. The other arguments are the fields of
-    AttentionParams, in order, then its mods packed (mods.Packed: None, [], [] without);
-    forward() and backward() below take the dataclass."""
+    """q (B, Nq, H, D), k (B, Nk, Hk, D) and v (B, Nk, Hk, Dv) (varlen: (total, H, D)) -> out shaped
+    like q with v's head dim Dv and softmax_lse (B, H, Nq) (varlen: (H, total_q)), fp32. The other
+    arguments are the fields of AttentionParams, in order, then its mods packed (mods.Packed: None, [],
+    [] without); forward() and backward() below take the dataclass."""
     params = _op_params((softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes, learnable_sink,
                          attn_mask, dropout_p, rng_seed, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                          max_seqlen_q, max_seqlen_k, deterministic, block_table, block_m, block_n, mods,
@@ -89,7 +89,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax
 
 @attention_forward.register_fake
 def _(q, k, v, *args):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+    return (empty_out(q, v),
             q.new_empty(AttentionParams(*args[:len(OP_FIELD_NAMES)]).lse_shape(q), dtype=lse_dtype(q.dtype)))
 
 
@@ -176,7 +176,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Attention of q (B, Sq, H, D) to each sequence's keys in a KV cache (kvcache.py appended the
     new ones): keys cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1 (cache_seqlens None: the
     int cache_seqlen for every sequence) of cache row cache_rows[b] (default b) or of the pages
-    block_table[b]. Returns out like q and softmax_lse (B, H, Sq) fp32."""
+    block_table[b]. Returns out (B, Sq, H, Dv) (v_cache's head dim) and softmax_lse (B, H, Sq) fp32."""
     params = AttentionParams(softmax_scale, window_left, window_right, softcap=softcap, alibi_slopes=alibi_slopes,
                              learnable_sink=learnable_sink)
     seqlens = cache_seqlen if cache_seqlens is None else cache_seqlens
@@ -185,8 +185,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @attention_decode.register_fake
-def _(q, *args):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+def _(q, k_cache, v_cache, *args):
+    return (empty_out(q, v_cache),
             q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32))
 
 
@@ -283,10 +283,10 @@ class _Attention(torch.autograd.Function):
 
 
 class _Empty(torch.autograd.Function):
-    """Attention with no query or no key (a dim of size 0): out 0 and softmax_lse +inf, gradients 0,
-    as flash-attn gives for seqlen_k = 0 and torch SDPA for every empty input; nothing is launched.
-    With a learnable sink (`sink`, params.learnable_sink), softmax_lse is the sink's logit (+inf on the
-    rows past seqused_q), whose gradient is then lse's summed over the rows (as FlashAttention-4)."""
+    """Attention with no query or no key (a dim of size 0): out 0 (v's head dim) and softmax_lse +inf,
+    gradients 0, as flash-attn gives for seqlen_k = 0 and torch SDPA for every empty input; nothing is
+    launched. With a learnable sink (`sink`, params.learnable_sink), softmax_lse is the sink's logit (+inf
+    on the rows past seqused_q), whose gradient is then lse's summed over the rows (as FlashAttention-4)."""
 
     @staticmethod
     def forward(ctx, q, k, v, params: AttentionParams, sink):
@@ -299,7 +299,7 @@ class _Empty(torch.autograd.Function):
             if params.seqused_q is not None:  # (rows past seqused_q are no rows of the softmax: +inf)
                 lse = lse.masked_fill(_past_seqused_q(params, q.shape[0]), float("inf"))
         ctx.save_for_backward(q, k, v, sink, lse)
-        return torch.zeros_like(q, memory_format=torch.contiguous_format), lse
+        return empty_out(q, v).zero_(), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):

@@ -158,6 +158,14 @@ def per_sequence(x: torch.Tensor | int, batch: int, device: torch.device) -> tor
     return x.long() if isinstance(x, torch.Tensor) else torch.full((batch,), x, dtype=torch.long, device=device)
 
 
+def empty_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """An uninitialized contiguous output of attention: q's shape with v's head dim (the two may differ),
+    q's dtype and device (empty_like where the head dims agree: the cheaper call, on every forward)."""
+    if q.shape[-1] == v.shape[-1]:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionParams))
 # The custom ops' arguments, which rebuild the params positionally (AttentionParams(*args)): the fields
 # before mods, the last one (the ops take it packed, ops.op_args).

@@ -47,20 +47,22 @@ def check_tensor(name: str, t, ndim: int, layout: str, empty: bool = False) -> N
              f"call .contiguous() on it")
 
 
-def check_attention_inputs(q, k, v, names=("q", "k", "v"), empty: bool = False) -> None:
-    """Checks q (B, Nq, H, D), k and v (B, Nk, Hk, D) in flash-attn's layout (empty: see check_tensor)."""
+def check_attention_inputs(q, k, v, names=("q", "k", "v"), empty: bool = False, value_dim: bool = True) -> None:
+    """Checks q (B, Nq, H, D), k (B, Nk, Hk, D) and v (B, Nk, Hk, Dv) in flash-attn's layout (empty: see
+    check_tensor). value_dim: v's head dim Dv may differ from D (FlashAttention-3/4's headdim_v, as
+    DeepSeek's MLA (192, 128)), each up to MAX_HEAD_DIM; False for callers that take one head dim."""
     nq, nk, nv = names
     check_tensor(nq, q, 4, "(batch, seqlen_q, nheads, headdim)", empty)
     check_tensor(nk, k, 4, "(batch, seqlen_k, nheads_k, headdim)", empty)
-    check_tensor(nv, v, 4, "(batch, seqlen_k, nheads_k, headdim)", empty)
+    check_tensor(nv, v, 4, "(batch, seqlen_k, nheads_k, headdim_v)", empty)
     for name, t in ((nk, k), (nv, v)):
         if t.dtype != q.dtype:
             fail(ErrorCode.DTYPE_MISMATCH, f"{name} has dtype {t.dtype} but {nq} has {q.dtype}; all must match")
         if t.device != q.device:
             fail(ErrorCode.DEVICE_MISMATCH, f"{name} is on {t.device} but {nq} is on {q.device}; all must match")
-    if k.shape != v.shape:
-        fail(ErrorCode.SHAPE_MISMATCH,
-             f"{nk} has shape {tuple(k.shape)} but {nv} has {tuple(v.shape)}; they must match")
+    if k.shape[:3] != v.shape[:3]:
+        fail(ErrorCode.SHAPE_MISMATCH, f"{nk} has shape {tuple(k.shape)} but {nv} has {tuple(v.shape)}; they must "
+             f"match but for the head dim")
     if k.shape[0] != q.shape[0]:
         fail(ErrorCode.SHAPE_MISMATCH, f"{nk} has batch {k.shape[0]} but {nq} has batch {q.shape[0]}")
     head_dim = q.shape[3]
@@ -68,6 +70,11 @@ def check_attention_inputs(q, k, v, names=("q", "k", "v"), empty: bool = False) 
         fail(ErrorCode.SHAPE_MISMATCH, f"{nk} has head dim {k.shape[3]} but {nq} has {head_dim}; they must match")
     if head_dim > MAX_HEAD_DIM:
         fail(ErrorCode.UNSUPPORTED_HEAD_DIM, f"{nq} has head dim {head_dim}; supported: 1 to {MAX_HEAD_DIM}")
+    if v.shape[3] != head_dim and not value_dim:
+        fail(ErrorCode.SHAPE_MISMATCH, f"{nv} has head dim {v.shape[3]} but {nq} has {head_dim}; this function "
+             f"takes one head dim for all three")
+    if v.shape[3] > MAX_HEAD_DIM:
+        fail(ErrorCode.UNSUPPORTED_HEAD_DIM, f"{nv} has head dim {v.shape[3]}; supported: 1 to {MAX_HEAD_DIM}")
     if (q.shape[2] % k.shape[2] if k.shape[2] else q.shape[2]) != 0:
         fail(ErrorCode.SHAPE_MISMATCH,
              f"{nq} has {q.shape[2]} heads, not a multiple of the {k.shape[2]} heads of {nk} (MQA/GQA needs one)")

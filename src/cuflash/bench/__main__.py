@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from ..commandline import MODES, CommandError, Parser, Progress, integer, integers, names, out_folder, run_guarded
+from ..commandline import MODES, CommandError, Parser, Progress, head_dims, head_dims_text, integer, integers, names, \
+    out_folder, run_guarded
 from ..dtypes import DTYPES, dtype_name
 from ..validate import MAX_HEAD_DIM
 from ..backend import backend_name, triton_version
@@ -35,7 +36,8 @@ def main(argv=None, prog: str = "python -m cuflash.bench") -> int:
                    help="a few minutes' subset: seqlens 2048,8192, head dims 64,128, fwd and bwd")
     p.add_argument("--seqlens", type=integers(1), default=None,
                    help="(default: 512,1024,2048,4096,8192,16384; 256,1024,4096 on the CPU)")
-    p.add_argument("--hdims", type=integers(1, MAX_HEAD_DIM), default=None, help="(default: 64,128,256; 64 on the CPU)")
+    p.add_argument("--hdims", type=head_dims(MAX_HEAD_DIM), default=None,
+                   help="D (q, k and v) or D:Dv (v's head dim apart, as 192:128) (default: 64,128,256; 64 on the CPU)")
     p.add_argument("--dtype", default=None, type=dtype_name, help="fp16, bf16 or fp32 (default: bf16; fp32 on the CPU)")
     p.add_argument("--causal", default="both", choices=["both", "true", "false"])
     p.add_argument("--modes", type=names(MODES), default=None,
@@ -51,12 +53,12 @@ def main(argv=None, prog: str = "python -m cuflash.bench") -> int:
     p.add_argument("--iters", type=integer(1), default=None, help="timed calls per case (default: 30; 3 on the CPU)")
     p.add_argument("--out", type=out_folder, default=None, help="folder for results.csv and results.md")
     args = p.parse_args(argv)
-    defaults: tuple[list, list, list] = ([2048, 8192], [64, 128], ["fwd", "bwd"]) if args.quick else \
-        ([512, 1024, 2048, 4096, 8192, 16384], [64, 128, 256], list(MODES))
+    defaults: tuple[list, list, list] = ([2048, 8192], [(64, 64), (128, 128)], ["fwd", "bwd"]) if args.quick else \
+        ([512, 1024, 2048, 4096, 8192, 16384], [(64, 64), (128, 128), (256, 256)], list(MODES))
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.device == "cpu":  # a sweep that finishes in about a minute on a few cores
-            defaults = ([256, 1024, 4096], [64], ["fwd", "fwd+bwd"])
+            defaults = ([256, 1024, 4096], [(64, 64)], ["fwd", "fwd+bwd"])
             args.batch, args.nheads = args.batch or 1, args.nheads or 8
     elif args.device == "cuda" and not torch.cuda.is_available():
         raise CommandError("--device cuda, but torch sees no CUDA GPU here (use --device cpu)")
@@ -64,9 +66,10 @@ def main(argv=None, prog: str = "python -m cuflash.bench") -> int:
     for name, default in zip(("seqlens", "hdims", "modes"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, default)
-            chosen[name] = ",".join(map(str, default))
-    if args.nheads is None and args.hidden < max(args.hdims):
-        p.error(f"argument --hidden: {args.hidden} leaves no head at head dim {max(args.hdims)}; "
+            chosen[name] = ",".join(map(head_dims_text if name == "hdims" else str, default))
+    widest = max(d for d, _ in args.hdims)
+    if args.nheads is None and args.hidden < widest:
+        p.error(f"argument --hidden: {args.hidden} leaves no head at head dim {widest}; "
                 f"accepted: --hidden >= the largest of --hdims (or --nheads)")
     if args.dtype is None:
         args.dtype = chosen["dtype"] = "fp32" if args.device == "cpu" else "bf16"
@@ -90,8 +93,8 @@ def _sweep(args, providers: list[str]) -> int:
     """Times every case with every provider, prints the table and writes it under args.out."""
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     cases = [Case(args.batch or max(1, args.tokens // n), n, args.nheads or args.hidden // d, d, c,
-                  DTYPES[args.dtype], m, variant)
-             for variant in args.variants for d in args.hdims for c in causals for m in args.modes
+                  DTYPES[args.dtype], m, variant, dv)
+             for variant in args.variants for d, dv in args.hdims for c in causals for m in args.modes
              for n in args.seqlens]
     rows = []
     total = len(cases) * len(providers)
@@ -99,7 +102,7 @@ def _sweep(args, providers: list[str]) -> int:
         for i, case in enumerate(cases):
             for j, provider in enumerate(providers):
                 progress(f"[{i * len(providers) + j + 1}/{total}] {provider} {case.variant} {case.mode} "
-                         f"D={case.head_dim} N={case.seqlen} causal={case.causal}")
+                         f"D={head_dims_text((case.head_dim, case.dim_v))} N={case.seqlen} causal={case.causal}")
                 rows.append(run_case(provider, case, args.device, iters=args.iters,
                                      warmup=2 if args.device == "cpu" else 5))
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
@@ -136,7 +139,8 @@ def _cpu_providers(providers: list[str], default: bool) -> list[str]:
 
 
 def _key(row) -> tuple:
-    return row["variant"], row["mode"], row["batch"], row["nheads"], row["head_dim"], row["seqlen"], row["causal"]
+    dims = head_dims_text((row["head_dim"], row["head_dim_v"]))
+    return row["variant"], row["mode"], row["batch"], row["nheads"], dims, row["seqlen"], row["causal"]
 
 
 def _markdown(rows, providers, header, unit) -> str:

@@ -1,11 +1,12 @@
 """Times cuflash and torch SDPA's backends on the same inputs, in one run, on one device.
 
-FLOPs follow the FlashAttention papers: forward 4*B*H*Nq*Nk*D (halved when causal), backward
-2.5x forward. Times are medians of CUDA-event timings after warm-up, cycling through enough input
-sets that the L2 cache does not flatter small problems. They time the device's work: the stream first
-sleeps long enough for the host to enqueue every timed call, so that a short call whose host work
-outlasts its kernels is not timed as its host's (that, the host's time to enqueue a call, is a
-column of its own).
+FLOPs follow the FlashAttention papers: forward 4*B*H*Nq*Nk*D (halved when causal), backward 2.5x
+forward; with v's head dim Dv apart (as FlashAttention-3 counts them), forward 2*B*H*Nq*Nk*(D + Dv) and
+backward 2*B*H*Nq*Nk*(3D + 2Dv) (S, dQ and dK over D; dP and dV over Dv). Times are medians of
+CUDA-event timings after warm-up, cycling through enough input sets that the L2 cache does not flatter small
+problems. They time the device's work: the stream first sleeps long enough for the host to enqueue every
+timed call, so that a short call whose host work outlasts its kernels is not timed as its host's (that,
+the host's time to enqueue a call, is a column of its own).
 """
 from __future__ import annotations
 
@@ -56,6 +57,11 @@ class Case:
     dtype: torch.dtype
     mode: str  # "fwd", "bwd" or "fwd+bwd"
     variant: str = "none"
+    head_dim_v: int | None = None  # v's (and the output's) head dim; None: head_dim
+
+    @property
+    def dim_v(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     def pairs(self) -> float:
         """(query, key) pairs attended per head: N^2 (halved when causal, as the papers count),
@@ -67,13 +73,15 @@ class Case:
         return n * n / (2 if self.causal else 1)
 
     def flops(self) -> float:
-        fwd = 4.0 * self.batch * self.nheads * self.pairs() * self.head_dim
-        return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[self.mode]
+        products = 2.0 * self.batch * self.nheads * self.pairs()
+        fwd, bwd = products * (self.head_dim + self.dim_v), products * (3 * self.head_dim + 2 * self.dim_v)
+        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[self.mode]
 
     def bytes(self) -> float:
-        """Fewest bytes moved: q, k, v, out read/written once (fwd), plus dout, dq, dk, dv (bwd)."""
-        one = self.batch * self.nheads * self.seqlen * self.head_dim * torch.finfo(self.dtype).bits / 8
-        return one * {"fwd": 4, "bwd": 8, "fwd+bwd": 10}[self.mode]
+        """Fewest bytes moved: q, k, v, out read/written once (fwd), plus dout, dq, dk, dv (bwd); half of
+        each of D's size (q, k, dq, dk), half of Dv's (v, out, dout, dv)."""
+        one = self.batch * self.nheads * self.seqlen * (self.head_dim + self.dim_v) * torch.finfo(self.dtype).bits / 8
+        return one * {"fwd": 2, "bwd": 4, "fwd+bwd": 5}[self.mode]
 
 
 def _variant(case: Case, batch: int, seqlen: int, device) -> tuple[dict | None, dict | None, dict]:
@@ -168,9 +176,11 @@ def _attention_fn(provider: str, case: Case, batch: int, seqlen: int, device):
 
 
 def _inputs(case: Case, device, requires_grad: bool, sets: int):
-    shape = (case.batch, case.nheads, case.seqlen, case.head_dim)
-    return [[torch.randn(shape, dtype=case.dtype, device=device, requires_grad=requires_grad)
-             for _ in range(4)] for _ in range(sets)]
+    """`sets` lists of q, k, v and the output's gradient, in torch's (B, H, N, D) layout (v and the
+    gradient with v's head dim)."""
+    shape = (case.batch, case.nheads, case.seqlen)
+    return [[torch.randn(*shape, d, dtype=case.dtype, device=device, requires_grad=requires_grad)
+             for d in (case.head_dim, case.head_dim, case.dim_v, case.dim_v)] for _ in range(sets)]
 
 
 def median_ms(step, iters: int, warmup: int, device: torch.device) -> float:
@@ -246,8 +256,9 @@ def error_vs_oracle(provider: str, case: Case, device, seqlen: int = 512) -> flo
     dropout, whose output is random)."""
     if case.variant == "dropout":
         return None
-    q, k, v = (torch.randn(1, 2, seqlen, case.head_dim, dtype=case.dtype, device=device) for _ in range(3))
-    small = Case(1, seqlen, 2, case.head_dim, case.causal, case.dtype, case.mode, case.variant)
+    q, k, v = (torch.randn(1, 2, seqlen, d, dtype=case.dtype, device=device)
+               for d in (case.head_dim, case.head_dim, case.dim_v))
+    small = Case(1, seqlen, 2, case.head_dim, case.causal, case.dtype, case.mode, case.variant, case.head_dim_v)
     out = _attention_fn(provider, small, 1, seqlen, device)(q, k, v)
     options = _variant(small, 1, seqlen, device)[2]
     qd, kd, vd = (t.transpose(1, 2).double() for t in (q, k, v))
@@ -262,14 +273,14 @@ def run_case(provider: str, case: Case, device="cuda", iters: int = 30, warmup: 
     device = torch.device(device)
     cuda = device.type == "cuda"
     row = {"provider": provider, "batch": case.batch, "seqlen": case.seqlen, "nheads": case.nheads,
-           "head_dim": case.head_dim, "causal": case.causal, "dtype": str(case.dtype).replace("torch.", ""),
-           "mode": case.mode, "variant": case.variant}
+           "head_dim": case.head_dim, "head_dim_v": case.dim_v, "causal": case.causal,
+           "dtype": str(case.dtype).replace("torch.", ""), "mode": case.mode, "variant": case.variant}
     if provider == "fa4" and fa4_version() is None:
         return {**row, "note": "skipped: FlashAttention-4 (flash_attn.cute) does not import here"}
     fn = _attention_fn(provider, case, case.batch, case.seqlen, device)
     if fn is None:
         return {**row, "note": f"n/a: {provider} has no {case.variant}"}
-    one = case.batch * case.nheads * case.seqlen * case.head_dim * torch.finfo(case.dtype).bits / 8
+    one = case.batch * case.nheads * case.seqlen * max(case.head_dim, case.dim_v) * torch.finfo(case.dtype).bits / 8
     if provider in ("sdpa-math", "naive") and case.batch * case.nheads * case.seqlen ** 2 * 4 > 8e9:
         return {**row, "note": "skipped: it would materialize the scores (> 8 GB)"}
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if cuda else 0

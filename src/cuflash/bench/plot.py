@@ -14,7 +14,7 @@ def plot(csv_path: Path, png_path: Path, title: str = "", metric: str = "tflops"
     as the CPU and GPU of `cuflash experiment`)."""
     with open(csv_path) as f:
         rows = [r for r in csv.DictReader(f) if r.get("tflops")]
-    panels = list(dict.fromkeys((r.get("variant", "none"), r["mode"], r["head_dim"], r["causal"]) for r in rows))
+    panels = list(dict.fromkeys((r.get("variant", "none"), r["mode"], _dims(r), r["causal"]) for r in rows))
     if metric == "ms":
         unit, scale = "ms per call", 1.0
     else:
@@ -23,7 +23,7 @@ def plot(csv_path: Path, png_path: Path, title: str = "", metric: str = "tflops"
     plt, fig, axes = _figure(len(panels), min(4, len(panels)), (4.2, 3.4))
     for ax, panel in zip(axes.flat, panels):
         variant, mode, head_dim, causal = panel
-        mine = [r for r in rows if (r.get("variant", "none"), r["mode"], r["head_dim"], r["causal"]) == panel]
+        mine = [r for r in rows if (r.get("variant", "none"), r["mode"], _dims(r), r["causal"]) == panel]
         _lines(ax, mine, lambda r: float(r[metric]) * scale, "cuflash")
         name = "" if variant == "none" else f"{variant}, "
         ax.set_title(f"{name}{mode}, D={head_dim}, {'causal' if causal == 'True' else 'non-causal'}", fontsize=10)
@@ -34,6 +34,12 @@ def plot(csv_path: Path, png_path: Path, title: str = "", metric: str = "tflops"
         else:
             ax.set_ylim(bottom=0)
     return _save(plt, fig, axes, len(panels), title, png_path)
+
+
+def _dims(row: dict) -> str:
+    """A row's head dim, D or D:Dv where v's differs (CSVs written before head_dim_v have D alone)."""
+    d, dv = row["head_dim"], row.get("head_dim_v") or row["head_dim"]
+    return d if d == dv else f"{d}:{dv}"
 
 
 def flex_plot(csv_path: Path, png_path: Path, title: str = "") -> Path:

@@ -384,7 +384,7 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
         this rank's shard of the output, (batch, seqlen_local, nheads, headdim).
     """
     require_process_group("ring_flash_attn_func", layout)
-    check_attention_inputs(q, k, v)
+    check_attention_inputs(q, k, v, value_dim=False)
     backend_name(q.device, q.dtype)
     check_shards(q, k, group, layout)
     scale, softcap = resolve_scale(softmax_scale, q.shape[-1]), check_softcap(softcap)
@@ -411,7 +411,7 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, sof
     require_process_group("ring_flash_attn_varlen_func", layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 3, "(total / world_size, heads, headdim)")
-    check_attention_inputs(q[None], k[None], v[None])
+    check_attention_inputs(q[None], k[None], v[None], value_dim=False)
     backend_name(q.device, q.dtype)
     check_shards(q[None], k[None], group, "contiguous")  # (zigzag_packed_steps checks each document's chunks)
     rank, size = dist.get_rank(group), dist.get_world_size(group)

@@ -125,7 +125,7 @@ def _rank_heads(learnable_sink, q: torch.Tensor, group):
 
 def _exchanged(q, k, v, group, layout: str, attend, same_positions: bool = True):
     """attend(q, k, v) on the whole sequence of this rank's heads, between the two all-to-alls."""
-    check_attention_inputs(q, k, v)
+    check_attention_inputs(q, k, v, value_dim=False)
     backend_name(q.device, q.dtype)
     check_shards(q, k, group, layout, same_positions)
     _check_heads(q, k, group)

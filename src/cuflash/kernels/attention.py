@@ -11,7 +11,7 @@ import torch
 
 from ..builtin_mods import resolved
 from ..cache import DecodeStep
-from ..params import AttentionParams
+from ..params import AttentionParams, empty_out
 from ..sinks import sink_grad
 from .compat import gluon_kernels
 from .device import tf32
@@ -30,17 +30,18 @@ LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"  # a deferred st
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams,
                       entry: Entry | None = None, plans: dict | None = None):
-    """q (B, Nq, H, D), k and v (B, Nk, Hk, D), any strides with a contiguous last dim (varlen:
-    (total, H, D); paged varlen: k and v (num_blocks, page_block_size, Hk, D)). Returns out shaped
-    like q and softmax_lse (B, H, Nq) (varlen: (H, total_q)) fp32. entry: candidates instead of the
-    table's (kernels/plan.py), for tuning and tests. plans (ops.forward): the launch plans of one call
-    signature of a public function, which fixes q, k and v's shapes, strides, dtypes and devices and
-    params: a later call finds its plan there by what the signature leaves open (launch.open_key)."""
+    """q (B, Nq, H, D), k (B, Nk, Hk, D) and v (B, Nk, Hk, Dv), any strides with a contiguous last dim
+    (varlen: (total, H, D); paged varlen: k and v (num_blocks, page_block_size, Hk, D)). Returns out
+    shaped like q with v's head dim Dv, and softmax_lse (B, H, Nq) (varlen: (H, total_q)) fp32. entry:
+    candidates instead of the table's (kernels/plan.py), for tuning and tests. plans (ops.forward): the
+    launch plans of one call signature of a public function, which fixes q, k and v's shapes, strides,
+    dtypes and devices and params: a later call finds its plan there by what the signature leaves open
+    (launch.open_key)."""
     if params.seqused_q is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (cheaper than torch.empty)
+        out = empty_out(q, v)
         lse = torch.empty(params.lse_shape(q), dtype=torch.float32, device=q.device)
     else:  # the rows past seqused_q, which no program writes: out 0, lse +inf (as rows that see no key)
-        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        out = empty_out(q, v).zero_()
         lse = torch.full(params.lse_shape(q), float("inf"), dtype=torch.float32, device=q.device)
     key = _open_key(plans, params, entry, "forward", (q, k, v))
     plan = kept(plans, key)
@@ -100,10 +101,10 @@ def forward_launch(t: dict, params: AttentionParams, entry: Entry | None) -> tup
 def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: Entry | None = None,
                        plans: dict | None = None, dlse: torch.Tensor | None = None):
     """Gradients of attention_forward: dq, dk, dv shaped like q, k, v, and with a learnable sink its
-    gradient (dq, dk, dv, dsink). dout and out are shaped like q, lse like the forward's softmax_lse,
-    and so dlse, the gradient of lse where it has one. plans: attention_forward's, whose out and lse
-    these are. The kernels run as without the sink (the lse counts it; cuflash/sinks.py), its gradient
-    is reduced from their delta."""
+    gradient (dq, dk, dv, dsink). dout and out are shaped like the output (q's shape with v's head dim),
+    lse like the forward's softmax_lse, and so dlse, the gradient of lse where it has one. plans:
+    attention_forward's, whose out and lse these are. The kernels run as without the sink (the lse
+    counts it; cuflash/sinks.py), its gradient is reduced from their delta."""
     sink = params.learnable_sink
     if sink is not None:
         params = dataclasses.replace(params, learnable_sink=None)
@@ -175,18 +176,18 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    plans: dict | None = None, rotary_end: int | None = None):
     """q (B, Sq, H, D) attending to the keys leftpad[b] .. cache_seqlens[b] + seqlen_new - 1 of
     sequence b of the cache (cache_seqlens an int: the same for every sequence; leftpad None: 0):
-    k_cache, v_cache (rows, rows_per_seq, Hk, D), any strides but the last dim's, sequence b in row
-    cache_rows[b] (default b), or pages of rows_per_seq keys listed by block_table (B, pages).
-    k_new, v_new (B, seqlen_new, Hk, D): written into the cache at positions cache_seqlens[b] .. by
-    the decode kernel before it reads them (else the cache holds them already). tiles: the decode
-    kernel's instead of the table's (tuning). plans: as attention_forward's, from
-    flash_attn_with_kvcache's call signature (whose options hold no tensor). rotary_end: the
-    largest cache_seqlens the caller's rotary tables cover (None: no rotary).
+    k_cache (rows, rows_per_seq, Hk, D) and v_cache (rows, rows_per_seq, Hk, Dv), any strides but the
+    last dim's, sequence b in row cache_rows[b] (default b), or pages of rows_per_seq keys listed by
+    block_table (B, pages). k_new (B, seqlen_new, Hk, D), v_new (B, seqlen_new, Hk, Dv): written into
+    the cache at positions cache_seqlens[b] .. by the decode kernel before it reads them (else the
+    cache holds them already). tiles: the decode kernel's instead of the table's (tuning). plans: as
+    attention_forward's, from flash_attn_with_kvcache's call signature (whose options hold no tensor).
+    rotary_end: the largest cache_seqlens the caller's rotary tables cover (None: no rotary).
     The index tensors' values are checked by the kernel (kernels/triton/decode.py's doc): a bad one
     is raised by this call once the GPU has run it, or, deferred, by a later step (cache.DecodeStep).
-    Returns out (B, Sq, H, D) and softmax_lse (B, H, Sq) fp32."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    Returns out (B, Sq, H, Dv) (v_cache's head dim Dv) and softmax_lse (B, H, Sq) fp32."""
+    batch, seqlen_q, nheads = q.shape[:3]
+    out = empty_out(q, v_cache)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     given = isinstance(cache_seqlens, torch.Tensor)
     optional = (cache_seqlens if given else None, leftpad, cache_rows, block_table, k_new, v_new)
@@ -205,7 +206,7 @@ def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     else:
         params = resolved(params, 0, 0)  # (the decode kernel hands mods each query's key position: no offset)
         tensors.update(variant_tensors(params))
-        cfg = select_decode(q, k_cache, block_table, num_splits, tiles)
+        cfg = select_decode(q, k_cache, v_cache, block_table, num_splits, tiles)
         plan = launch((decode_forward, params.key(), cfg, seqlen_new, rotary_end), tensors,
                       lambda: triton_decode.launches(tensors, params, cfg, seqlen_new, rotary_end))
         keep(plans, key, plan)

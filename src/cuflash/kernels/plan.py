@@ -70,7 +70,7 @@ def select(prob: Problem, params: AttentionParams, entry: Entry | None = None, o
     backward (which computes delta itself: a backward given the lse's gradient needs the delta pass)."""
     entry = entry or table_entry(prob, params)
     if params.mods is not None:
-        entry = _within_blocks(entry, params, prob.block_d)
+        entry = _within_blocks(entry, params, max(prob.block_d, prob.block_dv))
     seqlens = (prob.seqlen_q, prob.seqlen_k)
     plain = gluon.accepts(prob, params)
     streamed = () if params.block_table is not None else (prob.k, prob.v)
@@ -161,11 +161,11 @@ def table_entry(prob: Problem, params: AttentionParams) -> Entry:
     q = prob.q
     if params.block_m:
         _user_tiles_fit(prob, params)
-        tiles = Tiles(params.block_m, params.block_n, _user_warps(params.block_m, params.block_n, prob.block_d), 2,
-                      "tf32" if tf32(q) else "ieee")
+        warps = _user_warps(params.block_m, params.block_n, prob.block_d, prob.block_dv)
+        tiles = Tiles(params.block_m, params.block_n, warps, 2, "tf32" if tf32(q) else "ieee")
         return Entry((tiles,), (tiles,), (tiles,))
     return entry(arch(q.device), prob.block_d, q.dtype == torch.float32, tf32(q),
-                 Length.of(max(prob.seqlen_q, prob.seqlen_k)), params.banded)
+                 Length.of(max(prob.seqlen_q, prob.seqlen_k)), params.banded, prob.block_dv)
 
 
 # User tiles whose fp32 accumulators exceed this many elements take 8 warps instead of 4: on 4 warps
@@ -173,39 +173,49 @@ def table_entry(prob: Problem, params: AttentionParams) -> Entry:
 USER_TILE_ELEMENTS_PER_4_WARPS = 8192
 
 
-def _user_warps(block_m: int, block_n: int, block_d: int) -> int:
-    """The warps of user tiles: the forward holds a block_m x block_d output and a block_m x block_n
-    score tile in fp32, the dK/dV pass two block_n x block_d accumulators."""
-    held = max(block_m * (block_d + block_n), 2 * block_n * block_d)
+def _user_warps(block_m: int, block_n: int, block_d: int, block_dv: int) -> int:
+    """The warps of user tiles: the forward holds a block_m x block_dv output and a block_m x block_n
+    score tile in fp32, the dK/dV pass a block_n x block_d (dK) and a block_n x block_dv (dV)
+    accumulator (block_d: q's and k's head dim, block_dv: v's, as the kernels pad them)."""
+    held = max(block_m * (block_dv + block_n), block_n * (block_d + block_dv))
     return 8 if held > USER_TILE_ELEMENTS_PER_4_WARPS else 4
 
 
 def _user_tiles_fit(prob: Problem, params: AttentionParams) -> None:
     """Refuses, before any compile, user tiles whose streamed tiles alone overflow shared memory: the
     forward stages a key and a value tile (block_n rows each), the backward's dK/dV pass a query and
-    a dO tile (block_m rows). A compile of such tiles can take minutes before the compiler says the same."""
+    a dO tile (block_m rows), the first of q's and k's head dim, the second of v's. A compile of such
+    tiles can take minutes before the compiler says the same."""
     q = prob.q
     rows = params.block_n if prob.dout is None else max(params.block_m, params.block_n)
-    need = 2 * rows * prob.block_d * q.element_size()
+    need = rows * (prob.block_d + prob.block_dv) * q.element_size()
     have = max_shared_memory(q.device)
     if need > have:
+        dims = f"head dim {prob.head_dim}" + (f" (v {prob.head_dim_v})" if prob.head_dim_v != prob.head_dim else "")
         fail(ErrorCode.INVALID_ARGUMENT, f"block_m={params.block_m}, block_n={params.block_n} do not fit this GPU at "
-             f"head dim {q.shape[-1]} in {str(q.dtype).replace('torch.', '')} (two {rows} x {prob.block_d} tiles "
-             f"need {need // 1024} KiB of shared memory, it has {have // 1024} KiB); take smaller blocks")
+             f"{dims} in {str(q.dtype).replace('torch.', '')} ({rows} x {prob.block_d} and {rows} x {prob.block_dv} "
+             f"tiles need {need // 1024} KiB of shared memory, it has {have // 1024} KiB); take smaller blocks")
 
 
 @functools.lru_cache(maxsize=None)
-def entry(arch: int, block_d: int, fp32: bool, tf32: bool, length: Length, banded: bool) -> Entry:
-    """The table: arch (10 * compute capability; 0 for Triton's interpreter), the padded head dim,
-    fp32 or 16-bit, TF32 allowed, the length class, banded (causal or a sliding window)."""
-    fwd, dkdv, dq = _table(arch, block_d, fp32, length, banded)
+def entry(arch: int, block_d: int, fp32: bool, tf32: bool, length: Length, banded: bool,
+          block_dv: int | None = None) -> Entry:
+    """The table: arch (10 * compute capability; 0 for Triton's interpreter), the padded head dim of q
+    and k, fp32 or 16-bit, TF32 allowed, the length class, banded (causal or a sliding window), and
+    v's padded head dim (None: block_d). Its tiles are those of the larger head dim, which leave
+    registers and shared memory for the smaller."""
+    fwd, dkdv, dq = _table(arch, block_d, block_dv or block_d, fp32, length, banded)
     if tf32:  # the user opted into TF32 matmuls: one TF32 pass per fp32 dot
         fwd, dkdv, dq = ((dataclasses.replace(c, input_precision="tf32") if isinstance(c, Tiles) else c for c in cs)
                          for cs in (fwd, dkdv, dq))
     return Entry(tuple(fwd), tuple(dkdv), tuple(dq))
 
 
-def _table(arch: int, block_d: int, fp32: bool, length: Length, banded: bool):
+def _table(arch: int, block_d: int, block_dv: int, fp32: bool, length: Length, banded: bool):
+    hopper = arch == 90  # wgmma, and with it the Gluon kernels, is Hopper's alone
+    if arch >= 90 and not fp32 and (block_d, block_dv) == (256, 128):
+        return _hopper_d192(hopper, length, banded)
+    block_d = max(block_d, block_dv)  # (the tiles of the larger head dim)
     if arch == 0:
         # Small, unequal tiles: the CPU tests run through the interpreter and must cover the
         # masked/unmasked split with tiles of different heights and widths, and (up to 32 keys and a
@@ -223,7 +233,6 @@ def _table(arch: int, block_d: int, fp32: bool, length: Length, banded: bool):
         if block_d <= 128:
             return (Tiles(128, 32, 4, 2),), (Tiles(32, 64, 4, 2),), (Tiles(64, 32, 4, 2),)
         return (Tiles(64, 32, 4, 1),), (Tiles(16, 64, 4, 1),), (Tiles(64, 16, 4, 1),)
-    hopper = arch == 90  # wgmma, and with it the Gluon kernels, is Hopper's alone
     if block_d <= 64:
         return _hopper_d64(hopper, block_d, length, banded)
     if block_d <= 128:
@@ -337,6 +346,23 @@ def _hopper_d256(hopper: bool, length: Length, banded: bool):
     return forward, dkdv, (Tiles(128, 32, 8, 3),)
 
 
+def _hopper_d192(hopper: bool, length: Length, banded: bool):
+    """q and k 129-256 wide, v 65-128 (DeepSeek's MLA (192, 128); the Gluon kernels at (192, 128) exactly):
+    D=256's Triton tiles, which leave the narrower v room. The Gluon forward as D=128's: 64-key tiles (3
+    buffers, two Q buffers) where D=128 takes them, else 128-key tiles in 2 buffers (208 KB: one Q buffer, O
+    leaving through a K tile); the Gluon dK/dV with split-D consumers (as D=256's: dK's 128 + 64 columns,
+    dV's halves); the Gluon dQ where D=128 takes it, on 64-key tiles in 3 buffers (dQ leaving through the Q
+    tiles). Not yet timed on the GPU."""
+    L = Length
+    forward, dkdv, dq = _hopper_d256(hopper, length, banded)
+    if hopper:
+        short = length <= L.UP_TO_256 or (banded and length <= L.UP_TO_1K)
+        forward = (gluon.Forward(2, *((64, 3) if short else (128, 2))), forward[-1])
+        if length > L.UP_TO_512 or (length == L.UP_TO_512 and not banded):
+            dq = (gluon.Dq(64, 3), *dq)
+    return forward, dkdv, dq
+
+
 # The decode step (kernels/triton/decode.py): tiles, split count, page prefetch.
 MAX_SPLITS = 64  # the combine kernel holds one row of every split in registers
 # The split heuristic's bar (even_splits): the fewest splits whose key tiles load every SM within 10%
@@ -351,15 +377,15 @@ FULL = 2
 MAX_SHARE_PAGES = 2048
 
 
-def select_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | None, num_splits: int = 0,
-                  tiles: Tiles | None = None) -> DecodeLaunch:
-    """The launch of a decode step of q (B, Sq, H, D) on the cache k_cache (rows, rows_per_seq, Hk, D),
-    its sequences in rows or in the pages of block_table (B, pages): `tiles` or the table's
-    (decode_tiles), num_splits splits (0: num_splits_for's choice), and the page prefetch where the
-    grid leaves SMs free."""
-    batch, seqlen_q, nheads, head_dim = q.shape
+def select_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None,
+                  num_splits: int = 0, tiles: Tiles | None = None) -> DecodeLaunch:
+    """The launch of a decode step of q (B, Sq, H, D) on the cache k_cache (rows, rows_per_seq, Hk, D)
+    and v_cache (rows, rows_per_seq, Hk, Dv), its sequences in rows or in the pages of block_table (B,
+    pages): `tiles` or the table's (decode_tiles, for the larger head dim), num_splits splits (0:
+    num_splits_for's choice), and the page prefetch where the grid leaves SMs free."""
+    batch, seqlen_q, nheads = q.shape[:3]
     nheads_k, rows_per_seq = k_cache.shape[2], k_cache.shape[1]
-    block_d = padded_head_dim(head_dim)
+    block_d = padded_head_dim(max(q.shape[3], v_cache.shape[3]))
     paged = block_table is not None
     cfg = tiles or decode_tiles(q, block_d, paged, split=True)
     rows = seqlen_q * nheads // nheads_k

@@ -16,9 +16,10 @@ from .triton import mods as mod_code
 
 @dataclass(frozen=True)
 class Problem:
-    """q, k, v as 4-D (batch, seqlen, nheads, headdim) views. A varlen batch is one long row of
-    sequences (batch stride 0), seqlen_q / seqlen_k are then the longest sequence's. dout: the
-    output's gradient, shaped like q, in a backward (None in a forward)."""
+    """q, k, v as 4-D (batch, seqlen, nheads, headdim) views, v's head dim head_dim_v (which may differ
+    from q's and k's head_dim). A varlen batch is one long row of sequences (batch stride 0), seqlen_q /
+    seqlen_k are then the longest sequence's. dout: the output's gradient, shaped like the output (q's
+    shape with v's head dim), in a backward (None in a forward)."""
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -41,8 +42,24 @@ class Problem:
         return self.q.shape[3]
 
     @property
+    def head_dim_v(self) -> int:
+        return self.v.shape[3]
+
+    @property
     def block_d(self) -> int:
+        """q's and k's head dim as the kernels' tiles hold it (BLOCK_D)."""
         return padded_head_dim(self.head_dim)
+
+    @property
+    def block_dv(self) -> int:
+        """v's, the output's and dO's (BLOCK_DV)."""
+        return padded_head_dim(self.head_dim_v)
+
+    def dims(self) -> dict:
+        """The head-dim arguments every Triton kernel takes: head_dim, head_dim_v, their tiles BLOCK_D,
+        BLOCK_DV, and EVEN_D, EVEN_DV where a tile is the head dim exactly (no column masks)."""
+        return dict(head_dim=self.head_dim, head_dim_v=self.head_dim_v, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
+                    EVEN_D=self.head_dim == self.block_d, EVEN_DV=self.head_dim_v == self.block_dv)
 
     def strides(self, t: torch.Tensor) -> tuple[int, int, int]:
         """The (batch, row, head) strides of t, shaped like q or k (3-D when varlen, with batch stride

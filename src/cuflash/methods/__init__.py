@@ -38,7 +38,7 @@ def _implementation(method: str, device: torch.device):
 
 def _check(method, q, k, v, block_m, block_n) -> tuple[int, int]:
     """Checks the inputs; returns the blocks asked for (fa2 only: (0, 0) for the tuned ones)."""
-    check_attention_inputs(q, k, v)
+    check_attention_inputs(q, k, v, value_dim=False)
     if method != "fa2" and q.shape[2] != k.shape[2]:
         fail(ErrorCode.SHAPE_MISMATCH, f"the {method} method takes as many heads in k as in q "
              f"(got {q.shape[2]} and {k.shape[2]}); fa2 handles MQA/GQA")

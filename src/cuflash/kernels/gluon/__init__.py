@@ -1,5 +1,6 @@
 """The Gluon kernels for Hopper (warp-specialized, TMA and wgmma): the plain forward of 16-bit inputs
-at head dims 64, 128 and 256, and its backward (at 256 the dK/dV pass only). This module holds what
+at head dims 64, 128 and 256 and at DeepSeek's (192, 128) (q and k 192, v 128), and its backward (at 256
+the dK/dV pass only). This module holds what
 kernels/plan.py needs without importing Gluon: each kernel's configuration type and `accepts`, which
 calls they compute; the kernels are forward.py and backward.py, their shared building blocks
 common.py (GPU only: Triton's interpreter does not run Gluon)."""
@@ -48,7 +49,8 @@ class Dkdv:
 
 @dataclass(frozen=True)
 class Dq:
-    """block_n: the key tile (2 x 64: dQ leaves through a V tile); stages: the ring of K/V buffers."""
+    """block_n: the key tile (2 x 64: dQ leaves through a V tile; at (192, 128) 64, dQ leaving through
+    the Q tiles, which hold its two parts); stages: the ring of K/V buffers."""
     block_n: int = 128
     stages: int = 2
 
@@ -57,14 +59,18 @@ def accepts(prob: Problem, params: AttentionParams) -> bool:
     """Whether the Gluon kernels compute the call: the plain attention (causal or not, GQA, a positive
     softmax_scale; mods, softcap's and ALiBi's among them, where plan.py's _within_blocks keeps a Gluon
     candidate: the forward, and dK/dV up to head dim 128, their tiles fitted to a block mask's blocks)
-    of 16-bit inputs with head dim 64, 128 or 256 (a backward at 256: dK/dV unfused) that the tensor
-    memory accelerator can address (with dO in a backward), under a Triton whose Gluon they were written
-    against (3.6 run, 3.9 compiled; Gluon changed its API between the releases that have it, so older ones
-    take the Triton kernels)."""
+    of 16-bit inputs with head dims (q's and k's, v's) in HEAD_DIMS (a backward at 256: dK/dV unfused,
+    the dQ pass Triton's; at (192, 128) dK/dV unfused), that the tensor memory accelerator can address (with dO in a
+    backward), under a Triton whose Gluon they were written against (3.6 run, 3.9 compiled; Gluon changed
+    its API between the releases that have it, so older ones take the Triton kernels)."""
     plain = (params.window_left < 0 and params.window_right in (-1, 0) and params.attn_mask is None
              and params.dropout_p == 0 and params.softmax_scale > 0)
     streamed: tuple[torch.Tensor, ...] = (prob.q, prob.k, prob.v)
     if prob.dout is not None:
         streamed = (*streamed, prob.dout)
-    return (GLUON_TRITON and plain and not prob.varlen and prob.head_dim in (64, 128, 256)
+    return (GLUON_TRITON and plain and not prob.varlen and (prob.head_dim, prob.head_dim_v) in HEAD_DIMS
             and prob.q.dtype in (torch.float16, torch.bfloat16) and tma_addressable(*streamed))
+
+
+# (q's and k's head dim, v's) the Gluon kernels take (DeepSeek's MLA: (192, 128)).
+HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))

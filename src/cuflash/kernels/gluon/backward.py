@@ -29,10 +29,14 @@ One consumer's exponentials overlap the other's matrix products.
 At D=256 a consumer's registers cannot hold dK and dV of 64 keys: a dK/dV work item is then 64 keys,
 which both consumers hold; each computes S^T and dP^T for half of each query tile's rows and half of
 dK's and dV's columns, P^T and dS^T passing between them through shared memory (_split_d_tiles); dQ
-is not fused there, and the dQ pass is Triton's.
+is not fused there, and the dQ pass is Triton's. So at DeepSeek's (192, 128) (q and k 192 wide, v 128):
+Q and K are held as 128 + 64 columns (common.head_parts: Gluon's tensors and shared memory are powers of
+two), each part in buffers and TMA boxes of its own, S^T two products accumulating; consumer 0 takes
+dK's first 128 columns, consumer 1 its last 64, each half of dV's. There the dQ kernel (unfused) takes
+64-key tiles, dQ in two accumulators (128 + 64 columns) that leave through the consumer's own Q tiles.
 Only the plain backward is here (kernels/gluon/__init__.py's accepts: 16-bit, head dims 64, 128 and
-256, causal or not, GQA); everything else takes the Triton kernels. GPU only: Triton's interpreter does not
-run Gluon.
+256 and (192, 128), causal or not, GQA); everything else takes the Triton kernels. GPU only: Triton's
+interpreter does not run Gluon.
 """
 import triton
 from triton.experimental import gluon
@@ -46,42 +50,47 @@ from ..constants import LOG2E
 from ..device import cdiv, num_sms, scratch
 from ..variant import Problem, logit_scale, lse_strides, mod_args
 from . import Dkdv, Dq
-from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, listed_walk, load_kv, load_pair, \
-    query_item, ring, tile_key, tiles_of, work
+from .common import ROWS, barriers, box_strides, buffers, copy_out, count, descriptor, head_parts, listed_walk, \
+    load_kv, load_pair, query_item, ring, tile_key, tiles_of, work
 
 
 @gluon.jit
-def _buffers(dtype: gl.constexpr, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
-             HELD: gl.constexpr, PARTS: gl.constexpr = 2):
+def _buffers(dtype: gl.constexpr, HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, BLOCK: gl.constexpr,
+             STAGES: gl.constexpr, HELD: gl.constexpr, PARTS: gl.constexpr = 2):
     """The shared memory of both kernels: HELD buffers of two tensors' tiles of PARTS x 64 rows, each
     held for a work item (K and V for dK/dV, Q and dO for dQ), a ring of STAGES buffers of BLOCK
     rows for the two tensors streamed past them, and the barriers: a "ready" per held buffer and a
     "free" that both consumers arrive at once done with it, a "ready" per streamed tensor and buffer,
-    an "empty" per buffer that both consumers arrive at."""
-    held_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
-    held_a = gl.allocate_shared_memory(dtype, [PARTS * HELD, ROWS, HEAD_D], held_layout)
-    held_b = gl.allocate_shared_memory(dtype, [PARTS * HELD, ROWS, HEAD_D], held_layout)
-    ring_a, ring_b, a_ready, b_ready, empty = ring(dtype, BLOCK, HEAD_D, STAGES, 2)
+    an "empty" per buffer that both consumers arrive at. The first tensor of each pair (K, Q) is HEAD_D
+    wide (the first part of a head dim of two parts: common.head_parts), the second (V, dO) HEAD_DV."""
+    held_a = buffers(dtype, PARTS * HELD, ROWS, HEAD_D)
+    held_b = buffers(dtype, PARTS * HELD, ROWS, HEAD_DV)
+    ring_a, ring_b, a_ready, b_ready, empty = ring(dtype, BLOCK, HEAD_D, HEAD_DV, STAGES, 2)
     held_ready = barriers(HELD, 1)
     held_free = barriers(HELD, 2)
     return held_a, held_b, ring_a, ring_b, held_ready, held_free, a_ready, b_ready, empty
 
 
 @gluon.jit
-def _load_held(done, a_desc, b_desc, row0, off_b, off_h, a_smem, b_smem, ready, free):
+def _load_held(done, a_desc, b_desc, row0, off_b, off_h, a_smem, b_smem, ready, free, a_rest=None):
     """The loader's copy of work item `done`'s held tiles (PARTS x 64 rows of two tensors from row0)
-    into held buffer done % HELD, once both consumers have freed it."""
+    into held buffer done % HELD, once both consumers have freed it. a_rest: (descriptor, buffers) of the
+    rest of a's columns (a head dim of two parts), loaded beside a's."""
     HELD: gl.constexpr = ready.shape[0]
     PARTS: gl.constexpr = a_smem.shape[0] // HELD
+    REST_BYTES: gl.constexpr = 0 if a_rest is None else a_rest[0].block_type.nbytes
     kb = done % HELD
     mbarrier.wait(free.index(kb), ((done // HELD) & 1) ^ 1)
-    mbarrier.expect(ready.index(kb), 2 * PARTS * a_desc.block_type.nbytes)
-    box: gl.constexpr = [1, ROWS, 1, a_smem.shape[2]]
+    mbarrier.expect(ready.index(kb), PARTS * (a_desc.block_type.nbytes + b_desc.block_type.nbytes + REST_BYTES))
     for part in gl.static_range(PARTS):
         tma_load(a_desc, [off_b, row0 + part * ROWS, off_h, 0], ready.index(kb),
-                  a_smem.index(PARTS * kb + part).reshape(box))
+                 a_smem.index(PARTS * kb + part).reshape([1, ROWS, 1, a_smem.shape[2]]))
         tma_load(b_desc, [off_b, row0 + part * ROWS, off_h, 0], ready.index(kb),
-                  b_smem.index(PARTS * kb + part).reshape(box))
+                 b_smem.index(PARTS * kb + part).reshape([1, ROWS, 1, b_smem.shape[2]]))
+        if a_rest is not None:
+            rest = a_rest[1].index(PARTS * kb + part)
+            tma_load(a_rest[0], [off_b, row0 + part * ROWS, off_h, a_smem.shape[2]], ready.index(kb),
+                     rest.reshape([1, ROWS, 1, rest.shape[1]]))
 
 
 @gluon.jit
@@ -160,17 +169,24 @@ def _item(w, n_n, seqlen_q, nheads_k, offset, CAUSAL: gl.constexpr, ITEM: gl.con
 
 
 @gluon.jit
-def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, SPARSE_Q: gl.constexpr,
-          SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr):
+def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr, STAGES: gl.constexpr,
+          SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr):
     (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
      do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do, stride_dk,
      stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
-     mods, blocks) = args
+     mods, blocks, q_rest, k_rest) = args
     init_desc = _init_descriptor(AccInit, batch * nheads, padded_q)
-    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D)
-    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_do, ROWS, HEAD_D)
-    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, ROWS, HEAD_D)
-    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, ROWS, HEAD_D)
+    # Q's and K's head dim HEAD_D + HEAD_D_REST in two boxes where it has two parts (common.head_parts)
+    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D + HEAD_D_REST, HEAD_D)
+    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, ROWS, HEAD_D + HEAD_D_REST, HEAD_D)
+    q_rest_load, k_rest_load = None, None
+    if HEAD_D_REST:
+        q_rest_load = (descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D + HEAD_D_REST, HEAD_D_REST),
+                       q_rest)
+        k_rest_load = (descriptor(K, batch, seqlen_k, nheads_k, stride_k, ROWS, HEAD_D + HEAD_D_REST, HEAD_D_REST),
+                       k_rest)
+    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_do, ROWS, do_smem.shape[2])
+    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, ROWS, v_smem.shape[2])
     ITEM: gl.constexpr = k_smem.shape[0] // kv_ready.shape[0] * ROWS  # keys a work item holds
     n_n, items = tiles_of(seqlen_k, batch, nheads_k, ITEM)
     group = nheads // nheads_k
@@ -178,7 +194,7 @@ def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr
     done = 0  # work items loaded so far
     for c in range(count(items)):
         start_n, off_b, off_hk, lo, hi = _item(work(c), n_n, seqlen_q, nheads_k, offset, CAUSAL, ITEM, SPARSE_KV > 0)
-        _load_held(done, k_desc, v_desc, start_n, off_b, off_hk, k_smem, v_smem, kv_ready, kv_free)
+        _load_held(done, k_desc, v_desc, start_n, off_b, off_hk, k_smem, v_smem, kv_ready, kv_free, k_rest_load)
         for g in range(group):
             off_h = off_hk * group + g
             bh = off_b * nheads + off_h
@@ -188,7 +204,8 @@ def _load(args, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr
                 lo, hi = 0, walk[0]
             for j in range(lo, hi):
                 load_pair(it, q_desc, do_desc, [off_b, tile_key(j, walk, ROWS, SPARSE_Q), off_h, 0], q_smem, do_smem,
-                          q_ready, do_ready, empty, STAGES, (init_desc, init_smem, bh, batch * nheads + bh))
+                          q_ready, do_ready, empty, STAGES, (init_desc, init_smem, bh, batch * nheads + bh),
+                          q_rest_load)
                 it += 1
         done += 1
 
@@ -301,26 +318,31 @@ def _pds_buffers(dtype: gl.constexpr):
 
 
 @gluon.jit
-def _split_d_tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, pds, base, first, last, keys,
-                   offset, qk_scale, MASKED: gl.constexpr, STAGES: gl.constexpr, HEAD_D: gl.constexpr,
-                   WG: gl.constexpr, s_layout: gl.constexpr):
-    """_tiles where one consumer's registers cannot hold a 64-key dK and dV (D=256): both consumers
-    hold the item's 64 keys. Per query tile each computes S^T and dP^T of its half of the query rows
-    (32), shares its P^T and dS^T through shared memory and, once both halves are there, adds to its
-    half of dV's and dK's columns over all 64 rows: dV[:, half] += P^T dO[:, half] and dK[:, half] +=
-    dS^T Q[:, half] (the split FlashAttention-3 makes at this head dim)."""
+def _split_d_tiles(dk, dv, ks, v, qs, do_smem, init_smem, q_ready, do_ready, empty, pds, base, first, last, keys,
+                   offset, qk_scale, MASKED: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
+                   s_layout: gl.constexpr):
+    """_tiles where one consumer's registers cannot hold a 64-key dK and dV (D=256, (192, 128)): both
+    consumers hold the item's 64 keys. Per query tile each computes S^T and dP^T of its half of the query
+    rows (32), shares its P^T and dS^T through shared memory and, once both halves are there, adds to its
+    columns of dV and dK over all 64 rows: dV[:, cols] += P^T dO[:, cols] and dK[:, cols] += dS^T Q[:, cols]
+    (the split FlashAttention-3 makes at D=256). ks and qs: K's held tile and Q's ring, each with those of
+    the rest of a head dim of two parts (common.head_parts; else None); this consumer's dK columns are then
+    a part's (_dk_columns), and S^T accumulates over both parts."""
     pds_smem, pds_ready, pds_free = pds
     HALF: gl.constexpr = ROWS // 2
-    COLS: gl.constexpr = HEAD_D // 2
+    DK_COLS: gl.constexpr = dk.shape[1]
+    DV_COLS: gl.constexpr = dv.shape[1]
     for j in range(first, last):
         pos = base + j
         stage = pos % STAGES
         phase = (pos // STAGES) & 1
-        q = q_smem.index(stage)
+        q = qs[0].index(stage)
         do = do_smem.index(stage)
         mbarrier.wait(q_ready.index(stage), phase)
-        s = warpgroup_mma(k, q.slice(WG * HALF, HALF).permute((1, 0)),
+        s = warpgroup_mma(ks[0], q.slice(WG * HALF, HALF).permute((1, 0)),
                           _start(init_smem.index(2 * stage).slice(WG * HALF, HALF, dim=1), s_layout), is_async=True)
+        if qs[1] is not None:
+            s = warpgroup_mma(ks[1], qs[1].index(stage).slice(WG * HALF, HALF).permute((1, 0)), s, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         dp = warpgroup_mma(v, do.slice(WG * HALF, HALF).permute((1, 0)),
                            _start(init_smem.index(2 * stage + 1).slice(WG * HALF, HALF, dim=1), s_layout),
@@ -335,17 +357,17 @@ def _split_d_tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, 
         ds = p * dp
         buf = pos % 2
         mbarrier.wait(pds_free.index(buf), ((pos // 2) & 1) ^ 1)
-        pds_smem.index(4 * buf + WG).store(p.to(k.dtype))
-        pds_smem.index(4 * buf + 2 + WG).store(ds.to(k.dtype))
+        pds_smem.index(4 * buf + WG).store(p.to(v.dtype))
+        pds_smem.index(4 * buf + 2 + WG).store(ds.to(v.dtype))
         fence_async_shared()
         barrier()  # every thread's part written before the one arrival
         mbarrier.arrive(pds_ready.index(buf), count=1)
         mbarrier.wait(pds_ready.index(buf), (pos // 2) & 1)
         for half in gl.static_range(2):
             dv = warpgroup_mma(pds_smem.index(4 * buf + half),
-                               do.slice(half * HALF, HALF).slice(WG * COLS, COLS, dim=1), dv, is_async=True)
-            dk = warpgroup_mma(pds_smem.index(4 * buf + 2 + half),
-                               q.slice(half * HALF, HALF).slice(WG * COLS, COLS, dim=1), dk, is_async=True)
+                               do.slice(half * HALF, HALF).slice(WG * DV_COLS, DV_COLS, dim=1), dv, is_async=True)
+            dk = warpgroup_mma(pds_smem.index(4 * buf + 2 + half), _dk_columns(qs, stage, half, DK_COLS, WG),
+                               dk, is_async=True)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(empty.index(stage), count=1)
         mbarrier.arrive(pds_free.index(buf), count=1)
@@ -353,36 +375,94 @@ def _split_d_tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, 
 
 
 @gluon.jit
-def _store_half(T, strides, off_b, off_hk, start_n, seqlen_k, tile, WG: gl.constexpr, layout: gl.constexpr):
-    """Stores a consumer's columns [WG x half, (WG + 1) x half) of a 64-key dK or dV tile (rows past
-    seqlen_k cut off) straight from its registers: once per work item, so no shared memory is set
-    aside for it."""
+def _dk_columns(qs, stage, half, COLS: gl.constexpr, WG: gl.constexpr):
+    """The rows of Q's ring buffer `stage` of query half `half` (of 2 x 32), in this split-D consumer's dK
+    columns (_consume's DK_COLS): half of Q's columns, or of a head dim of two parts (qs[1] not None) the
+    first part (consumer 0) or the rest (consumer 1)."""
+    HALF: gl.constexpr = ROWS // 2
+    if qs[1] is None:
+        part = qs[0].index(stage).slice(half * HALF, HALF).slice(WG * COLS, COLS, dim=1)
+    elif WG == 0:
+        part = qs[0].index(stage).slice(half * HALF, HALF)
+    else:
+        part = qs[1].index(stage).slice(half * HALF, HALF)
+    return part
+
+
+@gluon.jit
+def _store_cols(T, strides, off_b, off_hk, start_n, seqlen_k, tile, COL0: gl.constexpr, layout: gl.constexpr):
+    """Stores a consumer's columns [COL0, COL0 + tile's) of a 64-key dK or dV tile (rows past seqlen_k
+    cut off) straight from its registers: once per work item, so no shared memory is set aside for it."""
     COLS: gl.constexpr = tile.shape[1]
     rows = start_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    cols = WG * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    cols = COL0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     base = T + off_b.to(gl.int64) * strides[0] + off_hk.to(gl.int64) * strides[2]
     ptrs = base + gl.expand_dims(rows.to(gl.int64) * strides[1], 1) + gl.expand_dims(cols, 0)
     gl.store(ptrs, tile.to(T.dtype.element_ty), mask=gl.expand_dims(rows < seqlen_k, 1))
 
 
 @gluon.jit
-def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-             WG: gl.constexpr, SPLIT_D: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_MOD_GRAD: gl.constexpr,
-             MASK_MOD: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr):
-    """A consumer warpgroup's work items: each takes its own 64 of an item's 128 keys and all of dK's
-    and dV's columns (_tiles), or with SPLIT_D both take the item's 64 keys and half the columns each
-    (_split_d_tiles; no mods there: plan.py). Per head sharing the KV head, the query tiles that see
-    part of the keys (the causal diagonal; a block mask's partly seen tiles, through the mask_mod)
-    and those that see all (a block mask's wholly seen ones, without it)."""
+def _split_d_item(args, kb, keys, lo, full, hi, base, start_n, off_b, off_hk, group, HEAD_D: gl.constexpr,
+                  HEAD_D_REST: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr):
+    """A split-D consumer's work item in K/V buffer kb: every head's query tiles (_split_d_tiles) from ring
+    position base + lo on (the masked ones before `full`), then K and V back to the loader and this
+    consumer's columns of dK and dV stored; returns base past them. Its columns: half of dV's, and half of
+    dK's or, of a head dim of two parts (HEAD_D_REST > 0: 192 = 128 + 64), the first part (consumer 0) or
+    the rest (consumer 1)."""
     (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
      do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do, stride_dk,
      stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
-     mods, blocks) = args
+     mods, blocks, q_rest, k_rest) = args
+    DK_COLS: gl.constexpr = HEAD_D // 2 if HEAD_D_REST == 0 else HEAD_D if WG == 0 else HEAD_D_REST
+    DK_COL0: gl.constexpr = WG * (HEAD_D // 2 if HEAD_D_REST == 0 else HEAD_D)
+    DV_COLS: gl.constexpr = v_smem.shape[2] // 2
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DK_COLS, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DV_COLS, 16])
+    dk = gl.zeros([ROWS, DK_COLS], gl.float32, dk_layout)
+    dv = gl.zeros([ROWS, DV_COLS], gl.float32, dv_layout)
+    ks = (k_smem.index(kb), None)  # (with the rest of a head dim of two parts: _split_d_tiles')
+    if HEAD_D_REST:
+        ks = (k_smem.index(kb), k_rest.index(kb))
+    v = v_smem.index(kb)
+    qs = (q_smem, q_rest)
+    pds = (ds_smem, ds_ready, ds_free)
+    for g in range(group):
+        dk, dv = _split_d_tiles(dk, dv, ks, v, qs, do_smem, init_smem, q_ready, do_ready, empty, pds, base, lo, full,
+                                keys, offset, qk_scale, True, STAGES, WG, s_layout)
+        dk, dv = _split_d_tiles(dk, dv, ks, v, qs, do_smem, init_smem, q_ready, do_ready, empty, pds, base, full, hi,
+                                keys, offset, qk_scale, False, STAGES, WG, s_layout)
+        base += hi - lo
+    # This consumer's products are done with K and V: the loader may fetch the next item's while its
+    # columns of dK and dV are stored straight from the registers.
+    mbarrier.arrive(kv_free.index(kb), count=1)
+    _store_cols(DV, stride_dv, off_b, off_hk, start_n, seqlen_k, dv, WG * DV_COLS, dv_layout)
+    _store_cols(DK, stride_dk, off_b, off_hk, start_n, seqlen_k, dk * softmax_scale, DK_COL0, dk_layout)
+    return base
+
+
+@gluon.jit
+def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
+             STAGES: gl.constexpr, WG: gl.constexpr, SPLIT_D: gl.constexpr, SCORE_MOD: gl.constexpr,
+             SCORE_MOD_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
+             HAS_FULL: gl.constexpr):
+    """A consumer warpgroup's work items: each takes its own 64 of an item's 128 keys and all of dK's
+    and dV's columns (_tiles), or with SPLIT_D both take the item's 64 keys and half the columns each
+    (_split_d_tiles; no mods there: plan.py; of a head dim of two parts, HEAD_D_REST > 0 (192 = 128 + 64),
+    dK's first part or its rest). Per head sharing the KV head, the query tiles that see part of the keys
+    (the causal diagonal; a block mask's partly seen tiles, through the mask_mod) and those that see all
+    (a block mask's wholly seen ones, without it)."""
+    (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free, q_ready,
+     do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do, stride_dk,
+     stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
+     mods, blocks, q_rest, k_rest) = args
     PARTS: gl.constexpr = k_smem.shape[0] // kv_ready.shape[0]  # 64-key tiles a work item holds (as _load)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS // 2 if SPLIT_D else ROWS, 16])
+    # (unsplit: dK and dV have one head dim, kernels/gluon/__init__.py's accepts; split D: _split_d_item's)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_D // 2 if SPLIT_D else HEAD_D, 16])
+                                                         instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     if FUSED:
         dq_desc = descriptor(DQAcc, batch, seqlen_q, nheads, stride_a, ROWS, HEAD_D, ROWS)
@@ -404,22 +484,18 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
         full = lo
         if CAUSAL:
             full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(key0 + ROWS - 1 - offset, 0), ROWS), lo), hi)
-        dk = gl.zeros([ROWS, HEAD_D // 2 if SPLIT_D else HEAD_D], gl.float32, acc_layout)
-        dv = gl.zeros([ROWS, HEAD_D // 2 if SPLIT_D else HEAD_D], gl.float32, acc_layout)
+        dk = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+        dv = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
         kb = done % KV_BUFFERS
         k = k_smem.index(PARTS * kb + (0 if SPLIT_D else WG))
         v = v_smem.index(PARTS * kb + (0 if SPLIT_D else WG))
         mbarrier.wait(kv_ready.index(kb), (done // KV_BUFFERS) & 1)
         base = it - lo  # tile j of head g at ring position it + (the tiles of heads before g) + j - lo
-        for g in range(group):
-            if SPLIT_D:
-                pds = (ds_smem, ds_ready, ds_free)
-                dk, dv = _split_d_tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, pds,
-                                        base, lo, full, keys, offset, qk_scale, True, STAGES, HEAD_D, WG, s_layout)
-                dk, dv = _split_d_tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, pds,
-                                        base, full, hi, keys, offset, qk_scale, False, STAGES, HEAD_D, WG, s_layout)
-                base += hi - lo
-            else:
+        if SPLIT_D:
+            base = _split_d_item(args, kb, keys, lo, full, hi, base, start_n, off_b, off_hk, group, HEAD_D,
+                                 HEAD_D_REST, STAGES, WG, s_layout)
+        else:
+            for g in range(group):
                 off_h = off_hk * group + g
                 fused = None
                 if FUSED:
@@ -443,13 +519,7 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
                                     WG, s_layout, a_layout, SCORE_MOD, SCORE_MOD_GRAD, MASK_MOD)
                     base += hi - lo
         it = base + lo
-        if SPLIT_D:
-            # This consumer's products are done with K and V: the loader may fetch the next item's
-            # while dK's and dV's halves are stored straight from the registers.
-            mbarrier.arrive(kv_free.index(kb), count=1)
-            _store_half(DV, stride_dv, off_b, off_hk, start_n, seqlen_k, dv, WG, acc_layout)
-            _store_half(DK, stride_dk, off_b, off_hk, start_n, seqlen_k, dk * softmax_scale, WG, acc_layout)
-        else:
+        if not SPLIT_D:
             if FUSED:
                 if it > 0:  # the other consumer's dQ parts of the last tile read this one's K tile
                     mbarrier.wait(ds_free.index((it - 1) % 2), ((it - 1) // 2) & 1)
@@ -468,17 +538,26 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc, BlockNum, BlockId
                           mask_args, score_grads,
                           stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_a, stride_blocks,
                           padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
-                          CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                          KV_BUFFERS: gl.constexpr, SPLIT_D: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          SCORE_MOD: gl.constexpr, SCORE_MOD_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
-                          HAS_FULL: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr):
-    # SPLIT_D (dkdv_launch): both consumers take the same 64 keys, each half of dK's and dV's columns;
-    # else each takes its own 64 of an item's 128.
+                          CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
+                          HEAD_DV: gl.constexpr, STAGES: gl.constexpr, KV_BUFFERS: gl.constexpr,
+                          SPLIT_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, SCORE_MOD: gl.constexpr,
+                          SCORE_MOD_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, HAS_FULL: gl.constexpr,
+                          SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr):
+    # SPLIT_D (dkdv_launch): both consumers take the same 64 keys, each half of dK's and dV's columns (of
+    # a head dim of two parts, HEAD_D + HEAD_D_REST (common.head_parts), dK's first part or its rest);
+    # else each takes its own 64 of an item's 128. Q's and K's head dim HEAD_D (+ HEAD_D_REST, each part
+    # in buffers of its own), V's and dO's HEAD_DV.
     # kv_free: both consumers' dK and dV have left the item's K/V buffer (split D: both are done with it).
     # (A block mask's walk starts every head's query tiles at 0: no causal range beside it; plan.py.)
     gl.static_assert(not (CAUSAL and SPARSE_KV > 0), "a block mask with causal=True")
+    gl.static_assert(SPLIT_D or (HEAD_D_REST == 0 and HEAD_DV == HEAD_D), "unsplit: one head dim, one part")
+    dtype: gl.constexpr = Q.dtype.element_ty
     k_smem, v_smem, q_smem, do_smem, kv_ready, kv_free, q_ready, do_ready, empty = _buffers(
-        Q.dtype.element_ty, HEAD_D, ROWS, STAGES, KV_BUFFERS, 1 if SPLIT_D else 2)
+        dtype, HEAD_D, HEAD_DV, ROWS, STAGES, KV_BUFFERS, 1 if SPLIT_D else 2)
+    q_rest, k_rest = None, None
+    if HEAD_D_REST:
+        q_rest = buffers(dtype, STAGES, ROWS, HEAD_D_REST)
+        k_rest = buffers(dtype, KV_BUFFERS, ROWS, HEAD_D_REST)
     # Per ring buffer, the boxes of AccInit that come with its Q and its dO.
     init_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, ROWS],
                                           gl.NVMMASharedLayout.get_default_for([1, ROWS], gl.float32))
@@ -491,50 +570,63 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc, BlockNum, BlockId
     args = (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free,
             q_ready, do_ready, empty, ds_smem, dq_smem, ds_ready, ds_free, stride_q, stride_k, stride_v, stride_do,
             stride_dk, stride_dv, stride_a, padded_q, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
-            softmax_scale, (score_args, mask_args, score_grads), (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks))
-    gl.warp_specialize([(_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 0, SPLIT_D, SCORE_MOD, SCORE_MOD_GRAD,
-                                    MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL)),
-                        (_consume, (args, CAUSAL, FUSED, HEAD_D, STAGES, 1, SPLIT_D, SCORE_MOD, SCORE_MOD_GRAD,
-                                    MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL)),
-                        (_load, (args, CAUSAL, HEAD_D, STAGES, SPARSE_Q, SPARSE_KV, HAS_FULL))], [4, 1],
+            softmax_scale, (score_args, mask_args, score_grads), (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks),
+            q_rest, k_rest)
+    gl.warp_specialize([(_consume, (args, CAUSAL, FUSED, HEAD_D, HEAD_D_REST, STAGES, 0, SPLIT_D, SCORE_MOD,
+                                    SCORE_MOD_GRAD, MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL)),
+                        (_consume, (args, CAUSAL, FUSED, HEAD_D, HEAD_D_REST, STAGES, 1, SPLIT_D, SCORE_MOD,
+                                    SCORE_MOD_GRAD, MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL)),
+                        (_load, (args, CAUSAL, HEAD_D, HEAD_D_REST, STAGES, SPARSE_Q, SPARSE_KV, HAS_FULL))], [4, 1],
                        [CONSUMER_REGS, 24])
 
 
 @gluon.jit
-def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+def _dq_load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
+             STAGES: gl.constexpr):
     (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty,
      stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset,
-     qk_scale, softmax_scale) = args
-    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D)
-    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_do, ROWS, HEAD_D)
-    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, BLOCK_N, HEAD_D)
-    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, BLOCK_N, HEAD_D)
+     qk_scale, softmax_scale, q_rest, k_rest) = args
+    # Q's and K's head dim HEAD_D + HEAD_D_REST in two boxes where it has two parts (common.head_parts)
+    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D + HEAD_D_REST, HEAD_D)
+    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, BLOCK_N, HEAD_D + HEAD_D_REST, HEAD_D)
+    q_rest_load, k_rest_load = None, None
+    if HEAD_D_REST:
+        q_rest_load = (descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D + HEAD_D_REST, HEAD_D_REST),
+                       q_rest)
+        k_rest_load = (descriptor(K, batch, seqlen_k, nheads_k, stride_k, BLOCK_N, HEAD_D + HEAD_D_REST,
+                                  HEAD_D_REST), k_rest)
+    do_desc = descriptor(DO, batch, seqlen_q, nheads, stride_do, ROWS, do_smem.shape[2])
+    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, BLOCK_N, v_smem.shape[2])
     n_m, items = tiles_of(seqlen_q, batch, nheads, 2 * ROWS)
     it = 0  # K/V tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
     for c in range(count(items)):
         start_m, off_b, off_h, n_tiles = query_item(work(c), n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, 2)
         off_hk = off_h // (nheads // nheads_k)
-        _load_held(done, q_desc, do_desc, start_m, off_b, off_h, q_smem, do_smem, qdo_ready, qdo_free)
+        _load_held(done, q_desc, do_desc, start_m, off_b, off_h, q_smem, do_smem, qdo_ready, qdo_free, q_rest_load)
         it = load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                     BLOCK_N, STAGES)
+                     BLOCK_N, STAGES, k_rest=k_rest_load)
         done += 1
 
 
 @gluon.jit
-def _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, base, first, last, end, rows,
+def _dq_tiles(dq, qs, do, ks, v_smem, k_ready, v_ready, kv_empty, lse, delta, base, first, last, end, rows,
               offset, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               s_layout: gl.constexpr, a_layout: gl.constexpr):
     """K/V tiles [first, last) of a work item whose tile 0 sits at position `base` of the buffer ring;
     each goes back to the loader once done, but the one at position `end`. MASKED applies the causal
-    diagonal. Keys past seqlen_k need no mask: their K rows are zero-filled, so they add nothing to dQ."""
+    diagonal. Keys past seqlen_k need no mask: their K rows are zero-filled, so they add nothing to dQ.
+    qs, ks: Q's held tile and K's ring, each with those of the rest of a head dim of two parts (else
+    None); dq: dQ's accumulator, or with two parts the pair of the parts' accumulators."""
     zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     for j in range(first, last):
         stage = (base + j) % STAGES
         phase = ((base + j) // STAGES) & 1
-        k = k_smem.index(stage)
+        k = ks[0].index(stage)
         mbarrier.wait(k_ready.index(stage), phase)
-        s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qs[0], k.permute((1, 0)), zero, use_acc=False, is_async=True)
+        if qs[1] is not None:
+            s = warpgroup_mma(qs[1], ks[1].index(stage).permute((1, 0)), s, is_async=True)
         mbarrier.wait(v_ready.index(stage), phase)
         dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
@@ -543,27 +635,41 @@ def _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta,
             s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows + offset, 1), s, float("-inf"))
         p = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(lse, 1)))
         dp = warpgroup_mma_wait(0, deps=(dp,))
-        ds = p * (dp - gl.expand_dims(delta, 1))
-        dq = warpgroup_mma(gl.convert_layout(ds.to(k.dtype), a_layout), k, dq)
+        ds = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(k.dtype), a_layout)
+        if qs[1] is None:
+            dq = warpgroup_mma(ds, k, dq)
+        else:
+            dq_first = warpgroup_mma(ds, k, dq[0], is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq_first, warpgroup_mma(ds, ks[1].index(stage), dq[1], is_async=True)))
         if base + j != end:
             mbarrier.arrive(kv_empty.index(stage), count=1)
     return dq
 
 
 @gluon.jit
-def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                WG: gl.constexpr):
+def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
+                STAGES: gl.constexpr, WG: gl.constexpr):
+    """A consumer warpgroup's work items: its 64 of an item's query rows against every K/V tile. dQ leaves
+    through the item's last V tile (both consumers' rows), or with a head dim of two parts (HEAD_D_REST >
+    0: 192 = 128 + 64; 64-key V tiles, narrower) through this consumer's own Q tiles, which hold its
+    shape."""
     (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty,
      stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset,
-     qk_scale, softmax_scale) = args
+     qk_scale, softmax_scale, q_rest, k_rest) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    dq_desc = descriptor(DQ, batch, seqlen_q, nheads, stride_dq, ROWS, HEAD_D)
+    dq_desc = descriptor(DQ, batch, seqlen_q, nheads, stride_dq, ROWS, HEAD_D + HEAD_D_REST, HEAD_D)
     q = q_smem.index(WG)
     do = do_smem.index(WG)
+    qs, ks = (q, None), (k_smem, None)
+    if HEAD_D_REST:
+        rest_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, HEAD_D_REST, 16])
+        dq_rest_desc = descriptor(DQ, batch, seqlen_q, nheads, stride_dq, ROWS, HEAD_D + HEAD_D_REST, HEAD_D_REST)
+        qs, ks = (q, q_rest.index(WG)), (k_smem, k_rest)
     # The loader's schedule, item for item and tile for tile: the barriers' phases count on it.
     n_m, items = tiles_of(seqlen_q, batch, nheads, 2 * ROWS)
     it = 0  # K/V tiles consumed so far: the ring's position
@@ -580,23 +686,36 @@ def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.co
         n_full = n_tiles
         if CAUSAL:
             n_full = gl.minimum(gl.maximum(row0 + offset + 1, 0) // BLOCK_N, n_tiles)
-        end = it + n_tiles - 1  # the item's last K/V buffer, which dQ leaves through
         dq = gl.zeros([ROWS, HEAD_D], gl.float32, acc_layout)
+        if HEAD_D_REST:
+            dq = (dq, gl.zeros([ROWS, HEAD_D_REST], gl.float32, rest_layout))
+            end = -1  # (every K/V buffer goes back once done)
+        else:
+            end = it + n_tiles - 1  # the item's last K/V buffer, which dQ leaves through
         mbarrier.wait(qdo_ready.index(0), done & 1)
-        dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, 0, n_full, end, rows,
+        dq = _dq_tiles(dq, qs, do, ks, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, 0, n_full, end, rows,
                        offset, qk_scale, False, BLOCK_N, STAGES, s_layout, a_layout)
-        dq = _dq_tiles(dq, q, do, k_smem, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, n_full, n_tiles, end,
+        dq = _dq_tiles(dq, qs, do, ks, v_smem, k_ready, v_ready, kv_empty, lse, delta, it, n_full, n_tiles, end,
                        rows, offset, qk_scale, True, BLOCK_N, STAGES, s_layout, a_layout)
-        # Q and dO go back to the loader, which fetches the next item's while this one finishes;
-        # once both consumers have released them, no product reads the last K/V buffer either:
-        # dQ leaves through its V tile, which then goes back too.
-        mbarrier.arrive(qdo_free.index(0), count=1)
-        mbarrier.wait(qdo_free.index(0), done & 1)
-        copy_out(dq_desc, [off_b, row0, off_h, 0], v_smem.index(end % STAGES),
-                  (dq * softmax_scale).to(DQ.dtype.element_ty), PART=WG)
-        tma.store_wait(0)
-        barrier()  # the thread that issued the copy has seen it read the tile
-        mbarrier.arrive(kv_empty.index(end % STAGES), count=1)
+        if HEAD_D_REST:
+            # dQ's parts leave through this consumer's Q tiles (only its own products read them, all done),
+            # which go back to the loader with dO once the copies have read them.
+            copy_out(dq_desc, [off_b, row0, off_h, 0], q, (dq[0] * softmax_scale).to(DQ.dtype.element_ty))
+            copy_out(dq_rest_desc, [off_b, row0, off_h, HEAD_D], qs[1], (dq[1] * softmax_scale).to(DQ.dtype.element_ty))
+            tma.store_wait(0)
+            barrier()  # the thread that issued the copies has seen them read the tiles
+            mbarrier.arrive(qdo_free.index(0), count=1)
+        else:
+            # Q and dO go back to the loader, which fetches the next item's while this one finishes;
+            # once both consumers have released them, no product reads the last K/V buffer either:
+            # dQ leaves through its V tile, which then goes back too.
+            mbarrier.arrive(qdo_free.index(0), count=1)
+            mbarrier.wait(qdo_free.index(0), done & 1)
+            copy_out(dq_desc, [off_b, row0, off_h, 0], v_smem.index(end % STAGES),
+                     (dq * softmax_scale).to(DQ.dtype.element_ty), PART=WG)
+            tma.store_wait(0)
+            barrier()  # the thread that issued the copy has seen it read the tile
+            mbarrier.arrive(kv_empty.index(end % STAGES), count=1)
         it += n_tiles
         done += 1
 
@@ -605,18 +724,27 @@ def _dq_consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.co
 def _attn_bwd_dq_hopper(Q, K, V, DO, Lse, Delta, DQ,
                         stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, batch, nheads, nheads_k,
                         seqlen_q, seqlen_k, offset, qk_scale, softmax_scale,
-                        CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr):
-    gl.static_assert(BLOCK_N == 2 * ROWS, "dQ leaves through a V tile: both consumers' rows")
+                        CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
+                        HEAD_DV: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Q's and K's head dim HEAD_D (+ HEAD_D_REST: a head dim of two parts, common.head_parts, each in
+    buffers of its own), V's and dO's HEAD_DV."""
+    gl.static_assert(HEAD_D_REST > 0 or (BLOCK_N == 2 * ROWS and HEAD_DV == HEAD_D),
+                     "dQ leaves through a V tile: both consumers' rows, as wide as dQ")
+    dtype: gl.constexpr = Q.dtype.element_ty
     # qdo_free: both consumers are done with the item's Q and dO.
     q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready, kv_empty = _buffers(
-        Q.dtype.element_ty, HEAD_D, BLOCK_N, STAGES, 1)
+        dtype, HEAD_D, HEAD_DV, BLOCK_N, STAGES, 1)
+    q_rest, k_rest = None, None
+    if HEAD_D_REST:
+        q_rest = buffers(dtype, 2, ROWS, HEAD_D_REST)
+        k_rest = buffers(dtype, STAGES, BLOCK_N, HEAD_D_REST)
     args = (Q, K, V, DO, Lse, Delta, DQ, q_smem, do_smem, k_smem, v_smem, qdo_ready, qdo_free, k_ready, v_ready,
             kv_empty, stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, batch, nheads, nheads_k, seqlen_q,
-            seqlen_k, offset, qk_scale, softmax_scale)
-    gl.warp_specialize([(_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 0)),
-                        (_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, 1)),
-                        (_dq_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES))], [4, 1], [CONSUMER_REGS, 24])
+            seqlen_k, offset, qk_scale, softmax_scale, q_rest, k_rest)
+    gl.warp_specialize([(_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, 0)),
+                        (_dq_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, 1)),
+                        (_dq_load, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES))], [4, 1],
+                       [CONSUMER_REGS, 24])
 
 
 def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
@@ -628,7 +756,7 @@ def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
                 stride_do=box_strides(prob, dout), batch=prob.batch, nheads=prob.nheads,
                 nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k,
                 offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
-                softmax_scale=params.softmax_scale, CAUSAL=params.window_right == 0, HEAD_D=prob.head_dim,
+                softmax_scale=params.softmax_scale, CAUSAL=params.window_right == 0,
                 # 9 warps run as 3 warpgroups of 168 registers a thread, which the partitions
                 # trade: 240 each for the consumers, 24 for the loader.
                 CONSUMER_REGS=240, num_warps=4, maxnreg=168)
@@ -636,8 +764,8 @@ def _shared_args(tensors: dict, prob: Problem, params: AttentionParams) -> dict:
 
 def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dkdv):
     """(kernel, grid, keyword arguments) of the dK/dV kernel for kernels/launch.py: a work item
-    per 128 keys (D=256: 64) of a (batch, KV head), one persistent program per SM taking pairs of items
-    round-robin; 64-row query tiles in a ring of cfg.stages buffers; tensors["AccInit"] as
+    per 128 keys (D=256, (192, 128): 64) of a (batch, KV head), one persistent program per SM taking pairs
+    of items round-robin; 64-row query tiles in a ring of cfg.stages buffers; tensors["AccInit"] as
     kernels/triton/backward.py's delta kernel writes it. With cfg.fuse_dq, the kernel also adds dQ to
     tensors["DQAcc"] (fp32, shaped like Q, zero-filled)."""
     dk, dv, init = tensors["DK"], tensors["DV"], tensors["AccInit"]
@@ -648,17 +776,27 @@ def dkdv_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dkdv
         raise ValueError("the Gluon dK/dV kernel fuses dQ up to head dim 128")
     item_keys = ROWS.value if split_d else 2 * ROWS.value
     items = cdiv(prob.seqlen_k, item_keys) * prob.batch * prob.nheads_k
+    width = prob.head_dim + prob.head_dim_v  # (a row of K and V, of Q and dO)
+
+    def smem(kv_buffers):  # bytes: K/V buffers, the Q/dO ring, P^T and dS^T (split D) or dS^T and dQ (fused)
+        shared = 32768 if split_d else 65536 if acc is not None else 0
+        return (kv_buffers * item_keys + cfg.stages * ROWS.value) * width * 2 + shared + cfg.stages * 512
     # Two K/V buffers (the loader fetches the next item's K and V during the last one) where shared
-    # memory holds them: not the fused kernel at D=128 (one: 192 of 227 KB), nor split D (one: 224 KB
-    # at D=256 with the Q/dO ring and the P^T and dS^T tiles).
-    kv_buffers = 1 if (acc is not None and prob.head_dim == 128) or split_d else 2
+    # memory holds them: not the fused kernel at D=128 (one: 192 of 227 KB), nor split D at D=256 (one:
+    # 224 KB); at (192, 128) two (193 KB).
+    kv_buffers = 2 if smem(2) <= 227 * 1024 else 1
+    if smem(kv_buffers) > 227 * 1024:
+        raise ValueError(f"the Gluon dK/dV kernel's buffers take {smem(kv_buffers)} bytes of shared memory, over "
+                         f"227 KB: fewer than {cfg.stages} Q/dO buffers")
+    head_d, head_d_rest = head_parts(prob.head_dim)
     acc_strides = box_strides(prob, acc) if acc is not None else (0, 0, 0)
     mods = mod_args(params, prob, "dkdv")
     del mods["SPARSE"], mods["EVEN_BLOCKS"]  # (SPARSE_KV > 0; _modded_p checks both bounds)
     return _attn_bwd_dkdv_hopper, (min(cdiv(items, 2), num_sms(dk.device)),), dict(
         **mods, **_shared_args(tensors, prob, params), AccInit=init, padded_q=init.shape[2], DK=dk, DV=dv, DQAcc=acc,
         stride_dk=box_strides(prob, dk), stride_dv=box_strides(prob, dv), stride_a=acc_strides,
-        FUSED=cfg.fuse_dq, STAGES=cfg.stages, KV_BUFFERS=kv_buffers, SPLIT_D=split_d)
+        FUSED=cfg.fuse_dq, STAGES=cfg.stages, KV_BUFFERS=kv_buffers, SPLIT_D=split_d, HEAD_D=head_d,
+        HEAD_D_REST=head_d_rest, HEAD_DV=prob.head_dim_v)
 
 
 def dq_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dq):
@@ -668,7 +806,8 @@ def dq_launch(tensors: dict, prob: Problem, params: AttentionParams, cfg: Dq):
     dq = tensors["DQ"]
     items = cdiv(prob.seqlen_q, 2 * ROWS.value) * prob.batch * prob.nheads
     grid = (min(cdiv(items, 2), num_sms(dq.device)),)
+    head_d, head_d_rest = head_parts(prob.head_dim)
     return _attn_bwd_dq_hopper, grid, dict(
         **_shared_args(tensors, prob, params), Lse=tensors["Lse"], Delta=tensors["Delta"],
         stride_l=lse_strides(prob, params), DQ=dq, stride_dq=box_strides(prob, dq), BLOCK_N=cfg.block_n,
-        STAGES=cfg.stages)
+        STAGES=cfg.stages, HEAD_D=head_d, HEAD_D_REST=head_d_rest, HEAD_DV=prob.head_dim_v)

@@ -38,13 +38,13 @@ def tiles_of(seqlen, batch, heads, ROWS_PER_ITEM: gl.constexpr):
 
 @gluon.jit
 def load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready, v_ready, kv_empty,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, walk=None, SPARSE_KV: gl.constexpr = 0):
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, walk=None, SPARSE_KV: gl.constexpr = 0, k_rest=None):
     """The loader's copies of a work item's n_tiles K/V tiles into the ring from position `it` (the
     keys from 0 on; with SPARSE_KV, those a block mask lists, `walk` from listed_walk); returns the
-    ring's position after them."""
+    ring's position after them. k_rest: load_pair's a_rest for K (a head dim of two parts)."""
     for j in range(n_tiles):
         load_pair(it, k_desc, v_desc, [off_b, tile_key(j, walk, BLOCK_N, SPARSE_KV), off_hk, 0], k_smem, v_smem,
-                  k_ready, v_ready, kv_empty, STAGES)
+                  k_ready, v_ready, kv_empty, STAGES, a_rest=k_rest)
         it += 1
     return it
 
@@ -141,25 +141,31 @@ def copy_out(desc, coord, buffer, tile, ADD: gl.constexpr = False, PART: gl.cons
 
 
 @gluon.jit
-def load_pair(it, a_desc, b_desc, coord, a_smem, b_smem, a_ready, b_ready, empty, STAGES: gl.constexpr, rows=None):
+def load_pair(it, a_desc, b_desc, coord, a_smem, b_smem, a_ready, b_ready, empty, STAGES: gl.constexpr, rows=None,
+              a_rest=None):
     """The loader's step of a ring of STAGES buffers: once every consumer has released position `it`'s
     buffers, the TMA copies the box at `coord` of two tensors into them, each signalling its "ready"
     barrier. With 2 x STAGES "empty" barriers (ring's EMPTY_EACH) each tensor's buffer has its own, and
     a's copy waits only for a's release. With rows = (descriptor of a 2D tensor, shared memory of 2 x
     STAGES of its boxes, a's row, b's row), each tensor's box comes with the box of that row at column
-    coord[1]."""
+    coord[1]. With a_rest = (descriptor, ring), a's head dim has two parts (head_parts: 192 = 128 + 64):
+    the rest of a's columns, after a_desc's box, come into that ring beside a's."""
     stage = it % STAGES
     phase = ((it // STAGES) & 1) ^ 1
     EMPTY_EACH: gl.constexpr = empty.shape[0] == 2 * STAGES
     mbarrier.wait(empty.index(stage), phase)
-    box: gl.constexpr = [1, a_smem.shape[1], 1, a_smem.shape[2]]
     row_bytes: gl.constexpr = 0 if rows is None else rows[0].block_type.nbytes
+    rest_bytes: gl.constexpr = 0 if a_rest is None else a_rest[0].block_type.nbytes
     for i in gl.static_range(2):
         if i == 1 and EMPTY_EACH:
             mbarrier.wait(empty.index(STAGES + stage), phase)
         desc, smem, ready = (a_desc, a_smem, a_ready) if i == 0 else (b_desc, b_smem, b_ready)
-        mbarrier.expect(ready.index(stage), desc.block_type.nbytes + row_bytes)
-        tma_load(desc, coord, ready.index(stage), smem.index(stage).reshape(box))
+        mbarrier.expect(ready.index(stage), desc.block_type.nbytes + row_bytes + (rest_bytes if i == 0 else 0))
+        tma_load(desc, coord, ready.index(stage), smem.index(stage).reshape([1, smem.shape[1], 1, smem.shape[2]]))
+        if i == 0 and a_rest is not None:
+            rest = a_rest[1].index(stage)
+            tma_load(a_rest[0], [coord[0], coord[1], coord[2], coord[3] + a_smem.shape[2]], ready.index(stage),
+                     rest.reshape([1, rest.shape[0], 1, rest.shape[1]]))
         if rows is not None:
             tma_load(rows[0], [rows[2 + i], coord[1]], ready.index(stage), rows[1].index(2 * stage + i))
 
@@ -174,17 +180,30 @@ def barriers(n: gl.constexpr, arrivals: gl.constexpr):
 
 
 @gluon.jit
-def ring(dtype: gl.constexpr, BLOCK: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+def buffers(dtype: gl.constexpr, n: gl.constexpr, rows: gl.constexpr, cols: gl.constexpr):
+    """n buffers of rows x cols in shared memory, in the layout the TMA and wgmma take."""
+    return gl.allocate_shared_memory(dtype, [n, rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], dtype))
+
+
+@gluon.jit
+def ring(dtype: gl.constexpr, BLOCK: gl.constexpr, A_D: gl.constexpr, B_D: gl.constexpr, STAGES: gl.constexpr,
          CONSUMERS: gl.constexpr, EMPTY_EACH: gl.constexpr = False):
     """A ring of STAGES buffers of BLOCK rows for each of two tensors streamed past the consumers (K
-    and V, or Q and dO) and its barriers: a "ready" per tensor and buffer, which the loader's copy
-    completes, and an "empty" per buffer that every consumer arrives at once done with it (EMPTY_EACH:
-    one per tensor and buffer, a's at [stage], b's at [STAGES + stage])."""
-    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_D], dtype)
-    a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_D], layout)
-    b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_D], layout)
+    and V, or Q and dO), of A_D and B_D columns, and its barriers: a "ready" per tensor and buffer, which
+    the loader's copy completes, and an "empty" per buffer that every consumer arrives at once done with
+    it (EMPTY_EACH: one per tensor and buffer, a's at [stage], b's at [STAGES + stage])."""
+    a_smem = buffers(dtype, STAGES, BLOCK, A_D)
+    b_smem = buffers(dtype, STAGES, BLOCK, B_D)
     empty = barriers(2 * STAGES if EMPTY_EACH else STAGES, CONSUMERS)
     return a_smem, b_smem, barriers(STAGES, 1), barriers(STAGES, 1), empty
+
+
+def head_parts(head_dim: int) -> tuple[int, int]:
+    """A head dim as the kernels hold it: a power of two, or (192) the largest power of two below it
+    and the rest, 128 + 64 (Gluon's tensors and shared memory are powers of two: a product over such a
+    head dim is two wgmma products accumulating), as (first, rest), rest 0 for a power of two."""
+    first = 1 << (head_dim.bit_length() - 1)
+    return first, head_dim - first
 
 
 def box_strides(prob: Problem, t: torch.Tensor) -> tuple[int, ...]:

@@ -21,6 +21,11 @@ before its result is used) expresses neither.
 Logits are in base 2 (qk_scale has LOG2E folded in). Only the plain forward is here: 16-bit
 inputs, head dims 64, 128 and 256, causal or not (either alignment), GQA; other inputs take the Triton
 kernel (kernels/triton/forward.py). GPU only: Triton's interpreter does not run Gluon.
+
+At (192, 128) (DeepSeek's MLA: q and k 192 wide, v 128) Q and K are held as 128 + 64 columns
+(common.head_parts: Gluon's tensors and shared memory are powers of two), each part in buffers of its
+own, loaded by boxes of its own, and S = Q K^T is two wgmma products accumulating; V and O are 128 wide,
+as Q's and K's first part, through which O leaves as at D=128.
 """
 import triton
 from triton.experimental import gluon
@@ -33,23 +38,31 @@ from ..constants import LN2, LOG2E
 from ..device import cdiv, num_sms, scratch
 from ..variant import Problem, logit_scale, lse_strides, mod_args
 from . import Forward
-from .common import ROWS, barriers, box_strides, copy_out, count, descriptor, listed_walk, load_kv, query_item, ring, \
-    tile_key, tiles_of, work
+from .common import ROWS, barriers, box_strides, buffers, copy_out, count, descriptor, head_parts, listed_walk, \
+    load_kv, query_item, ring, tile_key, tiles_of, work
 
 
 @gluon.jit
-def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-          CONSUMERS: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr):
-    (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, stride_q, stride_k,
-     stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, mods, blocks,
-     Sink) = args
-    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D)
-    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, BLOCK_N, HEAD_D)
-    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, BLOCK_N, HEAD_D)
+def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
+          STAGES: gl.constexpr, CONSUMERS: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
+          HAS_FULL: gl.constexpr):
+    (Q, K, V, Out, Lse, q_smem, q_rest, k_smem, k_rest, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, stride_q,
+     stride_k, stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, mods,
+     blocks, Sink) = args
+    # Q's and K's head dim HEAD_D + HEAD_D_REST in two boxes where it has two parts (common.head_parts)
+    q_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D + HEAD_D_REST, HEAD_D)
+    k_desc = descriptor(K, batch, seqlen_k, nheads_k, stride_k, BLOCK_N, HEAD_D + HEAD_D_REST, HEAD_D)
+    q_rest_desc, k_rest_load = None, None
+    if HEAD_D_REST:
+        q_rest_desc = descriptor(Q, batch, seqlen_q, nheads, stride_q, ROWS, HEAD_D + HEAD_D_REST, HEAD_D_REST)
+        k_rest_load = (descriptor(K, batch, seqlen_k, nheads_k, stride_k, BLOCK_N, HEAD_D + HEAD_D_REST, HEAD_D_REST),
+                       k_rest)
+    v_desc = descriptor(V, batch, seqlen_k, nheads_k, stride_v, BLOCK_N, v_smem.shape[2])
     n_m, items = tiles_of(seqlen_q, batch, nheads, CONSUMERS * ROWS)
     it = 0  # K/V tiles loaded so far: the ring's position
     done = 0  # work items loaded so far
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+    Q_BYTES: gl.constexpr = CONSUMERS * ROWS * (HEAD_D + HEAD_D_REST) * q_smem.dtype.primitive_bitwidth // 8
     for k in range(count(items)):
         start_m, off_b, off_h, n_tiles = query_item(work(k), n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS,
                                                     SPARSE_KV > 0)
@@ -60,12 +73,15 @@ def _load(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexp
         off_hk = off_h // (nheads // nheads_k)
         qb = done % Q_BUFFERS
         mbarrier.wait(q_empty.index(qb), ((done // Q_BUFFERS) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(qb), CONSUMERS * q_desc.block_type.nbytes)
+        mbarrier.expect(q_ready.index(qb), Q_BYTES)
         for part in gl.static_range(CONSUMERS):
             tma_load(q_desc, [off_b, start_m + part * ROWS, off_h, 0], q_ready.index(qb),
-                      q_smem.index(qb * CONSUMERS + part).reshape([1, ROWS, 1, HEAD_D]))
+                     q_smem.index(qb * CONSUMERS + part).reshape([1, ROWS, 1, HEAD_D]))
+            if HEAD_D_REST:
+                tma_load(q_rest_desc, [off_b, start_m + part * ROWS, off_h, HEAD_D], q_ready.index(qb),
+                         q_rest.index(qb * CONSUMERS + part).reshape([1, ROWS, 1, HEAD_D_REST]))
         it = load_kv(it, n_tiles, k_desc, v_desc, off_b, off_hk, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                     BLOCK_N, STAGES, walk, SPARSE_KV)
+                     BLOCK_N, STAGES, walk, SPARSE_KV, k_rest_load)
         done += 1
 
 
@@ -125,7 +141,18 @@ def _unpack(packed, dtype: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, base, first, last, rows, seqlen_k,
+def _scores(qs, ks, stage, zero):
+    """Issues S = Q K^T (asynchronous) on K/V buffer `stage`: qs and ks are (Q's buffer, K's ring) and the
+    same of the rest of a head dim of two parts (common.head_parts), whose product accumulates into S
+    (None where there is none)."""
+    s = warpgroup_mma(qs[0], ks[0].index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+    if qs[1] is not None:
+        s = warpgroup_mma(qs[1], ks[1].index(stage).permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _tiles(acc, m_i, l_i, p, qs, ks, v_smem, k_ready, v_ready, kv_empty, base, first, last, rows, seqlen_k,
            offset, qk_scale, mods, walk, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
            STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr,
            SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, SPARSE_KV: gl.constexpr):
@@ -133,13 +160,13 @@ def _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, base
     ring (tile j's keys: common.tile_key), software-pipelined: p holds the probabilities of tile
     j - 1 (packed by _pack) whose product with V is still to do; it runs on the tensor cores while
     this warpgroup computes the softmax of tile j (S of tile j is issued first, so waiting for all
-    but one product gives S)."""
+    but one product gives S). qs, ks: as _scores'."""
     zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     for j in range(first, last):
         stage = (base + j) % STAGES
         prev = (base + j - 1) % STAGES
         mbarrier.wait(k_ready.index(stage), ((base + j) // STAGES) & 1)
-        s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = _scores(qs, ks, stage, zero)
         mbarrier.wait(v_ready.index(prev), ((base + j - 1) // STAGES) & 1)
         acc = warpgroup_mma(_unpack(p, v_smem.dtype, p_layout), v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
@@ -258,15 +285,14 @@ def _seen(row0, n_tiles, walk, seqlen_q, seqlen_k, offset, CAUSAL: gl.constexpr,
 
 
 @gluon.jit
-def _first_tile(m_i, l_i, q, k_smem, k_ready, kv_empty, it, split, rows, seqlen_k, offset, qk_scale, mods, walk,
+def _first_tile(m_i, l_i, qs, ks, k_ready, kv_empty, it, split, rows, seqlen_k, offset, qk_scale, mods, walk,
                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
                 SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, SPARSE_KV: gl.constexpr):
     """A work item's tile 0 alone, before the pipelined loops: its S product and masked softmax (it may
     hold the diagonal or the key bound; with a block mask, the mask_mod only where the tile is listed
-    as partly seen, split > 0). Returns (p packed by _pack, m_i, l_i)."""
+    as partly seen, split > 0). Returns (p packed by _pack, m_i, l_i). qs, ks: as _scores'."""
     mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
-    s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-                      use_acc=False)
+    s = warpgroup_mma_wait(0, deps=(_scores(qs, ks, it % STAGES, gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)),))
     _release_k(kv_empty, it % STAGES, STAGES)
     key = tile_key(0, walk, BLOCK_N, SPARSE_KV)
     if SPARSE_KV and MASK_MOD is not None:
@@ -279,18 +305,35 @@ def _first_tile(m_i, l_i, q, k_smem, k_ready, kv_empty, it, split, rows, seqlen_
     else:
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, key, rows, seqlen_k, offset, qk_scale, mods, True, CAUSAL,
                                       BLOCK_N, s_layout, SCORE_MOD, MASK_MOD)
-    return _pack(p, k_smem.dtype), m_i, l_i
+    return _pack(p, ks[0].dtype), m_i, l_i
 
 
 @gluon.jit
-def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-             CONSUMERS: gl.constexpr, WG: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
-             SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr, EVEN_BLOCKS: gl.constexpr):
-    (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, stride_q, stride_k,
-     stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, mods, blocks,
-     Sink) = args
+def _row_state(Sink, off_h, s_layout: gl.constexpr, o_layout: gl.constexpr, HEAD_D: gl.constexpr,
+               BLOCK_N: gl.constexpr, dtype: gl.constexpr):
+    """A warpgroup's rows at a work item's start: (running max, running sum, O's accumulator, the P of no
+    tile yet, packed), the learnable sink seen first where there is one (cuflash/sinks.py;
+    triton/common.sink_state)."""
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    if Sink is not None:
+        m_i = gl.load(Sink + off_h).to(gl.float32) * LOG2E + l_i
+        l_i = gl.where(m_i == float("-inf"), l_i, l_i + 1.0)
+    return m_i, l_i, gl.zeros([ROWS, HEAD_D], gl.float32, o_layout), _pack(gl.zeros([ROWS, BLOCK_N], gl.float32,
+                                                                                     s_layout), dtype)
+
+
+@gluon.jit
+def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
+             STAGES: gl.constexpr, CONSUMERS: gl.constexpr, WG: gl.constexpr, SCORE_MOD: gl.constexpr,
+             MASK_MOD: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr,
+             EVEN_BLOCKS: gl.constexpr):
+    (Q, K, V, Out, Lse, q_smem, q_rest, k_smem, k_rest, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, stride_q,
+     stride_k, stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, mods,
+     blocks, Sink) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
+    # (O is HEAD_D wide: V's head dim is Q's and K's first part, _attn_fwd_hopper)
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -308,8 +351,9 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
     # without the mask (docs/tuning.md).
     # Never where that buffer is the only Q buffer: the next item's Q, which tile 0 waits for, would wait
     # for it.
-    DEFER: gl.constexpr = HEAD_D == 128 and CAUSAL and (O_IN_K or Q_BUFFERS == 2)
+    DEFER: gl.constexpr = HEAD_D == 128 and HEAD_D_REST == 0 and CAUSAL and (O_IN_K or Q_BUFFERS == 2)
     pending = -1  # the buffer that the last item's O is leaving through, until it goes back
+    ks = (k_smem, k_rest)  # (_scores')
     for k in range(count(items)):
         start_m, off_b, off_h, n_tiles = query_item(work(k), n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS,
                                                     SPARSE_KV > 0)
@@ -321,40 +365,34 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
         rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         n_mine, split = _seen(row0, n_tiles, walk, seqlen_q, seqlen_k, offset, CAUSAL, BLOCK_N, SPARSE_KV)
         item_mods = (off_b, off_h, mods[0], mods[1])
-
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-        if Sink is not None:  # the learnable sink, seen first (cuflash/sinks.py; triton/common.sink_state)
-            m_i = gl.load(Sink + off_h).to(gl.float32) * LOG2E + l_i
-            l_i = gl.where(m_i == float("-inf"), l_i, l_i + 1.0)
-        acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-        p = _pack(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), dtype)
+        m_i, l_i, acc, p = _row_state(Sink, off_h, s_layout, o_layout, HEAD_D, BLOCK_N, dtype)
         qb = done % Q_BUFFERS
         q = q_smem.index(qb * CONSUMERS + WG)
+        qs = (q, q_rest.index(qb * CONSUMERS + WG) if HEAD_D_REST else None)  # (_scores')
         mbarrier.wait(q_ready.index(qb), (done // Q_BUFFERS) & 1)
         if n_mine > 0:
             # Tile 0 alone, then the pipelined loops: up to the split, the tiles every row sees whole
             # (unmasked), then those the diagonal or the keys' end cuts; with a block mask the partly
             # seen tiles (masked, through the mask_mod), then the wholly seen ones (without it, the keys'
             # end checked unless the blocks are whole).
-            p, m_i, l_i = _first_tile(m_i, l_i, q, k_smem, k_ready, kv_empty, it, split, rows, seqlen_k, offset,
+            p, m_i, l_i = _first_tile(m_i, l_i, qs, ks, k_ready, kv_empty, it, split, rows, seqlen_k, offset,
                                       qk_scale, item_mods, walk, CAUSAL, BLOCK_N, STAGES, s_layout, SCORE_MOD,
                                       MASK_MOD, SPARSE_KV)
             if DEFER:  # the last item's O has left its buffer during tile 0: the buffer goes back
                 # (before any wait for a tile that the loader may need it for)
                 _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
                 pending = -1
-            acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it, 1,
+            acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, qs, ks, v_smem, k_ready, v_ready, kv_empty, it, 1,
                                       split, rows, seqlen_k, offset, qk_scale, item_mods, walk, SPARSE_KV > 0,
                                       CAUSAL, BLOCK_N, STAGES, s_layout, p_layout, o_layout, SCORE_MOD, MASK_MOD,
                                       SPARSE_KV)
             if SPARSE_KV:
-                acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it,
+                acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, qs, ks, v_smem, k_ready, v_ready, kv_empty, it,
                                           gl.maximum(split, 1), n_mine, rows, seqlen_k, offset, qk_scale, item_mods,
                                           walk, not EVEN_BLOCKS, CAUSAL, BLOCK_N, STAGES, s_layout, p_layout,
                                           o_layout, SCORE_MOD, None, SPARSE_KV)
             else:
-                acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, q, k_smem, v_smem, k_ready, v_ready, kv_empty, it,
+                acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, qs, ks, v_smem, k_ready, v_ready, kv_empty, it,
                                           split, n_mine, rows, seqlen_k, offset, qk_scale, item_mods, walk, True,
                                           CAUSAL, BLOCK_N, STAGES, s_layout, p_layout, o_layout, SCORE_MOD,
                                           MASK_MOD, SPARSE_KV)
@@ -392,37 +430,46 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
 def _attn_fwd_hopper(Q, K, V, Out, Lse, Sink, BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args,
                      stride_q, stride_k, stride_v, stride_o, stride_l, stride_blocks,
                      batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale,
-                     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr, EARLY_K: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
-                     HAS_FULL: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
+                     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
+                     HEAD_DV: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
+                     EARLY_K: gl.constexpr, CONSUMER_REGS: gl.constexpr, SCORE_MOD: gl.constexpr,
+                     MASK_MOD: gl.constexpr, HAS_FULL: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                      EVEN_BLOCKS: gl.constexpr):
+    """Q's and K's head dim is HEAD_D (+ HEAD_D_REST: a head dim of two parts, common.head_parts, each in
+    buffers of its own), V's and O's HEAD_DV."""
+    # O leaves through a Q or a K buffer (or its first part), of O's shape (kernels/gluon/__init__.py accepts)
+    gl.static_assert(HEAD_DV == HEAD_D, "V's head dim is Q's and K's (first part)")
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_D], q_layout)
+    q_smem = buffers(dtype, Q_BUFFERS * CONSUMERS, ROWS, HEAD_D)
     # EARLY_K: each K buffer goes back once every S product has read it, before its V's products
     # are done, so the loader fetches the next K that much earlier (one "empty" barrier per tensor).
-    k_smem, v_smem, k_ready, v_ready, kv_empty = ring(dtype, BLOCK_N, HEAD_D, STAGES, CONSUMERS, EARLY_K)
+    k_smem, v_smem, k_ready, v_ready, kv_empty = ring(dtype, BLOCK_N, HEAD_D, HEAD_DV, STAGES, CONSUMERS, EARLY_K)
+    q_rest, k_rest = None, None
+    if HEAD_D_REST:
+        q_rest = buffers(dtype, Q_BUFFERS * CONSUMERS, ROWS, HEAD_D_REST)
+        k_rest = buffers(dtype, STAGES, BLOCK_N, HEAD_D_REST)
     q_ready = barriers(Q_BUFFERS, 1)
     q_empty = barriers(Q_BUFFERS, CONSUMERS)  # every consumer releases a buffer
-    args = (Q, K, V, Out, Lse, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+    args = (Q, K, V, Out, Lse, q_smem, q_rest, k_smem, k_rest, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
             stride_q, stride_k, stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset,
             qk_scale, (score_args, mask_args), (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks), Sink)
     if CONSUMERS == 3:
-        gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 0, SCORE_MOD, MASK_MOD,
-                                        SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
-                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 1, SCORE_MOD, MASK_MOD,
-                                        SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
-                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 2, SCORE_MOD, MASK_MOD,
-                                        SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
-                            (_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, SPARSE_Q, SPARSE_KV, HAS_FULL))],
+        gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, 0, SCORE_MOD,
+                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, 1, SCORE_MOD,
+                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, 2, SCORE_MOD,
+                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                            (_load, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, SPARSE_Q,
+                                     SPARSE_KV, HAS_FULL))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
-        gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 0, SCORE_MOD, MASK_MOD,
-                                        SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
-                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, 1, SCORE_MOD, MASK_MOD,
-                                        SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
-                            (_load, (args, CAUSAL, BLOCK_N, HEAD_D, STAGES, CONSUMERS, SPARSE_Q, SPARSE_KV, HAS_FULL))],
+        gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, 0, SCORE_MOD,
+                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                            (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, 1, SCORE_MOD,
+                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                            (_load, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, SPARSE_Q,
+                                     SPARSE_KV, HAS_FULL))],
                            [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -437,9 +484,10 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Forw
     # them beside the K/V ring: not at D=128 with 128-key tiles, which takes 224 of 227 KB with one (3 K/V
     # buffers of 64 KB, Q 32 KB); that one goes back to the loader after the item's last S, O leaving
     # through a K tile instead (faster than O through the Q buffer, released after the copy;
-    # docs/tuning.md).
+    # docs/tuning.md). At (192, 128) Q's and K's 192 columns are 128 + 64 (common.head_parts).
     def smem(q_buffers):  # bytes of the Q buffers and the K/V ring
-        return (q_buffers * cfg.consumers * ROWS.value + 2 * cfg.stages * cfg.block_n) * prob.head_dim * 2
+        return (q_buffers * cfg.consumers * ROWS.value * prob.head_dim
+                + cfg.stages * cfg.block_n * (prob.head_dim + prob.head_dim_v)) * 2
 
     q_buffers = 2 if smem(2) <= 227 * 1024 else 1
     if smem(q_buffers) > 227 * 1024:
@@ -457,12 +505,14 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Forw
     regs, consumer_regs = (168, 240) if cfg.consumers == 2 else (128, 160)
     mods = mod_args(params, prob, "fwd")
     del mods["SPARSE"]  # (SPARSE_KV > 0)
+    head_d, head_d_rest = head_parts(prob.head_dim)
     return _attn_fwd_hopper, (min(cdiv(items, 2), num_sms(q.device)),), dict(
         **mods, Q=q, K=k, V=v, Out=out, Lse=tensors["Lse"], Sink=tensors.get("Sink"), stride_q=box_strides(prob, q),
         stride_k=box_strides(prob, k), stride_v=box_strides(prob, v), stride_o=box_strides(prob, out),
         stride_l=lse_strides(prob, params),
         batch=prob.batch, nheads=prob.nheads, nheads_k=prob.nheads_k, seqlen_q=prob.seqlen_q,
         seqlen_k=prob.seqlen_k, offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
-        CAUSAL=params.window_right == 0, BLOCK_N=cfg.block_n, HEAD_D=prob.head_dim, STAGES=cfg.stages,
+        CAUSAL=params.window_right == 0, BLOCK_N=cfg.block_n, HEAD_D=head_d, HEAD_D_REST=head_d_rest,
+        HEAD_DV=prob.head_dim_v, STAGES=cfg.stages,
         CONSUMERS=cfg.consumers, Q_BUFFERS=q_buffers, EARLY_K=cfg.early_k, CONSUMER_REGS=consumer_regs, num_warps=4,
         maxnreg=regs)

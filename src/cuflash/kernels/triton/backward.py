@@ -36,9 +36,9 @@ ROWS_PER_PROGRAM = 64  # query rows per program of the delta and cast kernels (t
 
 
 @triton.jit
-def _attn_bwd_delta(Out, DO, Lse, DLse, Delta, AccInit, stride_o, stride_do, stride_l, nheads, seqlen_q, head_dim,
+def _attn_bwd_delta(Out, DO, Lse, DLse, Delta, AccInit, stride_o, stride_do, stride_l, nheads, seqlen_q, head_dim_v,
                     padded_q, softmax_scale,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC_INIT: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, ACC_INIT: tl.constexpr):
     """delta of BLOCK_M rows of a (batch, head), less the lse's own gradient where one is given (DLse,
     laid out as Lse): d lse_i / d s_ij = p_ij, so dS = P (dP - delta + dlse). ACC_INIT: also the Gluon
     dK/dV kernel's starting values of its S^T and dP^T accumulators per query row, -lse / softmax_scale
@@ -51,9 +51,9 @@ def _attn_bwd_delta(Out, DO, Lse, DLse, Delta, AccInit, stride_o, stride_do, str
     off_h = (off_bh % nheads).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
     offs_m = start_m + rows
-    offs_d = tl.arange(0, BLOCK_D)
-    o = read_tile(Out, stride_o, off_b, off_h, 0, start_m, rows, seqlen_q, offs_d, head_dim, True).to(tl.float32)
-    do = read_tile(DO, stride_do, off_b, off_h, 0, start_m, rows, seqlen_q, offs_d, head_dim, True).to(tl.float32)
+    offs_dv = tl.arange(0, BLOCK_DV)  # (O's and dO's head dim: v's)
+    o = read_tile(Out, stride_o, off_b, off_h, 0, start_m, rows, seqlen_q, offs_dv, head_dim_v, True).to(tl.float32)
+    do = read_tile(DO, stride_do, off_b, off_h, 0, start_m, rows, seqlen_q, offs_dv, head_dim_v, True).to(tl.float32)
     delta = tl.sum(o * do, 1)
     row_ptr = off_b * stride_l[0] + off_h * stride_l[1] + offs_m
     if DLse is not None:
@@ -85,7 +85,7 @@ def _attn_bwd_dq_cast(DQAcc, DQ, stride_a, stride_dq, nheads, seqlen_q, head_dim
 def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi, listed, bounds, qk_scale, drop,
                          BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                          HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-                         INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+                         EVEN_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
                          DQ_HERE: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
                          SCORE_MOD_GRAD: tl.constexpr, LISTED: tl.constexpr):
     """Query tiles [lo, hi) of one head into (dk, dv), or (LISTED) the tiles of the query blocks of a
@@ -95,8 +95,9 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi,
     (O's and dQ's pointers to this head's query tile at row 0, their row strides, softmax_scale).
     The other argument groups are _attn_bwd_dkdv's."""
     q_do, row_strides, lse_ptr, delta_ptr = rows_in
-    offs_n, offs_m, offs_d = offs
-    seqlen_q, head_dim = bounds[0], bounds[2]
+    offs_n, offs_m, offs_d, offs_dv = offs
+    seqlen_q = bounds[0]
+    head_dims = bounds[2]
     if not LISTED:
         q_do = advance(q_do, row_strides, tl.cast(lo, tl.int64), TMA)
     for it in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
@@ -105,15 +106,16 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi,
         q_do_at = q_do
         if LISTED:
             q_do_at = advance(q_do, row_strides, tl.cast(start_m, tl.int64), TMA)
-        q, do = load_pair(q_do_at, start_m, rows, seqlen_q, offs_d, head_dim, MASKED, not EVEN_D, TMA)
+        q, do = load_pair(q_do_at, start_m, rows, seqlen_q, (offs_d, offs_dv), head_dims, MASKED, not EVEN_D,
+                          not EVEN_DV, TMA)
         if MASKED:
             # Rows past seqlen_q read lse = +inf, so that their P is exactly 0.
             lse = tl.load(lse_ptr + rows, mask=rows < seqlen_q, other=float("inf"))
         else:
             lse = tl.load(lse_ptr + rows)
         if DQ_HERE:  # (as _attn_bwd_delta computes it)
-            o = load_tile(dq_io[0] + tl.cast(start_m, tl.int64) * dq_io[2], rows, seqlen_q, offs_d, head_dim, True,
-                          not EVEN_D)
+            o = load_tile(dq_io[0] + tl.cast(start_m, tl.int64) * dq_io[2], rows, seqlen_q, offs_dv, head_dims[1],
+                          True, not EVEN_DV)
             delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         elif MASKED:
             delta = tl.load(delta_ptr + rows, mask=rows < seqlen_q, other=0.0)
@@ -140,7 +142,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi,
         if DQ_HERE:
             dq = mma(tl.trans(ds_t).to(k.dtype), k, None, INPUT_PRECISION) * dq_io[4]
             store_tile(dq_io[1] + tl.cast(start_m, tl.int64) * dq_io[3], dq.to(dq_io[1].dtype.element_ty), rows,
-                       seqlen_q, offs_d, head_dim, not EVEN_D)
+                       seqlen_q, offs_d, head_dims[0], not EVEN_D)
         if not LISTED:
             q_do = advance(q_do, row_strides, BLOCK_M, TMA)
     return dk, dv
@@ -150,7 +152,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, rows_in, dq_io, mask, mods, offs, lo, hi,
 def _attn_bwd_dkdv_listed(dk, dv, k, v, rows_in, mask, mods, offs, bounds, qk_scale, drop, lists, column,
                           BLOCK_M: tl.constexpr, SPARSE_Q: tl.constexpr, HAS_FULL: tl.constexpr,
                           EVEN_BLOCKS: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                          EVEN_D: tl.constexpr,
+                          EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                           INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, SCORE_MOD: tl.constexpr,
                           MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
     """The query blocks a block mask lists for key block `column` (lists as _attn_fwd_listed's, by key
@@ -159,26 +161,26 @@ def _attn_bwd_dkdv_listed(dk, dv, k, v, rows_in, mask, mods, offs, bounds, qk_sc
     count, first, stride = listed_blocks(lists[0], lists[1], lists[4], False, mods[0], mods[1], column)
     dk, dv = _attn_bwd_dkdv_inner(
         dk, dv, k, v, rows_in, (0, 0, 0, 0, 0), mask, mods, offs, 0, count * SPARSE_Q, (first, stride), bounds,
-        qk_scale, drop, BLOCK_M, True, False, False, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA,
+        qk_scale, drop, BLOCK_M, True, False, False, MASK_KIND, DROPOUT, EVEN_D, EVEN_DV, INPUT_PRECISION, TMA,
         False, False, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, SPARSE_Q)
     if HAS_FULL:
         count, first, stride = listed_blocks(lists[2], lists[3], lists[4], True, mods[0], mods[1], column)
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, rows_in, (0, 0, 0, 0, 0), mask, mods, offs, 0, count * SPARSE_Q, (first, stride), bounds,
-            qk_scale, drop, BLOCK_M, not EVEN_BLOCKS, False, False, MASK_KIND, DROPOUT, EVEN_D,
+            qk_scale, drop, BLOCK_M, not EVEN_BLOCKS, False, False, MASK_KIND, DROPOUT, EVEN_D, EVEN_DV,
             INPUT_PRECISION, TMA, False, False, SCORE_MOD, None, SCORE_MOD_GRAD, SPARSE_Q)
     return dk, dv
 
 
 @triton.jit
 def _head_rows(q_src, do_src, Lse, Delta, Out, DQ, stride_q, stride_do, stride_o, stride_dq, row_first, off_b, off_h,
-               q_first, offs_m, offs_d, softmax_scale, DQ_HERE: tl.constexpr):
+               q_first, offs_m, offs_d, offs_dv, softmax_scale, DQ_HERE: tl.constexpr):
     """What _attn_bwd_dkdv_inner reads of one query head: (its Q and dO row sources, their row strides,
     its lse and delta rows) and, DQ_HERE (delta from O: Delta is None), dq_io (O's and dQ's pointers
     to the head's rows, their row strides, softmax_scale)."""
     if DQ_HERE:
         rows_in = ((q_src, do_src), (stride_q[1], stride_do[1]), Lse + row_first, 0)
-        dq_io = (tile_ptrs(Out, stride_o, off_b, off_h, q_first, offs_m, offs_d),
+        dq_io = (tile_ptrs(Out, stride_o, off_b, off_h, q_first, offs_m, offs_dv),
                  tile_ptrs(DQ, stride_dq, off_b, off_h, q_first, offs_m, offs_d), stride_o[1], stride_dq[1],
                  softmax_scale)
     else:
@@ -192,12 +194,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
                    BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args, score_grads,
                    stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_o, stride_dq, stride_l,
                    stride_mask, stride_blocks,
-                   nheads_k, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
-                   softmax_scale, qk_scale, drop_threshold, drop_scale,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                   EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_GROUP_ACC: tl.constexpr,
+                   nheads_k, seqlen_q, seqlen_k, head_dim, head_dim_v, group_size, bottom_right, window_left,
+                   window_right, softmax_scale, qk_scale, drop_threshold, drop_scale,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+                   DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                   SPLIT_GROUP_ACC: tl.constexpr,
                    TMA: tl.constexpr, WS: tl.constexpr, DQ_HERE: tl.constexpr, SCORE_MOD: tl.constexpr,
                    MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr, SPARSE: tl.constexpr, HAS_FULL: tl.constexpr,
                    SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr, EVEN_BLOCKS: tl.constexpr):
@@ -210,7 +212,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
     off_hk = (off_bhk % nheads_k).to(tl.int64)
     q_first, seqlen_q = sequence(CuSeqlensQ, SeqUsedQ, off_b, seqlen_q, VARLEN)
     k_first, seqlen_k = sequence(CuSeqlensK, SeqUsedK, off_b, seqlen_k, VARLEN)
-    cols, offs_n, offs_m, offs_d = tile_aranges(start_n, BLOCK_N, BLOCK_M, BLOCK_D)
+    cols, offs_n, offs_m, offs_d, offs_dv = tile_aranges(start_n, BLOCK_N, BLOCK_M, BLOCK_D, BLOCK_DV)
     if DQ_HERE:
         if HAS_LEFT or HAS_RIGHT or VARLEN:
             # Rows that see no key (outside the band, or a varlen sequence without keys) get dQ = 0; the
@@ -228,35 +230,35 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
     offset = bottom_right * (seqlen_k - seqlen_q)
 
     k = read_tile(K, stride_k, off_b, off_hk, k_first, start_n, cols, seqlen_k, offs_d, head_dim, not EVEN_D)
-    v = read_tile(V, stride_v, off_b, off_hk, k_first, start_n, cols, seqlen_k, offs_d, head_dim, not EVEN_D)
+    v = read_tile(V, stride_v, off_b, off_hk, k_first, start_n, cols, seqlen_k, offs_dv, head_dim_v, not EVEN_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     # Query row i sees key j when j - offset - window_right <= i <= j - offset + window_left.
     edges = band(start_n, BLOCK_N, seqlen_q, BLOCK_M, -offset - window_right, window_left - offset, HAS_RIGHT,
                  HAS_LEFT)
-    offs = (offs_n, offs_m, offs_d)
-    bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right)
+    offs = (offs_n, offs_m, offs_d, offs_dv)
+    bounds = (seqlen_q, seqlen_k, (head_dim, head_dim_v), offset, window_left, window_right)
     for g in range(0, group_size):
         if SPLIT_GROUP_ACC:
             # fp32: each query head of the group sums into fresh registers, added at the end, so
             # that rounding grows with seqlen_q, not group_size * seqlen_q. fp16/bf16 skip it: the
             # extra accumulators would cost registers and their rounding is far below the dtype's.
             dk_head = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            dv_head = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            dv_head = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         else:
             dk_head = dk
             dv_head = dv
         off_h = off_hk * group_size + g
         q_src = row_source(Q, stride_q, off_b, off_h, q_first, seqlen_q, head_dim, offs_m, offs_d, BLOCK_M, BLOCK_D,
                            TMA)
-        do_src = row_source(DO, stride_do, off_b, off_h, q_first, seqlen_q, head_dim, offs_m, offs_d, BLOCK_M,
-                            BLOCK_D, TMA)
+        do_src = row_source(DO, stride_do, off_b, off_h, q_first, seqlen_q, head_dim_v, offs_m, offs_dv, BLOCK_M,
+                            BLOCK_DV, TMA)
         row_first = off_b * stride_l[0] + off_h * stride_l[1] + q_first
         mask_ptrs, drop_key = head_options(Mask, stride_mask, Rng, off_b, off_h, off_b * nheads_k * group_size + off_h,
                                            MASK_KIND, DROPOUT)
         rows_in, dq_io = _head_rows(q_src, do_src, Lse, Delta, Out, DQ, stride_q, stride_do, stride_o, stride_dq,
-                                    row_first, off_b, off_h, q_first, offs_m, offs_d, softmax_scale, DQ_HERE)
+                                    row_first, off_b, off_h, q_first, offs_m, offs_d, offs_dv, softmax_scale, DQ_HERE)
         mask = (mask_ptrs, stride_mask[2], stride_mask[3])
         drop = (drop_key, drop_threshold, drop_scale)
         mods = (off_b.to(tl.int32), off_h.to(tl.int32), score_args, mask_args, score_grads)
@@ -264,7 +266,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
             dk_head, dv_head = _attn_bwd_dkdv_listed(
                 dk_head, dv_head, k, v, rows_in, mask, mods, offs, bounds, qk_scale, drop,
                 (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks), start_n // SPARSE_KV, BLOCK_M, SPARSE_Q,
-                HAS_FULL, EVEN_BLOCKS, MASK_KIND, DROPOUT, EVEN_D, INPUT_PRECISION, TMA, SCORE_MOD,
+                HAS_FULL, EVEN_BLOCKS, MASK_KIND, DROPOUT, EVEN_D, EVEN_DV, INPUT_PRECISION, TMA, SCORE_MOD,
                 MASK_MOD, SCORE_MOD_GRAD)
         else:  # the query tiles in three parts: those a causal diagonal or window's right edge cuts (masked;
             # none without a right edge), those that see every key of the tile (unmasked, the loop that may be
@@ -273,7 +275,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
                 dk_head, dv_head = _attn_bwd_dkdv_inner(
                     dk_head, dv_head, k, v, rows_in, dq_io, mask, mods, offs, edges[part], edges[part + 1], (0, 0),
                     bounds, qk_scale, drop, BLOCK_M, part != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT,
-                    EVEN_D, INPUT_PRECISION, TMA, WS & (part == 1), DQ_HERE, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, 0)
+                    EVEN_D, EVEN_DV, INPUT_PRECISION, TMA, WS & (part == 1), DQ_HERE, SCORE_MOD, MASK_MOD,
+                    SCORE_MOD_GRAD, 0)
         if SPLIT_GROUP_ACC:
             dk += dk_head
             dv += dv_head
@@ -284,22 +287,22 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Out, DQ, CuSeqlensQ, CuSeqle
     if DROPOUT:
         dv = dv * drop_scale
     dk_ptrs = tile_ptrs(DK, stride_dk, off_b, off_hk, k_first + start_n, cols, offs_d)
-    dv_ptrs = tile_ptrs(DV, stride_dv, off_b, off_hk, k_first + start_n, cols, offs_d)
+    dv_ptrs = tile_ptrs(DV, stride_dv, off_b, off_hk, k_first + start_n, cols, offs_dv)
     store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, head_dim, not EVEN_D)
-    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, head_dim, not EVEN_D)
+    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_dv, head_dim_v, not EVEN_DV)
 
 
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, listed, bounds, qk_scale, drop,
                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                        HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-                       INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+                       EVEN_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
                        SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr,
                        LISTED: tl.constexpr):
     """K/V tiles [lo, hi) into dq, or (LISTED) the tiles of the key blocks of a block mask's list
     `listed`; MASKED applies the key bound and the band's edges. The argument groups are _attn_bwd_dq's."""
     k_v, row_strides = kv
-    offs_m, offs_n, offs_d = offs
+    offs_m, offs_n, offs_d, offs_dv = offs
     if not LISTED:
         k_v = advance(k_v, row_strides, tl.cast(lo, tl.int64), TMA)
     for it in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
@@ -308,7 +311,8 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, list
         k_v_at = k_v
         if LISTED:
             k_v_at = advance(k_v, row_strides, tl.cast(start_n, tl.int64), TMA)
-        k, v = load_pair(k_v_at, start_n, cols, bounds[1], offs_d, bounds[2], MASKED, not EVEN_D, TMA)
+        k, v = load_pair(k_v_at, start_n, cols, bounds[1], (offs_d, offs_dv), bounds[2], MASKED, not EVEN_D,
+                         not EVEN_DV, TMA)
         x = mma(q, tl.trans(k), None, INPUT_PRECISION) * qk_scale
         s = score_tile(x, offs_m[:, None], cols[None, :], bounds, mask, MASKED, HAS_LEFT, HAS_RIGHT, MASK_KIND, mods,
                        SCORE_MOD, MASK_MOD)
@@ -330,18 +334,21 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, lo, hi, list
 def _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, qk_scale, drop, lists, row,
                         BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, HAS_FULL: tl.constexpr,
                         EVEN_BLOCKS: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-                        INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, SCORE_MOD: tl.constexpr,
+                        EVEN_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                        SCORE_MOD: tl.constexpr,
                         MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr):
     """The key blocks a block mask lists for query block `row`, as _attn_fwd_listed visits them."""
     count, first, stride = listed_blocks(lists[0], lists[1], lists[4], False, mods[0], mods[1], row)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, 0, count * SPARSE_KV, (first, stride),
                             bounds, qk_scale, drop, BLOCK_N, True, False, False, MASK_KIND, DROPOUT,
-                            EVEN_D, INPUT_PRECISION, TMA, False, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, SPARSE_KV)
+                            EVEN_D, EVEN_DV, INPUT_PRECISION, TMA, False, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD,
+                            SPARSE_KV)
     if HAS_FULL:
         count, first, stride = listed_blocks(lists[2], lists[3], lists[4], True, mods[0], mods[1], row)
         dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, kv, mask, mods, offs, 0, count * SPARSE_KV, (first, stride),
                                 bounds, qk_scale, drop, BLOCK_N, not EVEN_BLOCKS, False, False, MASK_KIND, DROPOUT,
-                                EVEN_D, INPUT_PRECISION, TMA, False, SCORE_MOD, None, SCORE_MOD_GRAD, SPARSE_KV)
+                                EVEN_D, EVEN_DV, INPUT_PRECISION, TMA, False, SCORE_MOD, None, SCORE_MOD_GRAD,
+                                SPARSE_KV)
     return dq
 
 
@@ -350,12 +357,13 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, SeqUsedQ, 
                  BlockNum, BlockIdx, FullNum, FullIdx, score_args, mask_args, score_grads,
                  stride_q, stride_k, stride_v, stride_do, stride_dq, stride_l, stride_mask,
                  stride_blocks,
-                 nheads, seqlen_q, seqlen_k, head_dim, group_size, bottom_right, window_left, window_right,
+                 nheads, seqlen_q, seqlen_k, head_dim, head_dim_v, group_size, bottom_right, window_left, window_right,
                  softmax_scale, qk_scale, drop_threshold, drop_scale,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                  MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                 EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                 WS: tl.constexpr,
                  SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD_GRAD: tl.constexpr, SPARSE: tl.constexpr,
                  HAS_FULL: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
                  EVEN_BLOCKS: tl.constexpr):
@@ -366,15 +374,16 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, SeqUsedQ, 
         if start_m >= seqlen_q:
             return
     offset = bottom_right * (seqlen_k - seqlen_q)
-    rows, offs_m, offs_n, offs_d = tile_aranges(start_m, BLOCK_M, BLOCK_N, BLOCK_D)
+    rows, offs_m, offs_n, offs_d, offs_dv = tile_aranges(start_m, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     q = read_tile(Q, stride_q, off_b, off_h, q_first, start_m, rows, seqlen_q, offs_d, head_dim, not EVEN_D)
-    do = read_tile(DO, stride_do, off_b, off_h, q_first, start_m, rows, seqlen_q, offs_d, head_dim, not EVEN_D)
+    do = read_tile(DO, stride_do, off_b, off_h, q_first, start_m, rows, seqlen_q, offs_dv, head_dim_v, not EVEN_DV)
     row_ptr = off_b * stride_l[0] + off_h * stride_l[1] + q_first + offs_m
     lse = tl.load(Lse + row_ptr, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
     delta = tl.load(Delta + row_ptr, mask=offs_m < seqlen_q, other=0.0)
     k_src = row_source(K, stride_k, off_b, off_hk, k_first, seqlen_k, head_dim, offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
-    v_src = row_source(V, stride_v, off_b, off_hk, k_first, seqlen_k, head_dim, offs_n, offs_d, BLOCK_N, BLOCK_D, TMA)
+    v_src = row_source(V, stride_v, off_b, off_hk, k_first, seqlen_k, head_dim_v, offs_n, offs_dv, BLOCK_N, BLOCK_DV,
+                       TMA)
     mask_ptrs, drop_key = head_options(Mask, stride_mask, Rng, off_b, off_h, off_bh, MASK_KIND, DROPOUT)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -383,20 +392,20 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, SeqUsedQ, 
                  HAS_RIGHT)
     kv = ((k_src, v_src), (stride_k[1], stride_v[1]))
     mask = (mask_ptrs, stride_mask[2], stride_mask[3])
-    bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right)
+    bounds = (seqlen_q, seqlen_k, (head_dim, head_dim_v), offset, window_left, window_right)
     drop = (drop_key, drop_threshold, drop_scale)
-    offs = (offs_m, offs_n, offs_d)
+    offs = (offs_m, offs_n, offs_d, offs_dv)
     mods = (off_b.to(tl.int32), off_h.to(tl.int32), score_args, mask_args, score_grads)
     if SPARSE:  # the key blocks the block mask lists, as in the forward
         dq = _attn_bwd_dq_listed(dq, q, do, lse, delta, kv, mask, mods, offs, bounds, qk_scale, drop,
                                  (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks), start_m // SPARSE_Q, BLOCK_N,
-                                 SPARSE_KV, HAS_FULL, EVEN_BLOCKS, MASK_KIND, DROPOUT, EVEN_D,
+                                 SPARSE_KV, HAS_FULL, EVEN_BLOCKS, MASK_KIND, DROPOUT, EVEN_D, EVEN_DV,
                                  INPUT_PRECISION, TMA, SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD)
     else:
         for part in tl.static_range(1 - HAS_LEFT, 3):
             dq = _attn_bwd_dq_inner(
                 dq, q, do, lse, delta, kv, mask, mods, offs, edges[part], edges[part + 1], (0, 0), bounds, qk_scale,
-                drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, EVEN_D,
+                drop, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, DROPOUT, EVEN_D, EVEN_DV,
                 INPUT_PRECISION, TMA, WS & (part == 1), SCORE_MOD, MASK_MOD, SCORE_MOD_GRAD, 0)
     dq_ptrs = tile_ptrs(DQ, stride_dq, off_b, off_h, q_first + start_m, rows, offs_d)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, head_dim, not EVEN_D)
@@ -416,8 +425,8 @@ def delta_launch(t: dict, prob: Problem, params: AttentionParams, acc_init: bool
         Out=t["Out"], DO=dout, Lse=t["Lse"], DLse=t.get("DLse"), Delta=t["Delta"], AccInit=t.get("AccInit"),
         stride_o=prob.strides(t["Out"]), stride_do=prob.strides(dout), stride_l=lse_strides(prob, params),
         nheads=prob.nheads,
-        seqlen_q=rows, head_dim=prob.head_dim, padded_q=padded_q, softmax_scale=params.softmax_scale,
-        BLOCK_M=ROWS_PER_PROGRAM, BLOCK_D=prob.block_d, ACC_INIT=acc_init,
+        seqlen_q=rows, head_dim_v=prob.head_dim_v, padded_q=padded_q, softmax_scale=params.softmax_scale,
+        BLOCK_M=ROWS_PER_PROGRAM, BLOCK_DV=prob.block_dv, ACC_INIT=acc_init,
     )
 
 
@@ -428,9 +437,8 @@ def _shared_args(t: dict, prob: Problem, params: AttentionParams) -> dict:
                 stride_q=prob.strides(q), stride_k=prob.strides(k), stride_v=prob.strides(v),
                 stride_do=prob.strides(dout), stride_l=lse_strides(prob, params),
                 **kernel_tensors(variant_tensors(params)),
-                **variant_args(params, prob), seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, head_dim=prob.head_dim,
-                group_size=prob.nheads // prob.nheads_k, softmax_scale=params.softmax_scale,
-                BLOCK_D=prob.block_d, EVEN_D=prob.head_dim == prob.block_d)
+                **variant_args(params, prob), seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, **prob.dims(),
+                group_size=prob.nheads // prob.nheads_k, softmax_scale=params.softmax_scale)
 
 
 def dkdv_launch(t: dict, prob: Problem, params: AttentionParams, tiles: Tiles, dq_here: bool = False):

@@ -91,11 +91,12 @@ def load_rows(src, start, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, 
 
 
 @triton.jit
-def load_pair(srcs, start, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr,
-              TMA: tl.constexpr):
-    """load_rows from both row_sources of srcs (see advance)."""
-    a = load_rows(srcs[0], start, rows, n_rows, cols, n_cols, CHECK_ROWS, CHECK_COLS, TMA)
-    b = load_rows(srcs[1], start, rows, n_rows, cols, n_cols, CHECK_ROWS, CHECK_COLS, TMA)
+def load_pair(srcs, start, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_A: tl.constexpr,
+              CHECK_B: tl.constexpr, TMA: tl.constexpr):
+    """load_rows from both row_sources of srcs (see advance), each with its own columns: cols and n_cols
+    are pairs (q's and dO's, or k's and v's, head dims), CHECK_A and CHECK_B their checks."""
+    a = load_rows(srcs[0], start, rows, n_rows, cols[0], n_cols[0], CHECK_ROWS, CHECK_A, TMA)
+    b = load_rows(srcs[1], start, rows, n_rows, cols[1], n_cols[1], CHECK_ROWS, CHECK_B, TMA)
     return a, b
 
 
@@ -140,11 +141,12 @@ def query_program(CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK, seqlen_q, seqlen_k
 
 
 @triton.jit
-def tile_aranges(start, BLOCK: tl.constexpr, BLOCK_OTHER: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A program's index vectors: its tile's rows from 0 and from start, a tile of the other axis and
-    the head dim."""
+def tile_aranges(start, BLOCK: tl.constexpr, BLOCK_OTHER: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr):
+    """A program's index vectors: its tile's rows from 0 and from start, a tile of the other axis, and
+    the head dims of q and k and of v (and the output)."""
     rows = tl.arange(0, BLOCK)
-    return rows, start + rows, tl.arange(0, BLOCK_OTHER), tl.arange(0, BLOCK_D)
+    return rows, start + rows, tl.arange(0, BLOCK_OTHER), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
 
 
 @triton.jit
@@ -237,10 +239,10 @@ def score_tile(x, rows, cols, bounds, mask, MASKED: tl.constexpr, HAS_LEFT: tl.c
     """Logits x (base 2; natural with a SCORE_MOD, whose result is taken to base 2: softcap and ALiBi
     are score_mods, builtin_mods.py) plus an additive mask, -inf where a key is not visible. rows and
     cols broadcast against each other (the dK/dV kernel passes them transposed).
-    bounds = (seqlen_q, seqlen_k, head_dim, offset, window_left, window_right); mask = (attn_mask's
-    pointer for this head, its row and column strides); mods = (batch, head, the score_mod's and the
-    mask_mod's argument tuples), for SCORE_MOD and MASK_MOD (kernels/triton/mods.py; None: none, and for
-    tiles a block mask marks full). Key j is visible to query row i when
+    bounds = (seqlen_q, seqlen_k, (the head dims of q and k and of v), offset, window_left, window_right);
+    mask = (attn_mask's pointer for this head, its row and column strides); mods = (batch, head, the
+    score_mod's and the mask_mod's argument tuples), for SCORE_MOD and MASK_MOD (kernels/triton/mods.py;
+    None: none, and for tiles a block mask marks full). Key j is visible to query row i when
     i + offset - window_left <= j <= i + offset + window_right (causal: window_right = 0) and the
     mask_mod says so; only MASKED tiles (the band's edges and ragged ends) check the bounds."""
     seqlen_q, seqlen_k, _, offset, window_left, window_right = bounds

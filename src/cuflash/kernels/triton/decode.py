@@ -130,43 +130,47 @@ def _key_slots(table, row, first, cols, used, rows_per_seq, PAGED: tl.constexpr)
 
 
 @triton.jit
-def _append(K, V, KNew, VNew, table, row, first, lo, hi, seqlen_k, seqlen_new, off_b, off_hk, offs_n, offs_d, d_ok,
+def _append(K, V, KNew, VNew, table, row, first, lo, hi, seqlen_k, seqlen_new, off_b, off_hk, offs_n, dims,
             rows_per_seq, stride_k, stride_v, stride_kn, stride_vn, BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
     """Writes the new tokens (keys seqlen_k - seqlen_new ..) among key positions lo .. hi - 1 into
-    the cache, this KV head's, and makes them visible to all the program's threads."""
+    the cache, this KV head's, and makes them visible to all the program's threads. dims: the column
+    indices of the head dims of K and of V and where each is inside it, (offs_d, d_ok, offs_dv, dv_ok)."""
+    offs_d, d_ok, offs_dv, dv_ok = dims
     for start_n in range(tl.maximum(lo, seqlen_k - seqlen_new), hi, BLOCK_N):
         cols = start_n + offs_n
-        new_ok = (cols < hi)[:, None] & d_ok[None, :]
         token = cols - (seqlen_k - seqlen_new)
         block, slot = _key_slots(table, row, first, cols, cols < hi, rows_per_seq, PAGED)
+        new_ok = (cols < hi)[:, None] & d_ok[None, :]
         k_new = tl.load(KNew + off_b * stride_kn[0] + token[:, None] * stride_kn[1] + off_hk * stride_kn[2]
                         + offs_d[None, :], mask=new_ok)
         tl.store(K + (block * stride_k[0] + slot * stride_k[1])[:, None] + off_hk * stride_k[2] + offs_d[None, :],
                  k_new, mask=new_ok)
+        new_ok = (cols < hi)[:, None] & dv_ok[None, :]
         v_new = tl.load(VNew + off_b * stride_vn[0] + token[:, None] * stride_vn[1] + off_hk * stride_vn[2]
-                        + offs_d[None, :], mask=new_ok)
-        tl.store(V + (block * stride_v[0] + slot * stride_v[1])[:, None] + off_hk * stride_v[2] + offs_d[None, :],
+                        + offs_dv[None, :], mask=new_ok)
+        tl.store(V + (block * stride_v[0] + slot * stride_v[1])[:, None] + off_hk * stride_v[2] + offs_dv[None, :],
                  v_new, mask=new_ok)
     tl.debug_barrier()
 
 
 @triton.jit
-def _attend(Q, K, V, Sink, head, q, table, row, first, lo, hi, tok, off_hk, offs_n, offs_d, d_ok, rows_per_seq,
-            seqlen_q, head_dim, offset, window_left, window_right, qk_scale, mods, stride_k, stride_v,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
-            PREFETCH_PAGES: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-            INPUT_PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr):
+def _attend(Q, K, V, Sink, head, q, table, row, first, lo, hi, tok, off_hk, offs_n, dims, rows_per_seq, seqlen_q,
+            offset, window_left, window_right, qk_scale, mods, stride_k, stride_v, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+            SCORE_MOD: tl.constexpr):
     """The online softmax of the tile's queries q over key positions lo .. hi - 1 of the cache:
     returns the running max m_i and sum l_i (base 2) and the unnormalized output acc. The score_mod
     (softcap's and ALiBi's, builtin_mods.py) sees each query at its key position (token + offset) and
-    each key at its position in the sequence; mods = (batch, each row's head, the mod's arguments).
-    Sink: the learnable sink where this program counts it (launches()), seen first by each row of its
-    row's head (`head`)."""
+    each key at its position in the sequence; mods = (batch, each row's head, the mod's arguments); dims:
+    as _append's. Sink: the learnable sink where this program counts it (launches()), seen first by each
+    row of its row's head (`head`)."""
+    offs_d, d_ok, offs_dv, dv_ok = dims
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if Sink is not None:
         m_i, l_i = sink_state(Sink, head, l_i)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if PAGED and PREFETCH_PAGES:
         # The page of each key read one tile ahead: with splits (few programs per SM) a K/V address
         # waiting on a table read of the same iteration stalls the loop; with the GPU full of
@@ -181,24 +185,25 @@ def _attend(Q, K, V, Sink, head, q, table, row, first, lo, hi, tok, off_hk, offs
             slot = (cols % rows_per_seq).to(tl.int64)
         else:
             block, slot = _key_slots(table, row, first, cols, col_ok, rows_per_seq, PAGED)
-        tile_ok = col_ok[:, None] & d_ok[None, :]
         k_off = block * stride_k[0] + slot * stride_k[1]
-        k = tl.load(K + k_off[:, None] + off_hk * stride_k[2] + offs_d[None, :], mask=tile_ok, other=0.0)
+        k = tl.load(K + k_off[:, None] + off_hk * stride_k[2] + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :],
+                    other=0.0)
         x = mma(q, tl.trans(k), None, INPUT_PRECISION) * qk_scale
         if SCORE_MOD is not None:
             x = SCORE_MOD(x, mods[0], mods[1], tok[:, None] + offset, cols[None, :], mods[2]) * LOG2E
-        s = score_tile(x, tok[:, None], cols[None, :], (seqlen_q, hi, head_dim, offset, window_left, window_right),
+        s = score_tile(x, tok[:, None], cols[None, :], (seqlen_q, hi, 0, offset, window_left, window_right),
                        (Q, 0, 0), True, HAS_LEFT, HAS_RIGHT, NO_MASK)
         m_new, p, alpha, l_i = softmax_step(s, m_i, l_i, True)
         v_off = block * stride_v[0] + slot * stride_v[1]
-        v = tl.load(V + v_off[:, None] + off_hk * stride_v[2] + offs_d[None, :], mask=tile_ok, other=0.0)
+        v = tl.load(V + v_off[:, None] + off_hk * stride_v[2] + offs_dv[None, :],
+                    mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
 
 
 @triton.jit
-def _write(OutPart, LsePart, m_i, l_i, acc, ok, split, off_b, tok, head, row_ok, offs_d, d_ok, stride_o, stride_l,
+def _write(OutPart, LsePart, m_i, l_i, acc, ok, split, off_b, tok, head, row_ok, offs_dv, dv_ok, stride_o, stride_l,
            SPLIT: tl.constexpr):
     """Normalizes the tile's output and writes it and its log-sum-exp (the split's partial result
     with SPLIT): a row that saw no key has out 0 and lse +inf (as the other kernels), or -inf in a
@@ -212,7 +217,7 @@ def _write(OutPart, LsePart, m_i, l_i, acc, ok, split, off_b, tok, head, row_ok,
     out = tl.where(ok, out, float("nan"))
     o_ptrs = OutPart + split * stride_o[0] + off_b * stride_o[1] + tok[:, None] * stride_o[2] \
         + head[:, None] * stride_o[3]
-    tl.store(o_ptrs + offs_d[None, :], out.to(OutPart.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(o_ptrs + offs_dv[None, :], out.to(OutPart.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     lse_ptrs = LsePart + split * stride_l[0] + off_b * stride_l[1] + tok * stride_l[2] + head * stride_l[3]
     tl.store(lse_ptrs, lse, mask=row_ok)
 
@@ -221,9 +226,10 @@ def _write(OutPart, LsePart, m_i, l_i, acc, ok, split, off_b, tok, head, row_ok,
 def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, BlockTable, KNew, VNew, Sink, Errors,
                 score_args,
                 step, stride_q, stride_k, stride_v, stride_o, stride_l, stride_tb, stride_kn, stride_vn,
-                batch, nheads_k, seqlen_q, group_size, rows_per_seq, cache_blocks, head_dim, num_splits, cache_seqlen,
-                seqlen_new, seqlens_max, rotary_end, window_left, window_right, qk_scale,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                batch, nheads_k, seqlen_q, group_size, rows_per_seq, cache_blocks, head_dim, head_dim_v, num_splits,
+                cache_seqlen, seqlen_new, seqlens_max, rotary_end, window_left, window_right, qk_scale,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_P: tl.constexpr,
                 PAGE_CHUNKS: tl.constexpr, BLOCK_B: tl.constexpr, BATCH_CHUNKS: tl.constexpr, SEQLENS: tl.constexpr,
                 PAGED: tl.constexpr, LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SPLIT: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
@@ -243,6 +249,8 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
+    offs_dv = tl.arange(0, BLOCK_DV)  # (V's and the output's head dim)
+    dims = (offs_d, d_ok, offs_dv, offs_dv < head_dim_v)
     q = tl.load(Q + off_b * stride_q[0] + tok[:, None] * stride_q[1] + head[:, None] * stride_q[2] + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
@@ -281,18 +289,18 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
         # Every program that may read a new token writes it (the query tiles of a large GQA group
         # write the same values), from the split's whole share: a band may leave a new key to no
         # program's loop.
-        _append(K, V, KNew, VNew, table, row, first, lo, hi, seqlen_k, seqlen_new, off_b, off_hk, offs_n, offs_d, d_ok,
+        _append(K, V, KNew, VNew, table, row, first, lo, hi, seqlen_k, seqlen_new, off_b, off_hk, offs_n, dims,
                 rows_per_seq, stride_k, stride_v, stride_kn, stride_vn, BLOCK_N, PAGED)
     if HAS_LEFT:
         lo = tl.maximum(lo, tl.maximum(start_r // group_size + offset - window_left, 0) // BLOCK_N * BLOCK_N)
     if HAS_RIGHT:
         last_tok = tl.minimum((start_r + BLOCK_M - 1) // group_size, seqlen_q - 1)
         hi = tl.minimum(hi, last_tok + offset + window_right + 1)
-    m_i, l_i, acc = _attend(Q, K, V, Sink, head, q, table, row, first, lo, hi, tok, off_hk, offs_n, offs_d, d_ok,
-                            rows_per_seq, seqlen_q, head_dim, offset, window_left, window_right, qk_scale,
+    m_i, l_i, acc = _attend(Q, K, V, Sink, head, q, table, row, first, lo, hi, tok, off_hk, offs_n, dims,
+                            rows_per_seq, seqlen_q, offset, window_left, window_right, qk_scale,
                             (off_b.to(tl.int32), head[:, None].to(tl.int32), score_args), stride_k, stride_v, BLOCK_M,
-                            BLOCK_N, BLOCK_D, PAGED, PREFETCH_PAGES, HAS_LEFT, HAS_RIGHT, INPUT_PRECISION, SCORE_MOD)
-    _write(OutPart, LsePart, m_i, l_i, acc, ok, split, off_b, tok, head, row_ok, offs_d, d_ok, stride_o, stride_l,
+                            BLOCK_N, BLOCK_DV, PAGED, PREFETCH_PAGES, HAS_LEFT, HAS_RIGHT, INPUT_PRECISION, SCORE_MOD)
+    _write(OutPart, LsePart, m_i, l_i, acc, ok, split, off_b, tok, head, row_ok, offs_dv, dims[3], stride_o, stride_l,
            SPLIT)
 
 
@@ -300,8 +308,9 @@ def _decode_fwd(Q, K, V, OutPart, LsePart, CacheSeqlens, Leftpad, CacheRows, Blo
 def _decode_combine(OutPart, LsePart, Out, Lse, Sink, nheads, seqlen_q, head_dim, num_splits,
                     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Merges the splits of one output row (b, i, h): out = sum_s exp(lse_s - lse) * out_s with
-    lse = log sum_s exp(lse_s). Partials are (splits, B, Sq, H, D) and (splits, B, Sq, H). The
-    learnable sink (Sink, where split) is counted here, once: one more partial of out 0 and lse sink."""
+    lse = log sum_s exp(lse_s). Partials are (splits, B, Sq, H, D) and (splits, B, Sq, H), D the
+    output's head dim (v's), BLOCK_D its tile. The learnable sink (Sink, where split) is counted here,
+    once: one more partial of out 0 and lse sink."""
     row = tl.program_id(0).to(tl.int64)  # b * seqlen_q * nheads + i * nheads + h
     rows = tl.num_programs(0)
     h = row % nheads
@@ -347,9 +356,10 @@ def launches(t: dict, params: AttentionParams, cfg: DecodeLaunch, seqlen_new: in
     q, k_cache, v_cache = t["Q"], t["K"], t["V"]
     splits, tiles = cfg.splits, cfg.tiles
     batch, seqlen_q, nheads, head_dim = q.shape
+    head_dim_v = v_cache.shape[3]
     out_part, lse_part = t["Out"], t["Lse"]
     if splits > 1:
-        out_part = t["OutPart"] = workspace((splits, *q.shape), torch.float32, q.device, zeroed=False)
+        out_part = t["OutPart"] = workspace((splits, *t["Out"].shape), torch.float32, q.device, zeroed=False)
         lse_part = t["LsePart"] = workspace((splits, batch, seqlen_q, nheads), torch.float32, q.device, zeroed=False)
     nheads_k, rows_per_seq = k_cache.shape[2], k_cache.shape[1]
     capacity = rows_per_seq * (t["BlockTable"].shape[1] if "BlockTable" in t else 1)
@@ -361,7 +371,7 @@ def launches(t: dict, params: AttentionParams, cfg: DecodeLaunch, seqlen_new: in
         lse_strides = (0, lse_part.stride(0), lse_part.stride(2), lse_part.stride(1))
     block_table, k_new, v_new = t.get("BlockTable"), t.get("KNew"), t.get("VNew")
     score = None if params.mods is None else params.mods.score
-    block_d = padded_head_dim(head_dim)
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     block_p, page_chunks = _page_chunks(cfg.share_pages)
     repeats = "CacheRows" in t and k_new is not None  # the kernel looks for two sequences writing one row
     decode = _decode_fwd, (splits, cfg.m_tiles, batch * nheads_k), dict(
@@ -374,11 +384,13 @@ def launches(t: dict, params: AttentionParams, cfg: DecodeLaunch, seqlen_new: in
         stride_kn=(0, 0, 0) if k_new is None else k_new.stride()[:3],
         stride_vn=(0, 0, 0) if v_new is None else v_new.stride()[:3],
         batch=batch, nheads_k=nheads_k, seqlen_q=seqlen_q, group_size=nheads // nheads_k,
-        rows_per_seq=k_cache.shape[1], cache_blocks=k_cache.shape[0], head_dim=head_dim, num_splits=splits,
+        rows_per_seq=k_cache.shape[1], cache_blocks=k_cache.shape[0], head_dim=head_dim, head_dim_v=head_dim_v,
+        num_splits=splits,
         cache_seqlen=t["cache_seqlen"], seqlen_new=seqlen_new, seqlens_max=capacity - seqlen_new,
         rotary_end=0 if rotary_end is None else rotary_end,
         window_left=params.window_left, window_right=params.window_right, qk_scale=logit_scale(params),
-        BLOCK_M=cfg.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d, BLOCK_P=block_p, PAGE_CHUNKS=page_chunks,
+        BLOCK_M=cfg.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_P=block_p,
+        PAGE_CHUNKS=page_chunks,
         # (constant unless used: each value is a kernel of its own)
         BLOCK_B=min(1024, max(16, next_power_of_2(batch))) if repeats else 16, BATCH_CHUNKS=cdiv(batch, 1024) * repeats,
         SEQLENS="CacheSeqlens" in t,
@@ -395,8 +407,7 @@ def launches(t: dict, params: AttentionParams, cfg: DecodeLaunch, seqlen_new: in
         return launches
     combine = _decode_combine, (batch * seqlen_q * nheads,), dict(
         OutPart=out_part, LsePart=lse_part, Out=t["Out"], Lse=t["Lse"], Sink=t.get("Sink"), nheads=nheads,
-        seqlen_q=seqlen_q,
-        head_dim=head_dim, num_splits=splits, BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_D=block_d,
-        num_warps=4 if block_d >= 128 else 2,
+        seqlen_q=seqlen_q, head_dim=head_dim_v, num_splits=splits, BLOCK_S=max(2, next_power_of_2(splits)),
+        BLOCK_D=block_dv, num_warps=4 if block_dv >= 128 else 2,
     )
     return [*launches, combine]
