@@ -475,8 +475,7 @@ def test_bad_arguments():
     for options, message in cases:
         with pytest.raises(FlashAttentionError, match=message):
             cuflash.flex_attention(q, k, v, **options)
-    with pytest.raises(FlashAttentionError, match="value has head dim 8 but query has 16"):
-        cuflash.flex_attention(q, k, v[..., :8])
+    assert cuflash.flex_attention(q, k, v[..., :8]).shape[-1] == 8  # (v's head dim apart: taken, as torch)
     with pytest.raises(FlashAttentionError, match="query has 2 heads and key 1; pass enable_gqa=True"):
         cuflash.flex_attention(q, k[:, :1], v[:, :1])
     bad_lists = cuflash.create_block_mask(causal, 1, 1, 8, 12, device="cpu")

@@ -323,9 +323,9 @@ def test_checks_name_the_head_dim_at_fault():
 
 
 def test_the_plan_takes_the_tiles_of_the_larger_head_dim():
-    """The launch table's entry is the larger head dim's (at (192, 128) D=256's, at (64, 256) too), so
-    that both tiles fit; user tiles take their warps and their shared memory check from both dims, and a
-    decode step its tiles."""
+    """The launch table's Triton tiles are the larger head dim's (at (192, 128) D=256's, at (64, 256) too),
+    so that both tiles fit (Hopper's Gluon candidates at (192, 128) are its own); user tiles take their
+    warps and their shared memory check from both dims, and a decode step its tiles."""
     from cuflash.kernels import plan
     from cuflash.kernels.variant import problem
     from cuflash.params import AttentionParams
@@ -334,7 +334,9 @@ def test_the_plan_takes_the_tiles_of_the_larger_head_dim():
             q, k, v = _qkv(1, 2, 2, 2, 2, (d, dv), torch.float16)
             prob = problem(q, k, v, AttentionParams(1.0))
             cell = plan.entry(arch, prob.block_d, False, False, plan.Length.LONGER, True, prob.block_dv)
-            assert cell == plan.entry(arch, width, False, False, plan.Length.LONGER, True), (d, dv)
+            wide = plan.entry(arch, width, False, False, plan.Length.LONGER, True)
+            assert [c[-1] for c in (cell.forward, cell.dkdv, cell.dq)] == \
+                [c[-1] for c in (wide.forward, wide.dkdv, wide.dq)], (d, dv)
     # the dK/dV pass's two accumulators: 32 keys x (64 + 256) = 10240 elements > 8192 take 8 warps
     assert plan._user_warps(16, 32, 64, 256) == 8 and plan._user_warps(16, 32, 64, 64) == 4
     q, k, v = _qkv(1, 2, 2, 2, 2, (16, 256), torch.float16)
