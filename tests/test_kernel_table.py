@@ -1,6 +1,8 @@
 """Kernel choice: the launch table's candidates and what each kernel family accepts, select()'s
 fall-backs and its refusal of tiles that do not fit; on the GPU the table's launches of every length
 class."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,7 +34,7 @@ def test_every_table_launch_is_accepted_by_its_kernel(arch):
     from cuflash.kernels.variant import problem
 
     causal, plain = AttentionParams(0.1, window_right=0), AttentionParams(0.1)
-    for block_d, block_dv in ((16, 16), (32, 32), (64, 64), (128, 128), (256, 256), (256, 128)):
+    for block_d, block_dv in ((16, 16), (32, 32), (64, 64), (128, 128), (256, 256), (256, 128), (512, 512)):
         for fp32 in (False, True):
             for length, keys in zip(Length, LENGTH_CLASS_KEYS):
                 assert Length.of(keys) == length
@@ -40,7 +42,9 @@ def test_every_table_launch_is_accepted_by_its_kernel(arch):
                     cell = entry(arch, block_d, fp32, False, length, banded, block_dv)
                     for candidates in (cell.forward, cell.dkdv, cell.dq):
                         *first, last = candidates
-                        assert isinstance(last, Tiles) and not any(isinstance(c, Tiles) for c in first), cell
+                        # (Triton tiles last; before them only Triton tiles asking for descriptors, which
+                        # yield to the last where the call cannot use descriptors: plan._first)
+                        assert isinstance(last, Tiles) and all(c.tma for c in first if isinstance(c, Tiles)), cell
                         for tile in (last.block_m, last.block_n):
                             assert 16 <= tile <= 256 and tile & (tile - 1) == 0, cell
                         assert last.num_warps in (1, 2, 4, 8) and last.num_stages >= 1, cell
@@ -137,6 +141,27 @@ def test_select_falls_back_and_keeps_determinism():
     assert select(problem(q, q, q, window, q), window, cell) == Plan(tiles, tiles, tiles)
     asked = AttentionParams(0.1, block_m=32, block_n=16)
     assert select(problem(q, q, q, asked, q), asked) == Plan(*(Tiles(32, 16, 4, 2),) * 3)
+
+
+def test_descriptor_tiles_yield_to_pointer_tiles_where_descriptors_do_not_take_the_call(monkeypatch):
+    """Head dim 512 on Hopper: dK/dV's 64 x 32 descriptor tiles would need 256 KB of shared memory through
+    pointers; a call that cannot use descriptors (a length of 1) takes the entry's next Triton tiles, with
+    and without mods; one that can keeps them."""
+    from cuflash.kernels import plan
+    from cuflash.kernels.plan import select
+    from cuflash.kernels.variant import problem
+    from cuflash.mods import Mod, Mods
+
+    monkeypatch.setattr(plan, "arch", lambda device: 90)
+    monkeypatch.setattr(plan, "tma_addressable", lambda *tensors: True, raising=False)
+    monkeypatch.setattr(Tiles, "on", lambda self, seqlens, *streamed: self if self.tma and min(seqlens) > 1
+                        else dataclasses.replace(self, tma=False, warp_specialize=False))
+    plain = AttentionParams(0.1, window_right=0)
+    modded = AttentionParams(0.1, mods=Mods(score=Mod.of(lambda s, b, h, q, kv: s * 0.5, "score")))
+    for params in (plain, modded):
+        for seqlen, dkdv in ((1, Tiles(32, 32, 8, 2)), (300, Tiles(64, 32, 8, 1, tma=True))):
+            q = torch.randn(1, seqlen, 2, 512, dtype=torch.bfloat16)
+            assert select(problem(q, q, q, params, q), params).dkdv == dkdv, (params, seqlen)
 
 
 def test_calls_with_mods_take_the_gluon_kernels_where_the_blocks_fit():

@@ -111,15 +111,17 @@ def _within_blocks(entry: Entry, params: AttentionParams, block_d: int) -> Entry
         fail(ErrorCode.INVALID_ARGUMENT, f"block_mask's BLOCK_SIZE is ({blocks.q_block}, {blocks.kv_block}); the "
              "kernels take blocks of a multiple of 16 query rows and keys (torch's default is 128)")
 
-    def fit(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
-        tiles = next(c for c in candidates if isinstance(c, Tiles))
+    def fit_tiles(tiles: Tiles) -> Tiles:
         if block_d >= 256 and gathers:
             tiles = dataclasses.replace(tiles, num_stages=min(tiles.num_stages, 2))
         if blocks is None:
-            return (tiles,)
+            return tiles
         block_m = min(tiles.block_m, blocks.q_block & -blocks.q_block)  # (the largest power of 2 dividing it)
         block_n = min(tiles.block_n, blocks.kv_block & -blocks.kv_block)
-        return (dataclasses.replace(tiles, block_m=block_m, block_n=block_n, warp_specialize=False),)
+        return dataclasses.replace(tiles, block_m=block_m, block_n=block_n, warp_specialize=False)
+
+    def fit(candidates: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
+        return tuple(fit_tiles(c) for c in candidates if isinstance(c, Tiles))
 
     def fit_gluon(candidate: Candidate) -> tuple[Candidate, ...]:
         if isinstance(candidate, gluon.Forward):
@@ -144,9 +146,14 @@ def _within_blocks(entry: Entry, params: AttentionParams, block_d: int) -> Entry
 
 def _first(candidates: tuple[Candidate, ...], gluon_accepts: bool, seqlens: tuple[int, int],
            streamed: tuple[torch.Tensor, ...], prob: Problem):
-    for candidate in candidates:
+    """The first candidate that takes the call; Triton tiles asking for tensor descriptors that the call
+    cannot use (Tiles.on) yield to the next Triton tiles where the entry lists some (tiles sized for
+    pointer loads: at head dim 512 the descriptor tiles' pointer form overflows shared memory)."""
+    for i, candidate in enumerate(candidates):
         if isinstance(candidate, Tiles):
-            return candidate.on(seqlens, *streamed)
+            tiles = candidate.on(seqlens, *streamed)
+            if tiles.tma == candidate.tma or not any(isinstance(c, Tiles) for c in candidates[i + 1:]):
+                return tiles
         if isinstance(candidate, OneLaunch):
             if candidate.takes(prob.seqlen_k, prob.batch, prob.nheads, prob.nheads_k, num_sms(prob.q.device)):
                 return candidate
@@ -248,8 +255,10 @@ def _d512(arch: int, fp32: bool):
     if fp32:
         tiles = Tiles(16, 16, 4, 1)
         return (tiles,), (tiles,), (tiles,)
-    hopper = arch >= 90
-    return (Tiles(64, 64, 8, 1, tma=hopper),), (Tiles(64, 32, 8, 1, tma=hopper),), (Tiles(64, 32, 8, 1),)
+    # dK/dV's descriptor tiles through pointers need 256 KB: where descriptors do not take the call (a
+    # length of 1, paged keys) 32 x 32 in two stages (130 KB; 0.85x at 4k) runs instead (_first).
+    dkdv = (Tiles(64, 32, 8, 1, tma=True), Tiles(32, 32, 8, 2)) if arch >= 90 else (Tiles(32, 32, 8, 2),)
+    return (Tiles(64, 64, 8, 1, tma=arch >= 90),), dkdv, (Tiles(64, 32, 8, 1),)
 
 
 def _fp32(arch: int, block_d: int):
