@@ -158,10 +158,12 @@ def test_descriptor_tiles_yield_to_pointer_tiles_where_descriptors_do_not_take_t
                         else dataclasses.replace(self, tma=False, warp_specialize=False))
     plain = AttentionParams(0.1, window_right=0)
     modded = AttentionParams(0.1, mods=Mods(score=Mod.of(lambda s, b, h, q, kv: s * 0.5, "score")))
-    for params in (plain, modded):
-        for seqlen, dkdv in ((1, Tiles(32, 32, 8, 2)), (300, Tiles(64, 32, 8, 1, tma=True))):
-            q = torch.randn(1, seqlen, 2, 512, dtype=torch.bfloat16)
-            assert select(problem(q, q, q, params, q), params).dkdv == dkdv, (params, seqlen)
+    for gluon_takes in (False, True):  # (whether Gluon would take the call decides nothing among Triton tiles)
+        monkeypatch.setattr(plan.gluon, "accepts", lambda prob, params: gluon_takes)
+        for params in (plain, modded):
+            for seqlen, dkdv in ((1, Tiles(32, 32, 8, 2)), (300, Tiles(64, 32, 8, 1, tma=True))):
+                q = torch.randn(1, seqlen, 2, 512, dtype=torch.bfloat16)
+                assert select(problem(q, q, q, params, q), params).dkdv == dkdv, (params, seqlen, gluon_takes)
 
 
 def test_calls_with_mods_take_the_gluon_kernels_where_the_blocks_fit():

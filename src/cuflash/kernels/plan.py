@@ -154,7 +154,7 @@ def _first(candidates: tuple[Candidate, ...], gluon_accepts: bool, seqlens: tupl
             tiles = candidate.on(seqlens, *streamed)
             if tiles.tma == candidate.tma or not any(isinstance(c, Tiles) for c in candidates[i + 1:]):
                 return tiles
-        if isinstance(candidate, OneLaunch):
+        elif isinstance(candidate, OneLaunch):
             if candidate.takes(prob.seqlen_k, prob.batch, prob.nheads, prob.nheads_k, num_sms(prob.q.device)):
                 return candidate
         elif gluon_accepts:
