@@ -283,3 +283,23 @@ def raises(code, *words):
                 assert w in str(err), f"{w!r} not in {str(err)!r}"
             return handled
     return _Check()
+
+
+def poison_allocations(monkeypatch) -> None:
+    """The Triton backend with fresh launch plans and call checks, whose outputs (kernels/attention.py's
+    torch.empty_like) start as NaN: memory a kernel leaves unwritten shows in the results."""
+    from cuflash import memo
+    from cuflash.kernels import attention, launch
+    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
+    monkeypatch.setattr(launch, "PLANS", {})
+    monkeypatch.setattr(memo, "CHECKED", {})
+
+    class Poisoned:  # attention.py's torch, whose empty_like fills with NaN
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty_like(t, **kwargs):
+            return torch.full_like(t, float("nan"), **kwargs)
+
+    monkeypatch.setattr(attention, "torch", Poisoned())

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import BOUNDS, check_against_oracle, flash_fn, interpret, make_qkv, rel_err, run_and_grad, seed_of, \
-    varlen_batch
+from attn_testing import BOUNDS, check_against_oracle, flash_fn, interpret, make_qkv, poison_allocations, rel_err, \
+    run_and_grad, seed_of, varlen_batch
 from cuflash.kernels import gluon
 from cuflash.kernels.plan import Plan
 from cuflash.kernels.triton import OneLaunch, Tiles
@@ -67,21 +67,8 @@ def check_one_launch_backward(case, device, dtype, head_dim, monkeypatch):
     softcap and ALiBi, and with dropout given its keep mask), and rows that see no key (above a causal
     diagonal, outside a window, a varlen sequence with no keys), which no query tile of the kernel's band
     visits, get 0, with dQ's memory poisoned (NaN) before the call. One launch, no workspace."""
-    from cuflash import memo
     from cuflash.kernels import attention, launch
-    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
-    monkeypatch.setattr(launch, "PLANS", {})
-    monkeypatch.setattr(memo, "CHECKED", {})
-
-    class Poisoned:  # attention.py's torch, whose empty_like fills with NaN
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def empty_like(t, **kwargs):
-            return torch.full_like(t, float("nan"), **kwargs)
-
-    monkeypatch.setattr(attention, "torch", Poisoned())
+    poison_allocations(monkeypatch)
     torch.manual_seed(seed_of(case, head_dim))
     if case.startswith("varlen"):
         lens_q, lens_k = [5, 20, 3], [0, 32, 7]

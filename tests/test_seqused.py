@@ -9,8 +9,8 @@ import torch
 import cuflash
 from cuflash import ErrorCode, FlashAttentionError
 
-from attn_testing import BOUNDS, CPU_DTYPES, GPU_DTYPES, interpret, paged_cache, rel_err, seed_of, strided_view, \
-    varlen_batch, varlen_oracle
+from attn_testing import BOUNDS, CPU_DTYPES, GPU_DTYPES, interpret, paged_cache, poison_allocations, rel_err, seed_of, \
+    strided_view, varlen_batch, varlen_oracle
 
 # Lengths with sequences of 1 and 17 rows, one whose keys are all unused (seqused_k 0), one using all its
 # rows, and used lengths giving seqlen_q > seqlen_k and seqlen_q < seqlen_k under causal.
@@ -107,21 +107,8 @@ def check_one_launch(device, dtype, head_dim, monkeypatch):
     dQ too, and zeroing the dQ rows no query tile visits): check_seqused's checks, with the outputs'
     memory poisoned (NaN) where the kernels' allocations leave it unwritten, and that the backward ran in
     one launch."""
-    from cuflash import memo
     from cuflash.kernels import attention, launch
-    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
-    monkeypatch.setattr(launch, "PLANS", {})
-    monkeypatch.setattr(memo, "CHECKED", {})
-
-    class Poisoned:  # attention.py's torch, whose empty_like fills with NaN
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def empty_like(t, **kwargs):
-            return torch.full_like(t, float("nan"), **kwargs)
-
-    monkeypatch.setattr(attention, "torch", Poisoned())
+    poison_allocations(monkeypatch)
     torch.manual_seed(seed_of("one launch", str(dtype), head_dim))
     check_seqused(varlen_call(causal=True), [5, 20, 3, 1], [9, 32, 7, 17], [2, 20, 0, 1], [0, 30, 7, 17],
                   (4, 2, head_dim), dtype, device, causal=True)
