@@ -1,12 +1,13 @@
-"""An unmodified transformers Llama (attn_implementation="sdpa") trained with torch's own flash kernel
-and then with cuflash as the SDPA flash backend's provider (cuflash.activate_sdpa_provider()): the
-same initial weights and batches, the loss of every step side by side, the median step time of each,
-and the attention kernels a profile of one step names (torch's flash_fwd/flash_bwd, or cuflash's
-_attn_fwd/_attn_bwd).
+"""An unmodified transformers Llama (attn_implementation="sdpa") trained three ways: as torch runs it
+(its default backend choice: cuDNN on Hopper), with torch's flash kernel (sdpa_kernel), and after
+cuflash.activate_sdpa_provider() alone: the same initial weights and batches, the loss of every step
+side by side, the median step time of each, and the attention kernels a profile of one step names
+(cuDNN's, torch's flash_fwd/flash_bwd, or cuflash's _attn_fwd/_attn_bwd).
 
     PYTHONPATH=src python scripts/provider_llama.py --seq-len 8192 --steps 10
 """
 import argparse
+import contextlib
 import time
 
 import torch
@@ -35,10 +36,13 @@ def attention_kernels(step) -> list[str]:
         step()
         torch.cuda.synchronize()
     names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
-    return sorted(n for n in names if n.startswith("_attn_") or "flash" in n)
+    return sorted(n[:90] for n in names if n.startswith("_attn_") or "flash" in n or "sdpa" in n)
 
 
-def train(args, provider: bool) -> tuple[list[float], float, list[str]]:
+RUNS = ("torch", "torch flash", "cuflash")  # torch's default backend, torch's flash kernel, the provider
+
+
+def train(args, run: str) -> tuple[list[float], float, list[str]]:
     """(the loss of each step, the median step seconds, the attention kernels of a profiled step)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
@@ -58,10 +62,12 @@ def train(args, provider: bool) -> tuple[list[float], float, list[str]]:
         optimizer.zero_grad()
         return loss
 
-    if provider:
+    if run == "cuflash":
         cuflash.activate_sdpa_provider()
+    chosen = (attention.sdpa_kernel([attention.SDPBackend.FLASH_ATTENTION]) if run == "torch flash"
+              else contextlib.nullcontext())
     try:
-        with attention.sdpa_kernel([attention.SDPBackend.FLASH_ATTENTION]):
+        with chosen:
             for ids in batches:
                 ids = ids.cuda()
                 torch.cuda.synchronize()
@@ -70,7 +76,7 @@ def train(args, provider: bool) -> tuple[list[float], float, list[str]]:
                 seconds.append(time.perf_counter() - start)
             kernels = attention_kernels(lambda: step(batches[0].cuda()))
     finally:
-        if provider:
+        if run == "cuflash":
             attention.restore_flash_attention_impl()
     timed = sorted(seconds[1:] or seconds)  # the first step compiles
     return losses, timed[len(timed) // 2], kernels
@@ -78,15 +84,15 @@ def train(args, provider: bool) -> tuple[list[float], float, list[str]]:
 
 def main():
     args = parse()
-    torch_losses, torch_s, torch_kernels = train(args, provider=False)
-    ours, ours_s, our_kernels = train(args, provider=True)
-    print(f"{'step':>4} {'torch flash loss':>17} {'cuflash loss':>13}")
-    for i, (a, b) in enumerate(zip(torch_losses, ours)):
-        print(f"{i:>4} {a:>17.5f} {b:>13.5f}")
-    print(f"median step: torch flash {torch_s * 1e3:.1f} ms, cuflash {ours_s * 1e3:.1f} ms "
-          f"({torch_s / ours_s:.3f}x)")
-    print(f"attention kernels, torch flash: {torch_kernels}")
-    print(f"attention kernels, cuflash: {our_kernels}")
+    results = {run: train(args, run) for run in RUNS}
+    print(f"{'step':>4}" + "".join(f"{run + ' loss':>18}" for run in RUNS))
+    for i, losses in enumerate(zip(*(results[run][0] for run in RUNS))):
+        print(f"{i:>4}" + "".join(f"{loss:>18.5f}" for loss in losses))
+    ours = results["cuflash"][1]
+    print("median step: " + ", ".join(f"{run} {results[run][1] * 1e3:.1f} ms" for run in RUNS))
+    print("cuflash's speedup: " + ", ".join(f"{results[run][1] / ours:.3f}x {run}" for run in RUNS[:2]))
+    for run in RUNS:
+        print(f"attention kernels, {run}: {results[run][2]}")
 
 
 if __name__ == "__main__":

@@ -63,16 +63,28 @@ def _cuda_kernel_source(name: str) -> str:
 
 @needs_hook
 def test_activate_overrides_the_ops_and_restore_gives_them_back(restored):
+    """Activation overrides the ops and puts the flash backend first in SDPA's priority order (torch
+    2.11 on Hopper prefers cuDNN, and SDPA calls would never reach the provider); restore gives both back."""
     before = {name: _cuda_kernel_source(name) for name in sdpa.IMPLS if hasattr(aten, name)}
     assert all("sdpa.py" not in source for source in before.values())
-    cuflash.activate_sdpa_provider()
-    assert attention.current_flash_attention_impl() == sdpa.NAME
-    assert all("integrations/sdpa.py" in _cuda_kernel_source(name) for name in before)
-    attention.activate_flash_attention_impl(sdpa.NAME)  # again: torch restores first, the override is redone
-    assert all("integrations/sdpa.py" in _cuda_kernel_source(name) for name in before)
-    attention.restore_flash_attention_impl()
-    assert attention.current_flash_attention_impl() is None
-    assert {name: _cuda_kernel_source(name) for name in before} == before
+    flash, cudnn = (int(b) for b in (attention.SDPBackend.FLASH_ATTENTION, attention.SDPBackend.CUDNN_ATTENTION))
+    default_priority = torch._C._get_sdp_priority_order()
+    users = [cudnn] + [b for b in default_priority if b != cudnn]  # a user's own order, flash not first
+    torch._C._set_sdp_priority_order(users)
+    try:
+        cuflash.activate_sdpa_provider()
+        assert attention.current_flash_attention_impl() == sdpa.NAME
+        assert all("integrations/sdpa.py" in _cuda_kernel_source(name) for name in before)
+        assert torch._C._get_sdp_priority_order() == [flash] + [b for b in users if b != flash]
+        attention.activate_flash_attention_impl(sdpa.NAME)  # again: torch restores first, the override is redone
+        assert all("integrations/sdpa.py" in _cuda_kernel_source(name) for name in before)
+        assert torch._C._get_sdp_priority_order()[0] == flash
+        attention.restore_flash_attention_impl()
+        assert attention.current_flash_attention_impl() is None
+        assert {name: _cuda_kernel_source(name) for name in before} == before
+        assert torch._C._get_sdp_priority_order() == users
+    finally:
+        torch._C._set_sdp_priority_order(default_priority)
 
 
 def test_a_torch_without_providers_says_so(monkeypatch):
@@ -511,9 +523,9 @@ def test_gpu_unmodified_transformers_model_trains_on_cuflash(restored):
         return losses, names
 
     ours, names = train(True)
-    assert any(n.startswith("_attn_fwd") for n in names) and any(n.startswith("_attn_bwd") for n in names)
+    assert any(n.startswith("_attn_fwd") for n in names) and any(n.startswith("_attn_bwd") for n in names), names
     theirs, names = train(False)
-    assert not any(n.startswith("_attn_") for n in names)
+    assert not any(n.startswith("_attn_") for n in names), names
     assert all(abs(a - b) < 0.02 * abs(b) for a, b in zip(ours, theirs)), (ours, theirs)
 
 

@@ -5,6 +5,11 @@
     ...                                   # F.scaled_dot_product_attention's flash backend runs cuflash
     torch.nn.attention.restore_flash_attention_impl()
 
+Activation also puts the flash backend first in torch's SDPA priority order (restoring gives back the
+order it found): torch 2.11 on Hopper otherwise prefers cuDNN for the calls flash takes, and an
+unmodified model's F.scaled_dot_product_attention would never reach the provider. Calls flash cannot
+take (an attn_mask, say) still go to the next backend in torch's order.
+
 torch's providers (torch.nn.attention.register_flash_attention_impl, as FlashAttention-3 and -4 ship)
 override, at the CUDA dispatch key, the aten ops behind SDPA's flash backend. Activated, cuflash serves:
 
@@ -88,26 +93,32 @@ def activate() -> None:
 @dataclass
 class _Handle:
     """What activation returns to torch's registry, whose remove() (restore_flash_attention_impl)
-    takes the overrides out of the dispatcher."""
+    takes the overrides out of the dispatcher and gives back SDPA's priority order."""
 
     library: torch.library.Library | None
+    priority: list[int]
 
     def remove(self) -> None:
         if self.library is not None:
             self.library._destroy()
             self.library = None
+            torch._C._set_sdp_priority_order(self.priority)
 
 
 def _override() -> _Handle:
-    """The provider's register_fn: captures torch's CUDA kernels of the ops, then overrides them."""
+    """The provider's register_fn: captures torch's CUDA kernels of the ops, overrides them, and puts
+    the flash backend first in SDPA's priority order."""
     library = torch.library.Library("aten", "IMPL", "CUDA")
     with warnings.catch_warnings():  # (the dispatcher warns of every override; these are the point)
-        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
         for name, impl in IMPLS.items():
             if hasattr(torch.ops.aten, name):  # (torch 2.11 has no _flash_attention_forward_no_dropout_inplace)
                 TORCH_KERNELS[name] = _torch_kernel(name)
                 library.impl(name, impl, "CUDA")
-    return _Handle(library)
+    priority = torch._C._get_sdp_priority_order()
+    flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+    torch._C._set_sdp_priority_order([flash] + [b for b in priority if b != flash])
+    return _Handle(library, priority)
 
 
 def _torch_kernel(name: str):
