@@ -1,0 +1,81 @@
+"""The long-key backward, kernel by kernel: one causal sequence (B=1, bf16, D=128) at each length and
+head count, cuflash's backward with the table's plan and with dQ unfused (the Gluon dK/dV, then the
+Gluon dQ pass), beside cuDNN's: TFLOP/s of each and the milliseconds of each kernel in a profiled call.
+For the backward's cliff between 128k and 256k keys (docs/tuning.md).
+
+    PYTHONPATH=src python scripts/long_keys.py --cases 16x131072,16x262144,8x262144,32x131072
+"""
+import argparse
+import dataclasses
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cuflash.kernels import attention_backward, attention_forward, gluon
+from cuflash.kernels.device import arch
+from cuflash.kernels.plan import Length, entry
+from cuflash.params import AttentionParams
+
+
+def timed(fn, reps: int) -> float:
+    """Median ms of reps calls after one warm-up, CUDA events around each."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kernel_ms(fn) -> dict[str, float]:
+    """Milliseconds of each CUDA kernel in one profiled call of fn."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name[:40]] = out.get(e.name[:40], 0.0) + e.device_time_total / 1e3
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="16x131072,16x262144", help="HEADSxKEYS, comma-separated")
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args()
+    for case in args.cases.split(","):
+        print(one_case(*map(int, case.split("x")), args.reps), flush=True)
+        torch.cuda.empty_cache()
+
+
+def one_case(heads: int, n: int, reps: int) -> str:
+    q, k, v, do = (torch.randn(1, n, heads, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    params = AttentionParams(128 ** -0.5, window_right=0)
+    cell = entry(arch(q.device), 128, False, False, Length.of(n), True)
+    unfused = dataclasses.replace(cell, dkdv=(gluon.Dkdv(),), dq=(gluon.Dq(),))
+    out, lse = attention_forward(q, k, v, params)
+    flops = 2 * 2 * heads * n * n * 128 / 2  # the forward's (causal); the backward does 2.5 times as many
+    fwd = timed(lambda: attention_forward(q, k, v, params), reps)
+    row = [f"H={heads:2d} N={n // 1024:4d}k  fwd {flops / fwd / 1e9:5.0f}"]
+    for name, plan in (("bwd", cell), ("bwd unfused", unfused)):
+        def run(plan=plan):
+            return attention_backward(do, q, k, v, out, lse, params, plan)
+        ms = timed(run, reps)
+        parts = ", ".join(f"{kname} {kms:.0f}" for kname, kms in kernel_ms(run).items())
+        row.append(f"{name} {2.5 * flops / ms / 1e9:5.0f} ({parts} ms)")
+    qt, kt, vt, dot = (t.transpose(1, 2).detach().requires_grad_(t is not do) for t in (q, k, v, do))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        ms = timed(lambda: torch.autograd.grad(ref, (qt, kt, vt), dot, retain_graph=True), reps)
+    row.append(f"cuDNN bwd {2.5 * flops / ms / 1e9:5.0f} TFLOP/s")
+    return "  ".join(row)
+
+if __name__ == "__main__":
+    main()
