@@ -143,6 +143,33 @@ def test_select_falls_back_and_keeps_determinism():
     assert select(problem(q, q, q, asked, q), asked) == Plan(*(Tiles(32, 16, 4, 2),) * 3)
 
 
+def test_long_gqa_backward_unfuses_dq(monkeypatch):
+    """The Gluon dK/dV kernel leaves dQ to its own pass under GQA beyond FUSED_DQ_MAX_PAIRS query-key
+    pairs a call (where the fused kernel's L2 hit rate collapsed on an H100); MHA and shorter GQA calls
+    keep dQ fused."""
+    from cuflash.kernels import gluon, plan
+    from cuflash.kernels.plan import Entry, select
+    from cuflash.kernels.variant import problem
+
+    monkeypatch.setattr(plan.gluon, "accepts", lambda prob, params: True)
+    tiles = Tiles(64, 64, 4, 3)
+    cell = Entry((gluon.Forward(),), (gluon.Dkdv(fuse_dq=True), tiles), (gluon.Dq(), tiles))
+    causal = AttentionParams(0.1, window_right=0)
+
+    def plan_of(batch, heads, heads_k, seqlen_q, seqlen_k=None):
+        q = torch.empty(batch, seqlen_q, heads, 128, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(batch, seqlen_k or seqlen_q, heads_k, 128, dtype=torch.bfloat16, device="meta")
+        return select(problem(q, k, k, causal, q), causal, cell)
+
+    fused = Plan(gluon.Forward(), gluon.Dkdv(fuse_dq=True), None)
+    unfused = Plan(gluon.Forward(), gluon.Dkdv(fuse_dq=False), gluon.Dq())
+    for shape in ((1, 32, 8, 2 ** 17), (1, 8, 2, 2 ** 18), (1, 16, 16, 2 ** 18), (1, 64, 64, 2 ** 18),
+                  (16, 32, 8, 2 ** 14)):
+        assert plan_of(*shape) == fused, shape
+    for shape in ((1, 16, 4, 2 ** 18), (1, 32, 8, 2 ** 18), (2, 32, 8, 2 ** 17), (1, 32, 8, 2 ** 17, 2 ** 17 + 64)):
+        assert plan_of(*shape) == unfused, shape
+
+
 def test_descriptor_tiles_yield_to_pointer_tiles_where_descriptors_do_not_take_the_call(monkeypatch):
     """Head dim 512 on Hopper: dK/dV's 64 x 32 descriptor tiles would need 256 KB of shared memory through
     pointers; a call that cannot use descriptors (a length of 1) takes the entry's next Triton tiles, with

@@ -82,10 +82,22 @@ def select(prob: Problem, params: AttentionParams, entry: Entry | None = None, o
     if isinstance(dkdv, OneLaunch):
         return Plan(forward, dkdv.tiles.on(seqlens, prob.q, prob.dout), None)
     if isinstance(dkdv, gluon.Dkdv) and dkdv.fuse_dq:
-        if not params.deterministic:
+        if not (params.deterministic or _fused_dq_thrashes(prob)):
             return Plan(forward, dkdv, None)
         dkdv = dataclasses.replace(dkdv, fuse_dq=False)
     return Plan(forward, dkdv, _first(entry.dq, plain, seqlens, (prob.k, prob.v), prob))
+
+
+# The fused dQ's additions and the query tiles stay in L2 while the dK/dV programs sweep the query rows
+# together. Under GQA (a work item sweeps its group's heads in turn) in calls of more query-key pairs
+# than 32 heads of 128k x 128k, L2's hit rate fell from 87% to 58% and the fused backward to 0.68x
+# cuDNN (H100, D=128 causal, 32/8 heads at 256k keys), where the dQ pass of its own holds 0.92x:
+# docs/tuning.md.
+FUSED_DQ_MAX_PAIRS = 32 * 2 ** 34
+
+
+def _fused_dq_thrashes(prob: Problem) -> bool:
+    return prob.nheads > prob.nheads_k and prob.batch * prob.nheads * prob.seqlen_q * prob.seqlen_k > FUSED_DQ_MAX_PAIRS
 
 
 def _within_blocks(entry: Entry, params: AttentionParams, block_d: int) -> Entry:
