@@ -423,13 +423,16 @@ def test_kvcache_on_gpu(dtype, dims, paged, num_splits):
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (129, 77)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("consumers,block_n,stages", [(2, 128, 2), (2, 64, 3), (2, 64, 4), (3, 64, 3)])
+@pytest.mark.parametrize("consumers,block_n,stages,early_k", [(2, 128, 2, False), (2, 64, 3, False), (2, 64, 4, False),
+                                                              (2, 64, 4, True), (3, 64, 3, False)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_gluon_forward_on_gpu(dtype, consumers, block_n, stages, causal, seqlen_q, seqlen_k, layout, monkeypatch):
+def test_gluon_forward_on_gpu(dtype, consumers, block_n, stages, early_k, causal, seqlen_q, seqlen_k, layout,
+                              monkeypatch):
     """The Gluon forward at (192, 128) (Q and K in 128 + 64 columns, the S product accumulating over
     both), forced in each configuration: 128-key tiles in 2 buffers (one Q buffer, O through a K tile),
-    64-key tiles in 3 (two Q buffers) or 4 (one, O through it), three consumers; ragged tiles, GQA, rows
-    that see no key, non-contiguous inputs; the gradients (Triton's backward) check its lse."""
+    64-key tiles in 3 (two Q buffers) or 4 (one, O through it; with early_k, each K buffer released once
+    its S products have read it, as the table runs beyond 256 keys), three consumers; ragged tiles, GQA,
+    rows that see no key, non-contiguous inputs; the gradients (Triton's backward) check its lse."""
     from cuflash.kernels import gluon
     from cuflash.kernels.gluon import forward as gluon_forward
     from cuflash.kernels.variant import problem
@@ -442,7 +445,7 @@ def test_gluon_forward_on_gpu(dtype, consumers, block_n, stages, causal, seqlen_
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     params = AttentionParams(192 ** -0.5, window_right=0 if causal else -1)
     assert gluon.accepts(problem(q, k, v, params), params)
-    cfg = gluon.Forward(consumers, block_n, stages)
+    cfg = gluon.Forward(consumers, block_n, stages, early_k)
     force_candidates(monkeypatch, forward=(cfg, table_cell(q, 256, max(seqlen_q, seqlen_k), causal).forward[-1]))
     launched, launch_args = [], gluon_forward.launch_args
     monkeypatch.setattr(gluon_forward, "launch_args", lambda *args: launched.append(args[-1]) or launch_args(*args))
