@@ -344,15 +344,20 @@ def test_rows_without_keys_and_a_sink_of_minus_infinity(backend):
 
 def test_empty_inputs(backend):
     """No key (seqlen_k 0): out 0, softmax_lse the sink, whose gradient is lse's summed (as FlashAttention-4);
-    no query: no gradient. The explicit backward returns the sink's gradient too."""
+    a head whose sink is -inf has none (lse +inf, as rows that see no key without a sink; gradient 0); no
+    query: no gradient. The explicit backward returns the sink's gradient too."""
     q = torch.randn(2, 5, 4, 16)
     empty = torch.randn(2, 0, 2, 16)
-    sink = torch.randn(4, requires_grad=True)
+    sink = torch.randn(4)
+    sink[2] = float("-inf")
+    sink.requires_grad_()
     out, lse, _ = cuflash.flash_attn_func(q, empty, empty, learnable_sink=sink, return_attn_probs=True)
-    assert not out.any() and torch.equal(lse, sink.detach()[None, :, None].expand(2, 4, 5))
+    expected = sink.detach()[None, :, None].expand(2, 4, 5).clone()
+    expected[:, 2] = float("inf")
+    assert not out.any() and torch.equal(lse, expected)
     dlse = torch.randn_like(lse)
     lse.backward(dlse)
-    assert torch.allclose(sink.grad, dlse.sum((0, 2)))
+    assert torch.allclose(sink.grad, dlse.sum((0, 2)).masked_fill(torch.arange(4) == 2, 0.0))
     none = cuflash.flash_attn_func(q[:, :0], empty, empty, learnable_sink=sink)
     assert none.shape == (2, 0, 4, 16)
     grads = cuflash.backward(q, q, empty, empty, q, lse.detach(), learnable_sink=sink.detach())

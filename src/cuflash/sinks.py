@@ -25,5 +25,7 @@ def sink_grad(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> tor
 
 def empty_lse(sink: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """softmax_lse of shape `shape` (softmax_lse's) for rows that see no key: the sink's logit, in `dtype`
-    (differentiable)."""
-    return sink.to(dtype).view(-1, 1).expand(shape).contiguous()
+    (differentiable); +inf where the sink is -inf, which is no sink (a row with no key and no sink, as
+    the kernels give)."""
+    lse = sink.to(dtype).view(-1, 1).expand(shape)
+    return lse.masked_fill(torch.isneginf(lse), float("inf"))
