@@ -116,7 +116,7 @@ def _override() -> _Handle:
                 TORCH_KERNELS[name] = _torch_kernel(name)
                 library.impl(name, impl, "CUDA")
     priority = torch._C._get_sdp_priority_order()
-    flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+    flash = torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
     torch._C._set_sdp_priority_order([flash] + [b for b in priority if b != flash])
     return _Handle(library, priority)
 
