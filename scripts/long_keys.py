@@ -7,6 +7,7 @@ For the backward's cliff between 128k and 256k keys (docs/tuning.md).
     PYTHONPATH=src python scripts/long_keys.py --cases 16x16x131072,16x16x262144,32x8x131072,32x8x262144
 """
 import argparse
+import contextlib
 import dataclasses
 import statistics
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cuflash.kernels import attention_backward, attention_forward, gluon
+from cuflash.kernels import attention_backward, attention_forward, gluon, plan
 from cuflash.kernels.device import arch
 from cuflash.kernels.plan import Length, entry
 from cuflash.params import AttentionParams
@@ -58,6 +59,17 @@ def main():
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def fused_at_any_size():
+    """dQ fused whatever the call's size: plan.select's bound for GQA (FUSED_DQ_MAX_PAIRS) lifted."""
+    bound = plan.FUSED_DQ_MAX_PAIRS
+    plan.FUSED_DQ_MAX_PAIRS = float("inf")
+    try:
+        yield
+    finally:
+        plan.FUSED_DQ_MAX_PAIRS = bound
+
+
 def one_case(heads: int, heads_k: int, n: int, dim: int, reps: int) -> str:
     q, k, v, do = (torch.randn(1, n, h, dim, dtype=torch.bfloat16, device="cuda")
                    for h in (heads, heads_k, heads_k, heads))
@@ -69,13 +81,17 @@ def one_case(heads: int, heads_k: int, n: int, dim: int, reps: int) -> str:
     flops = 2 * 2 * heads * n * n * dim / 2  # the forward's (causal); the backward does 2.5 times as many
     fwd = timed(lambda: attention_forward(q, k, v, params), reps)
     # the two backwards' gradients against each other (both bf16 sums of fp32 products)
+    with fused_at_any_size():
+        fused_grads = attention_backward(do, q, k, v, out, lse, params, fused)
     differ = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in
-                 zip(attention_backward(do, q, k, v, out, lse, params, fused),
-                     attention_backward(do, q, k, v, out, lse, params, unfused)))
+                 zip(fused_grads, attention_backward(do, q, k, v, out, lse, params, unfused)))
+    del fused_grads
     row = [f"D={dim} H={heads:2d}/{heads_k:2d} N={n // 1024:4d}k  fwd {flops / fwd / 1e9:5.0f}"]
-    for name, plan in (("bwd (table)", None), ("fused", fused), ("unfused", unfused)):
-        def run(plan=plan):
-            return attention_backward(do, q, k, v, out, lse, params, plan)
+    for name, entry_, scope in (("bwd (table)", None, contextlib.nullcontext), ("fused", fused, fused_at_any_size),
+                                ("unfused", unfused, contextlib.nullcontext)):
+        def run(entry_=entry_, scope=scope):
+            with scope():
+                return attention_backward(do, q, k, v, out, lse, params, entry_)
         ms = timed(run, reps)
         parts = ", ".join(f"{kname} {kms:.0f}" for kname, kms in kernel_ms(run).items())
         row.append(f"{name} {2.5 * flops / ms / 1e9:5.0f} ({parts} ms)")

@@ -106,7 +106,7 @@ def main():
             kind = "fwd" if "fwd" in name or "Forward" in name else "bwd"
             if name.startswith("D=128"):
                 ref[kind] = rate
-            print(f"  {name:55s} {rate:6.1f} TFLOP/s  {rate / ref[kind]:5.2f}x D=128", flush=True)
+            print(f"  {name:55s} {rate:6.1f} TFLOP/s  {rate / ref.get(kind, float('nan')):5.2f}x D=128", flush=True)
 
 
 if __name__ == "__main__":

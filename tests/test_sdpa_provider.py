@@ -9,6 +9,10 @@ to the backward), varlen_attn among the callers. GPU (`gpu`): F.scaled_dot_produ
 the aten ops, varlen_attn and an unmodified transformers model with the provider active against
 torch's own flash kernel; torch's context_parallel() on 2 GPUs is in test_distributed.py."""
 import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +87,10 @@ def test_activate_overrides_the_ops_and_restore_gives_them_back(restored):
         assert attention.current_flash_attention_impl() is None
         assert {name: _cuda_kernel_source(name) for name in before} == before
         assert torch._C._get_sdp_priority_order() == users
+        cuflash.activate_sdpa_provider()  # an order the user sets while it is active stays theirs
+        torch._C._set_sdp_priority_order(default_priority)
+        attention.restore_flash_attention_impl()
+        assert torch._C._get_sdp_priority_order() == default_priority
     finally:
         torch._C._set_sdp_priority_order(default_priority)
 
@@ -490,6 +498,35 @@ def test_gpu_dropout_is_cuflashs_and_its_backward_matches(restored):
                       inputs, grad_out)
     for a, b in zip(ours, theirs):  # (another mask would differ by tens of percent; dQ's adds vary in order)
         assert rel_err(a, b) < 1e-2
+
+
+ACTIVATE_FIRST = """
+import torch, torch.nn.functional as F, cuflash
+from torch.nn import attention
+def kernels():
+    q = torch.randn(1, 4, 256, 64, dtype=torch.bfloat16, device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+cuflash.activate_sdpa_provider()  # before any SDPA call of the process
+assert any(n.startswith("_attn_fwd") for n in kernels()), "not cuflash's"
+attention.restore_flash_attention_impl()
+assert not any(n.startswith("_attn_") for n in kernels()), "cuflash's after restore"
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+@needs_hook
+def test_gpu_activation_before_any_sdpa_call():
+    """In a fresh process, activation before the first SDPA call: torch sets its default priority order
+    on its first CUDA backend choice (cuDNN first on Hopper), which must not undo the provider's; plain
+    SDPA calls run cuflash's kernels, and torch's own after restore."""
+    src = str(Path(cuflash.__file__).parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", ACTIVATE_FIRST], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
 
 
 @pytest.mark.gpu

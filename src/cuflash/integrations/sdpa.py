@@ -93,16 +93,19 @@ def activate() -> None:
 @dataclass
 class _Handle:
     """What activation returns to torch's registry, whose remove() (restore_flash_attention_impl)
-    takes the overrides out of the dispatcher and gives back SDPA's priority order."""
+    takes the overrides out of the dispatcher and gives back SDPA's priority order (where it is still
+    the one activation set: an order set since is the user's)."""
 
     library: torch.library.Library | None
     priority: list[int]
+    ours: list[int]
 
     def remove(self) -> None:
         if self.library is not None:
             self.library._destroy()
             self.library = None
-            torch._C._set_sdp_priority_order(self.priority)
+            if torch._C._get_sdp_priority_order() == self.ours:
+                torch._C._set_sdp_priority_order(self.priority)
 
 
 def _override() -> _Handle:
@@ -115,10 +118,21 @@ def _override() -> _Handle:
             if hasattr(torch.ops.aten, name):  # (torch 2.11 has no _flash_attention_forward_no_dropout_inplace)
                 TORCH_KERNELS[name] = _torch_kernel(name)
                 library.impl(name, impl, "CUDA")
+    _settle_default_priority()
     priority = torch._C._get_sdp_priority_order()
     flash = torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
-    torch._C._set_sdp_priority_order([flash] + [b for b in priority if b != flash])
-    return _Handle(library, priority)
+    ours = [flash] + [b for b in priority if b != flash]
+    torch._C._set_sdp_priority_order(ours)
+    return _Handle(library, priority, ours)
+
+
+def _settle_default_priority() -> None:
+    """Has torch set its default SDPA priority order, which it does on the first CUDA backend choice
+    of the process (cuDNN first on Hopper and Blackwell with cuDNN 9.15+), overwriting the order it
+    finds: one choice on tiny tensors, so that the order activation sets is not replaced later."""
+    if torch.cuda.is_available():
+        t = torch.zeros(1, 1, 8, 64, dtype=torch.float16, device="cuda")
+        torch._fused_sdp_choice(t, t, t)
 
 
 def _torch_kernel(name: str):
