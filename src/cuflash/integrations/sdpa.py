@@ -6,9 +6,9 @@
     torch.nn.attention.restore_flash_attention_impl()
 
 Activation also puts the flash backend first in torch's SDPA priority order (restoring gives back the
-order it found): torch 2.11 on Hopper otherwise prefers cuDNN for the calls flash takes, and an
-unmodified model's F.scaled_dot_product_attention would never reach the provider. Calls flash cannot
-take (an attn_mask, say) still go to the next backend in torch's order.
+order it found, unless the order was changed since): torch 2.11 on Hopper otherwise prefers cuDNN for
+the calls flash takes, and an unmodified model's F.scaled_dot_product_attention would never reach the
+provider. Calls flash cannot take (an attn_mask, say) still go to the next backend in torch's order.
 
 torch's providers (torch.nn.attention.register_flash_attention_impl, as FlashAttention-3 and -4 ship)
 override, at the CUDA dispatch key, the aten ops behind SDPA's flash backend. Activated, cuflash serves:

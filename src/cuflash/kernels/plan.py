@@ -373,9 +373,9 @@ def _hopper_d192(hopper: bool, length: Length, banded: bool):
     D=256's Triton tiles, which leave the narrower v room. The Gluon forward on 64-key tiles: 3 buffers
     (two Q buffers) up to 256 keys and causal up to 1k, 4 with early_k beyond (scripts/mla_sweep.py, H100:
     0.96-1.00x D=128 per FLOP at 4k-16k, against 0.81-1.01x for 128-key tiles in 2 buffers; docs/tuning.md);
-    the Gluon dK/dV with split-D consumers
-    (as D=256's: dK's 128 + 64 columns, dV's halves); the Gluon dQ where D=128 takes it, on 64-key tiles in
-    3 buffers (dQ leaving through the Q tiles; 2 buffers time the same, 4 do not fit)."""
+    the Gluon dK/dV with split-D consumers (as D=256's: dK's 128 + 64 columns, dV's halves); the Gluon dQ
+    where D=128 takes it, on 64-key tiles in 3 buffers (dQ leaving through the Q tiles; 2 buffers time the
+    same, 4 do not fit)."""
     L = Length
     forward, dkdv, dq = _hopper_d256(hopper, length, banded)
     if hopper:
