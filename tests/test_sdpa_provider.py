@@ -72,6 +72,7 @@ def test_activate_overrides_the_ops_and_restore_gives_them_back(restored):
     before = {name: _cuda_kernel_source(name) for name in sdpa.IMPLS if hasattr(aten, name)}
     assert all("sdpa.py" not in source for source in before.values())
     flash, cudnn = (int(b) for b in (attention.SDPBackend.FLASH_ATTENTION, attention.SDPBackend.CUDNN_ATTENTION))
+    sdpa._settle_default_priority()  # (on a GPU: torch's own default first, which a later choice would set)
     default_priority = torch._C._get_sdp_priority_order()
     users = [cudnn] + [b for b in default_priority if b != cudnn]  # a user's own order, flash not first
     torch._C._set_sdp_priority_order(users)
