@@ -402,13 +402,7 @@ def _check_transformers_cp(rank, world):
     torch.manual_seed(10)
     ref = transformers.Gemma2ForCausalLM._from_config(config(), attn_implementation="eager", dtype=torch.float64)
     ours = transformers.Gemma2ForCausalLM._from_config(config(), attn_implementation="cp_auto", dtype=torch.float64)
-    ours.load_state_dict(ref.state_dict())
-    ids = torch.randint(0, 97, (2, 8 * world))
-    positions = torch.arange(8 * world).expand(2, -1)
-    logits = ours(input_ids=context_parallel_shard(ids, mesh),
-                  position_ids=context_parallel_shard(positions, mesh)).logits
-    expected = ref(input_ids=ids).logits  # eager attention takes its softmax in fp32
-    err = ((_mesh_unshard(logits, mesh, "contiguous") - expected).norm() / expected.norm()).item()
+    err = _mesh_logits_error(ours, ref, mesh, world)  # (eager attention takes its softmax in fp32)
     assert err < 1e-6, f"Gemma-2 on the mesh: logits error {err:.2e}"
 
 
@@ -494,14 +488,20 @@ def _check_sinks(rank, world):
         for layer in ref.model.layers:
             layer.self_attn.sinks.normal_(0.0, 2.0)
     ours = transformers.GptOssForCausalLM._from_config(config(), attn_implementation="cp_sinks", dtype=torch.float32)
+    err = _mesh_logits_error(ours, ref, mesh, world)
+    assert err < 1e-5, f"gpt-oss on the mesh: logits error {err:.2e}"  # (its experts take no fp64)
+
+
+def _mesh_logits_error(ours, ref, mesh, world) -> float:
+    """The relative error of model `ours` (ref's weights loaded) on contiguous shards of a batch of ids
+    and positions, its logits gathered, against `ref` on the whole batch."""
     ours.load_state_dict(ref.state_dict())
     ids = torch.randint(0, 97, (2, 8 * world))
     positions = torch.arange(8 * world).expand(2, -1)
     logits = ours(input_ids=context_parallel_shard(ids, mesh),
                   position_ids=context_parallel_shard(positions, mesh)).logits
     expected = ref(input_ids=ids).logits
-    err = ((_mesh_unshard(logits, mesh, "contiguous") - expected).norm() / expected.norm()).item()
-    assert err < 1e-5, f"gpt-oss on the mesh: logits error {err:.2e}"  # (its experts take no fp64)
+    return ((_mesh_unshard(logits, mesh, "contiguous") - expected).norm() / expected.norm()).item()
 
 
 def _gather_packed(x, cu_seqlens, layout, dim=0):
