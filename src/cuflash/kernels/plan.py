@@ -89,10 +89,10 @@ def select(prob: Problem, params: AttentionParams, entry: Entry | None = None, o
 
 
 # The fused dQ's additions and the query tiles stay in L2 while the dK/dV programs sweep the query rows
-# together. Under GQA (a work item sweeps its group's heads in turn) in calls of more query-key pairs
-# than 32 heads of 128k x 128k, L2's hit rate fell from 87% to 58% and the fused backward to 0.68x
-# cuDNN (H100, D=128 causal, 32/8 heads at 256k keys), where the dQ pass of its own holds 0.92x:
-# docs/tuning.md. Measured at batch 1; a batch counts as more heads (its items share the grid as
+# together. Under GQA in calls of more query-key pairs than 32 heads of 128k x 128k, L2's hit rate fell
+# from 87% to 58% and the fused backward to 0.68x cuDNN (H100, D=128 causal, 32/8 heads at 256k keys),
+# where the dQ pass of its own holds 0.92x; MHA does not fall, nor GQA on K/V repeated to every head
+# (why, docs/tuning.md). Measured at batch 1; a batch counts as more heads (its items share the grid as
 # the KV heads do), unmeasured.
 FUSED_DQ_MAX_PAIRS = 32 * 2 ** 34
 
