@@ -14,9 +14,9 @@ runner lists those names before the run. Two stand-ins are the harness's, not cu
   exp(s - m_j), m_j the row max over key blocks j.. (the running max of its right-to-left loop), which
   the test's normalize_flash_attn_S rescales by exp(m_j - lse). The shim re-encodes cuflash's
   probabilities that way (s = log|p| + lse, in fp32, the sign kept); --raw-probs passes them as they are.
-If `import einops` fails (the upstream file imports rearrange and repeat), a minimal einops with just
-those two is installed (MiniEinops below). Without CUDA, torch.cuda.get_device_capability is stubbed to
-(9, 0) so that the module (which reads it at import) collects; its cases then fail (device="cuda").
+The upstream file imports einops (rearrange, repeat): install it where it is missing. Without CUDA,
+torch.cuda.get_device_capability is stubbed to (9, 0) so that the module (which reads it at import)
+collects; its cases then fail (device="cuda").
 
 Get the upstream file (not in this repository: the .probe directory is git-excluded):
     git clone https://github.com/Dao-AILab/flash-attention /tmp/fa && mkdir -p .probe/fa2 && \
@@ -45,7 +45,6 @@ import hashlib
 import inspect
 import io
 import json
-import math
 import os
 import sys
 import tempfile
@@ -251,102 +250,13 @@ def install_shim(raw_probs: bool = False) -> None:
     sys.meta_path.insert(0, _ShimFinder(raw_probs))
 
 
-# ---------------------------------------------------------------------------------------------------
-# A minimal einops (rearrange, repeat), for a machine without it
-
-
-class MiniEinops:
-    """einops.rearrange and einops.repeat for the patterns the upstream file uses (named axes,
-    parenthesized compositions, 1, integer literals in repeat's output, a top-level ...)."""
-
-    @staticmethod
-    def _parse(side: str):
-        groups, cur, depth = [], None, 0
-        for tok in side.replace("(", " ( ").replace(")", " ) ").split():
-            if tok == "(":
-                assert depth == 0, "nested parentheses"
-                cur, depth = [], 1
-            elif tok == ")":
-                assert depth == 1, "unbalanced parentheses"
-                groups.append(cur)
-                cur, depth = None, 0
-            elif depth:
-                cur.append(tok)
-            else:
-                groups.append([tok])
-        assert depth == 0, "unbalanced parentheses"
-        return groups
-
-    @classmethod
-    def _apply(cls, x, pattern: str, sizes: dict, allow_new: bool):
-        left_s, right_s = pattern.split("->")
-        left, right = cls._parse(left_s), cls._parse(right_s)
-        ell = [f"...{i}" for i in range(x.dim() - (len(left) - (["..."] in left)))] if ["..."] in left else []
-
-        def expand(groups):
-            out = []
-            for g in groups:
-                if g == ["..."]:
-                    out.extend([[e] for e in ell])
-                else:
-                    assert "..." not in g, "... inside parentheses"
-                    out.append(g)
-            return out
-        left, right = expand(left), expand(right)
-        assert len(left) == x.dim(), f"pattern {pattern!r} has {len(left)} input axes, tensor has {x.dim()}"
-        known = dict(sizes)
-        elems = []  # (name, size) of the input's elementary axes; '1' literals dropped
-        for g, dim in zip(left, x.shape):
-            names = [n for n in g if n != "1"]
-            unknown = [n for n in names if n not in known]
-            prod = math.prod(known[n] for n in names if n in known)
-            assert len(unknown) <= 1, f"cannot infer {unknown} in {pattern!r}"
-            if unknown:
-                assert prod and dim % prod == 0, f"{dim} not divisible by {prod} in {pattern!r}"
-                known[unknown[0]] = dim // prod
-            elif prod != dim:
-                raise ValueError(f"shape mismatch for {g} in {pattern!r}: {dim} != {prod}")
-            elems.extend((n, known[n]) for n in names)
-        x = x.reshape([s for _, s in elems])
-        order = [n for n, _ in elems]
-        out_names = []
-        for g in right:
-            for n in g:
-                if n == "1":
-                    continue
-                if n.isdigit():
-                    n = f"#{len(out_names)}:{n}"
-                    known[n] = int(n.split(":")[1])
-                out_names.append(n)
-        kept = [n for n in out_names if n in order]
-        assert sorted(kept) == sorted(order), f"rearrange axes differ in {pattern!r}"
-        x = x.permute([order.index(n) for n in kept])
-        new = [n for n in out_names if n not in order]
-        if new:
-            assert allow_new, f"new axes {new} need repeat, in {pattern!r}"
-            for i, n in enumerate(out_names):
-                if n not in order:
-                    x = x.unsqueeze(i)
-            x = x.expand([known[n] if n not in order else -1 for n in out_names])
-        final = [math.prod(int(n) if n.isdigit() else known[n] for n in g) for g in right]
-        return x.reshape(final)
-
-    @classmethod
-    def module(cls) -> types.ModuleType:
-        mod = types.ModuleType("einops", "fa2_suite's minimal einops (rearrange, repeat)")
-        mod.rearrange = lambda x, pattern, **sizes: cls._apply(x, pattern, sizes, False)
-        mod.repeat = lambda x, pattern, **sizes: cls._apply(x, pattern, sizes, True)
-        mod.__version__ = "0+fa2_suite"
-        return mod
-
-
 def ensure_einops() -> str:
+    """The upstream file imports einops's rearrange and repeat: its version, or SystemExit naming it."""
     try:
         import einops
-        return f"einops {einops.__version__}"
     except ImportError:
-        sys.modules["einops"] = MiniEinops.module()
-        return "einops not installed: fa2_suite's minimal rearrange/repeat"
+        raise SystemExit("fa2 suite: the upstream test file needs einops (pip install einops)") from None
+    return f"einops {einops.__version__}"
 
 
 # ---------------------------------------------------------------------------------------------------
