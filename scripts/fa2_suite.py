@@ -7,8 +7,8 @@ How it works: before pytest imports the test file, a shim package `flash_attn` i
 other flash_attn.* as an empty module) whose names are cuflash's equivalents (SHIM below). A name cuflash
 lacks imports as a placeholder that raises only when used, so the rest of the file still runs; the
 runner lists those names before the run. Two stand-ins are the harness's, not cuflash's:
-- `_get_block_size_n` (a private flash-attn helper): the key-block width of the S_dmask encoding below;
-  upstream's table of widths (flash_attn_interface.py), which the test and the shim both read.
+- `_get_block_size_n` (a private flash-attn helper): the key-block width of the S_dmask encoding below,
+  a constant 64 that the test and the shim both read (any width both agree on decodes the same).
 - S_dmask, the third value of return_attn_probs=True with dropout_p > 0: cuflash returns each
   probability exp(s - lse) (negated where dropout drops it); flash-attn 2's kernels return
   exp(s - m_j), m_j the row max over key blocks j.. (the running max of its right-to-left loop), which
@@ -82,25 +82,10 @@ SHIM: dict[str, dict[str, str]] = {
 
 
 def _get_block_size_n(device, head_dim, is_dropout, is_causal):
-    """flash-attn 2's key-block width for (head_dim, dropout, causal) on `device` (its table, as of
-    v2.8.3): here only the width of the S_dmask encoding that the shim's functions return
-    (_upstream_s_dmask), which the test's normalize_flash_attn_S undoes with the same width. cuflash has
-    no fixed width (its tiles come from a launch plan); any width both sides agree on works."""
-    import torch
-    assert head_dim <= 256
-    major, minor = (torch.cuda.get_device_capability(device)
-                    if torch.device(device).type == "cuda" and torch.cuda.is_available() else (9, 0))
-    is_sm8x = major == 8 and minor > 0
-    if head_dim <= 32:
-        return 128
-    if head_dim <= 64:
-        return 128 if not is_dropout else 64
-    if head_dim <= 96:
-        return 64
-    if head_dim <= 128:
-        if is_sm8x:
-            return 64 if (not is_dropout and is_causal) else 32
-        return 64 if not is_dropout else 32
+    """The key-block width of the S_dmask encoding that the shim's functions return (_upstream_s_dmask),
+    which the test's normalize_flash_attn_S undoes with the same width: its only use. cuflash has no
+    fixed width (its tiles come from a launch plan), and any width both sides agree on decodes the same
+    probabilities."""
     return 64
 
 
