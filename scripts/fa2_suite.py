@@ -255,14 +255,10 @@ def ensure_einops() -> str:
 # pytest not expose metafunc._calls).
 
 
-def _function_key(definition) -> str:
-    tail = definition.nodeid.split("::", 1)[1] if "::" in definition.nodeid else definition.nodeid
-    return f"{definition.path.name}::{tail}"
-
-
-def sample_key(item) -> str:
-    """A case's name independent of where the file lies: file name::test id (with its [parameters])."""
-    return f"{item.path.name}::{item.nodeid.split('::', 1)[1]}" if "::" in item.nodeid else item.nodeid
+def sample_key(node) -> str:
+    """A case's name independent of where the file lies: file name::test id (with its [parameters]);
+    of a test function's definition, the stem its cases' keys extend."""
+    return f"{node.path.name}::{node.nodeid.split('::', 1)[1]}" if "::" in node.nodeid else node.nodeid
 
 
 def rank(seed: int, key: str) -> str:
@@ -279,8 +275,6 @@ def pick(keys, n: int, seed: int) -> list[str]:
 
 def pytest_addoption(parser):
     group = parser.getgroup("fa2_suite", "flash-attn 2 upstream suite against cuflash (scripts/fa2_suite.py)")
-    group.addoption("--fa2-sample", type=int, default=0, help="cases to keep (0: all); without --fa2-plan")
-    group.addoption("--fa2-seed", type=int, default=0, help="the sample's seed")
     group.addoption("--fa2-only", default="", help="comma-separated substrings: only test functions named so")
     group.addoption("--fa2-list", default=None, help="write every case's key to this JSON file; run none")
     group.addoption("--fa2-plan", default=None, help="JSON file {collected, keys}: run only these cases")
@@ -313,7 +307,7 @@ def pytest_generate_tests(metafunc):
     calls = getattr(metafunc, "_calls", None)
     if calls is None:
         return
-    base = _function_key(metafunc.definition)
+    base = sample_key(metafunc.definition)
     keys = [base + (f"[{c.id}]" if c.id else "") for c in calls] or [base]
     if config.getoption("--fa2-list"):
         if _wanted(config, metafunc.function.__name__):
@@ -344,21 +338,13 @@ def _write_json(config, name: str, data) -> None:
 def pytest_collection_modifyitems(session, config, items):
     if config.getoption("--fa2-list"):
         return
-    collected = len(items)
-    if config._fa2_keys is not None:
+    collected = len(items)  # (no plan: every case, the runner's --sample 0)
+    if config._fa2_keys is not None:  # the runner's sample (main: pick)
         collected = config._fa2_plan["collected"]
-        keep = {id(it) for it in items if sample_key(it) in config._fa2_keys}
-    else:
-        items_wanted = [it for it in items if _wanted(config, it.originalname if hasattr(it, "originalname")
-                                                      else it.name)]
-        collected = len(items_wanted)
-        chosen = set(pick([sample_key(it) for it in items_wanted], config.getoption("--fa2-sample"),
-                          config.getoption("--fa2-seed")))
-        keep = {id(it) for it in items_wanted if sample_key(it) in chosen}
-    dropped = [it for it in items if id(it) not in keep]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [it for it in items if id(it) in keep]
+        dropped = [it for it in items if sample_key(it) not in config._fa2_keys]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [it for it in items if sample_key(it) in config._fa2_keys]
     _write_json(config, "collection.json", {"collected": collected, "sampled": len(items),
                                             "ids": [sample_key(it) for it in items]})
 
