@@ -40,7 +40,7 @@ qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 p = AttentionParams(0.125, window_right=0)
 out, lse = ka.attention_forward(q, k, v, p)
 dout = torch.randn_like(out)
-kernel, grid, kwargs = ka.forward_launch(dict(Q=q, K=k, V=v, Out=out, Lse=lse, **variant_tensors(p)), p, None)
+(kernel, grid, kwargs), = ka.forward_launches(dict(Q=q, K=k, V=v, Out=out, Lse=lse, **variant_tensors(p)), p, None)
 
 
 def _no_grad_sdpa():

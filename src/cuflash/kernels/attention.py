@@ -17,9 +17,10 @@ from .compat import gluon_kernels
 from .device import tf32
 from .launch import keep, kept, launch, open_key, workspace
 from .plan import Entry, select, select_decode, user_tiles_checked
-from .triton import Tiles
+from .triton import SplitOperands, Tiles
 from .triton import backward as triton_backward
 from .triton import decode as triton_decode
+from .triton import exact as triton_exact
 from .triton import forward as triton_forward
 from .variant import problem, variant_tensors
 
@@ -54,7 +55,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params:
         tensors["BlockTable"] = params.block_table
     with user_tiles_checked(params, q.shape[-1], q.dtype):
         plan = launch((attention_forward, params.key(), entry, tf32(q)), tensors,
-                      lambda: [forward_launch(tensors, params, entry)])
+                      lambda: forward_launches(tensors, params, entry))
     keep(plans, key, plan)
     return out, lse
 
@@ -88,14 +89,16 @@ def _open_key(plans: dict | None, params: AttentionParams, entry: Entry | None, 
     return open_key(plans, pass_, inputs, *extra)
 
 
-def forward_launch(t: dict, params: AttentionParams, entry: Entry | None) -> tuple:
-    """(kernel, grid, keyword arguments) of the forward's launch on the tensors `t` (Q, K, V, Out, Lse
-    and the variant's), with the candidate select() takes."""
+def forward_launches(t: dict, params: AttentionParams, entry: Entry | None) -> list[tuple]:
+    """[(kernel, grid, keyword arguments)] of the forward on the tensors `t` (Q, K, V, Out, Lse and the
+    variant's), with the candidate select() takes (split operands: their split kernels first)."""
     prob = problem(t["Q"], t["K"], t["V"], params)
     cfg = select(prob, params, entry).forward
     if isinstance(cfg, Tiles):
-        return triton_forward.launch_args(t, prob, params, cfg)
-    return gluon_forward.launch_args(t, prob, params, cfg)
+        return [triton_forward.launch_args(t, prob, params, cfg)]
+    if isinstance(cfg, SplitOperands):
+        return triton_exact.launches(t, prob, params, cfg)
+    return [gluon_forward.launch_args(t, prob, params, cfg)]
 
 
 def attention_backward(dout, q, k, v, out, lse, params: AttentionParams, entry: Entry | None = None,

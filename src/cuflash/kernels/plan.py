@@ -23,10 +23,10 @@ from ..errors import ErrorCode, fail
 from ..params import AttentionParams
 from . import gluon
 from .device import arch, cdiv, max_shared_memory, next_power_of_2, num_sms, padded_head_dim, tf32
-from .triton import DecodeLaunch, OneLaunch, Tiles
+from .triton import DecodeLaunch, OneLaunch, SplitOperands, Tiles
 from .variant import Problem
 
-Candidate = Union[Tiles, OneLaunch, gluon.Forward, gluon.Dkdv, gluon.Dq]
+Candidate = Union[Tiles, OneLaunch, SplitOperands, gluon.Forward, gluon.Dkdv, gluon.Dq]
 
 
 class Length(enum.IntEnum):
@@ -59,7 +59,7 @@ class Entry:
 class Plan:
     """What runs: the forward's launch, and in a backward (the problem has dO) dK/dV's and dQ's;
     dq None: the dK/dV kernel computes dQ (the Gluon one with fuse_dq, the Triton one for OneLaunch)."""
-    forward: Tiles | gluon.Forward
+    forward: Tiles | SplitOperands | gluon.Forward
     dkdv: Tiles | gluon.Dkdv | None = None
     dq: Tiles | gluon.Dq | None = None
 
@@ -74,7 +74,7 @@ def select(prob: Problem, params: AttentionParams, entry: Entry | None = None, o
     seqlens = (prob.seqlen_q, prob.seqlen_k)
     plain = gluon.accepts(prob, params)
     streamed = () if params.block_table is not None else (prob.k, prob.v)
-    forward = _first(entry.forward, plain, seqlens, streamed, prob)
+    forward = _first(entry.forward, plain, seqlens, streamed, prob, SplitOperands.accepts(prob, params))
     if prob.dout is None:
         return Plan(forward)
     dkdv = _first(tuple(c for c in entry.dkdv if one_launch or not isinstance(c, OneLaunch)), plain, seqlens,
@@ -158,7 +158,7 @@ def _within_blocks(entry: Entry, params: AttentionParams, block_d: int) -> Entry
 
 
 def _first(candidates: tuple[Candidate, ...], gluon_accepts: bool, seqlens: tuple[int, int],
-           streamed: tuple[torch.Tensor, ...], prob: Problem):
+           streamed: tuple[torch.Tensor, ...], prob: Problem, split_accepts: bool = False):
     """The first candidate that takes the call; Triton tiles asking for tensor descriptors that the call
     cannot use (Tiles.on) yield to the next Triton tiles where the entry lists some (tiles sized for
     pointer loads: at head dim 512 the descriptor tiles' pointer form overflows shared memory)."""
@@ -169,6 +169,9 @@ def _first(candidates: tuple[Candidate, ...], gluon_accepts: bool, seqlens: tupl
                 return tiles
         elif isinstance(candidate, OneLaunch):
             if candidate.takes(prob.seqlen_k, prob.batch, prob.nheads, prob.nheads_k, num_sms(prob.q.device)):
+                return candidate
+        elif isinstance(candidate, SplitOperands):
+            if split_accepts:
                 return candidate
         elif gluon_accepts:
             return candidate
@@ -225,9 +228,9 @@ def entry(arch: int, block_d: int, fp32: bool, tf32: bool, length: Length, bande
     v's padded head dim (None: block_d). Its tiles are those of the larger head dim, which leave
     registers and shared memory for the smaller."""
     fwd, dkdv, dq = _table(arch, block_d, block_dv or block_d, fp32, length, banded)
-    if tf32:  # the user opted into TF32 matmuls: one TF32 pass per fp32 dot
-        fwd, dkdv, dq = ((dataclasses.replace(c, input_precision="tf32") if isinstance(c, Tiles) else c for c in cs)
-                         for cs in (fwd, dkdv, dq))
+    if tf32:  # the user opted into TF32 matmuls: one TF32 pass per fp32 dot (and no split operands)
+        fwd, dkdv, dq = ((dataclasses.replace(c, input_precision="tf32") if isinstance(c, Tiles) else c for c in cs
+                          if not isinstance(c, SplitOperands)) for cs in (fwd, dkdv, dq))
     return Entry(tuple(fwd), tuple(dkdv), tuple(dq))
 
 
@@ -239,9 +242,10 @@ def _table(arch: int, block_d: int, block_dv: int, fp32: bool, length: Length, b
     if arch == 0:
         # Small, unequal tiles: the CPU tests run through the interpreter and must cover the
         # masked/unmasked split with tiles of different heights and widths, and (up to 32 keys and a
-        # few heads) the one-launch backward.
+        # few heads) the one-launch backward; fp32 forwards on split operands where they take the call.
         dkdv = Tiles(16, 32, 1, 1)
-        return (Tiles(32, 16, 1, 1),), (OneLaunch(dkdv), dkdv), (Tiles(32, 16, 1, 1),)
+        fwd = (SplitOperands(Tiles(32, 16, 1, 1)),) if fp32 else ()
+        return (*fwd, Tiles(32, 16, 1, 1)), (OneLaunch(dkdv), dkdv), (Tiles(32, 16, 1, 1),)
     if block_d > 256:
         return _d512(arch, fp32)
     if fp32:
@@ -275,18 +279,24 @@ def _d512(arch: int, fp32: bool):
 
 
 def _fp32(arch: int, block_d: int):
-    """fp32: exact dots as three TF32 tensor-core passes (tf32x3) on Hopper, IEEE FMA dots before."""
+    """fp32: exact dots as three TF32 tensor-core passes (tf32x3) on Hopper, IEEE FMA dots before. On
+    Hopper the forward's first candidate splits its operands once (SplitOperands), the rest split every
+    tile in Triton's tf32x3."""
+    split: tuple[Candidate, ...] = ()
+    if arch == 90:
+        split = (SplitOperands(Tiles(128, 64, 8, 2) if block_d <= 64 else Tiles(128, 64, 8, 1) if block_d <= 128
+                               else Tiles(64, 32, 4, 1)),)
     if block_d > 128:
         # D=256: a tf32x3 forward; the backward stays IEEE (a tf32x3 one doubled the error of a dQ that
         # cancels to zero); larger tiles run out of shared memory.
         fwd = Tiles(32, 16, 4, 2, "tf32x3") if arch >= 90 else Tiles(16, 16, 4, 1)
-        return (fwd,), (Tiles(16, 16, 4, 1),), (Tiles(16, 16, 4, 1),)
+        return (*split, fwd), (Tiles(16, 16, 4, 1),), (Tiles(16, 16, 4, 1),)
     if arch >= 90:
         if block_d <= 64:
-            return ((Tiles(128, 64, 8, 2, "tf32x3"),), (Tiles(64, 128, 8, 2, "tf32x3"),),
+            return ((*split, Tiles(128, 64, 8, 2, "tf32x3")), (Tiles(64, 128, 8, 2, "tf32x3"),),
                     (Tiles(128, 64, 8, 2, "tf32x3"),))
-        # The split operands double the shared memory: D=128 takes small tiles.
-        return ((Tiles(128, 32, 8, 3, "tf32x3"),), (Tiles(32, 32, 4, 2, "tf32x3", tma=True),),
+        # Triton's split operands double the shared memory: D=128 takes small tiles.
+        return ((*split, Tiles(128, 32, 8, 3, "tf32x3")), (Tiles(32, 32, 4, 2, "tf32x3", tma=True),),
                 (Tiles(64, 32, 4, 2, "tf32x3"),))
     small = Tiles(64, 32, 4, 2) if block_d <= 64 else Tiles(32, 32, 4, 2)  # the forward and dQ
     dkdv = Tiles(32, 64, 4, 2) if block_d <= 64 else Tiles(32, 32, 4, 2)

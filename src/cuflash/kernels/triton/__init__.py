@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 
 from ..device import scratch, tma_addressable
+
+if TYPE_CHECKING:
+    from ...params import AttentionParams
+    from ..variant import Problem
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,21 @@ class OneLaunch:
     def takes(self, seqlen_k: int, batch: int, nheads: int, nheads_k: int, sms: int) -> bool:
         waves = -(-batch * nheads_k // sms)
         return seqlen_k <= self.tiles.block_n and nheads // nheads_k * waves <= self.MAX_HEADS_PER_SM
+
+
+@dataclass(frozen=True)
+class SplitOperands:
+    """A forward candidate: the exact fp32 forward on operands split once into TF32 halves
+    (kernels/triton/exact.py), on `tiles` (block_m x block_n, warps, the K/V pipeline's stages). It
+    takes fp32 calls up to head dim 256 without attn_mask, dropout, mods (softcap's and ALiBi's among
+    them), varlen or pages: causal or not, windows, GQA, a learnable sink; the rest take Triton tiles."""
+    tiles: Tiles
+
+    @staticmethod
+    def accepts(prob: Problem, params: AttentionParams) -> bool:
+        return (prob.q.dtype == torch.float32 and not prob.varlen and params.attn_mask is None
+                and params.dropout_p == 0 and params.mods is None and params.block_table is None
+                and params.seqused_q is None and params.seqused_k is None and max(prob.block_d, prob.block_dv) <= 256)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,90 @@
+"""The exact fp32 forward on split operands (kernels/triton/exact.py): which calls it takes, and its
+values against the float64 oracle (through Triton's interpreter on the CPU, on the GPU where the table
+picks it: Hopper)."""
+import pytest
+import torch
+
+import cuflash
+from attn_testing import check_against_oracle, flash_fn, interpret, make_qkv, rel_err, seed_of
+from cuflash.builtin_mods import resolved
+from cuflash.kernels.plan import Length, entry, select
+from cuflash.kernels.triton import SplitOperands, Tiles
+from cuflash.kernels.variant import problem
+from cuflash.params import AttentionParams
+from cuflash.reference import attention_reference
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim_v, causal)
+SHAPES = [(1, 1, 1, 2, 2, 64, 64, False), (2, 17, 17, 4, 2, 40, 40, True), (1, 17, 300, 2, 1, 96, 96, True),
+          (1, 300, 17, 2, 2, 64, 64, True), (1, 65, 130, 2, 2, 128, 64, True), (1, 33, 48, 2, 2, 256, 256, False),
+          (1, 1, 33, 4, 1, 64, 64, False)]
+
+
+def _shape_id(shape) -> str:
+    b, nq, nk, h, hk, d, dv, causal = shape
+    return f"{b}x{nq}x{nk}-h{h}/{hk}-d{d}/{dv}" + ("-causal" if causal else "")
+
+
+def _check(shape, device, layout="bnhd"):
+    b, nq, nk, h, hk, d, dv, causal = shape
+    torch.manual_seed(seed_of(shape, layout))
+    q, k, _ = make_qkv(b, nq, nk, h, hk, d, torch.float32, device, layout)
+    v = torch.randn(b, nk, hk, dv, device=device)
+    check_against_oracle(flash_fn(causal), q, k, v, causal, with_sdpa=False, grads=False)
+
+
+@interpret
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+def test_split_operands_against_oracle(shape, monkeypatch):
+    """Odd lengths and head dims, causal with seqlen_q != seqlen_k (rows that see no key), GQA, a v of
+    its own head dim, a query of one row: within 2x the error of the same attention in fp32 torch ops."""
+    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
+    _check(shape, "cpu")
+
+
+@interpret
+def test_strided_inputs_window_and_sink(monkeypatch):
+    """Non-contiguous q, k, v (SDPA's layout), a sliding window and a learnable sink, on split operands;
+    softmax_lse against the oracle's too."""
+    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
+    _check((2, 40, 70, 4, 2, 64, 64, True), "cpu", layout="bhnd")
+    torch.manual_seed(1)
+    q, k, v = make_qkv(1, 50, 90, 2, 1, 64, torch.float32, "cpu", layout="bhnd")
+    sink = torch.randn(2)
+    out, lse, _ = cuflash.flash_attn_func(q, k, v, causal=True, window_size=(20, 0), learnable_sink=sink,
+                                          return_attn_probs=True)
+    ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=True, window_size=(20, 0),
+                                       learnable_sink=sink.double())
+    assert rel_err(out, ref) < 2e-6
+    assert rel_err(lse, ref_lse) < 1e-6
+
+
+def _plan(q, params, arch=90, tf32=False):
+    prob = problem(q, q, q, params)
+    cell = entry(arch, prob.block_d, q.dtype == torch.float32, tf32, Length.of(q.shape[1]), params.banded)
+    return select(prob, params, cell).forward
+
+
+def test_which_calls_take_split_operands():
+    """fp32 calls without attn_mask, dropout, mods, varlen or pages take the split-operand forward on
+    Hopper and in the interpreter; the rest, 16-bit calls and TF32 ones (allow_tf32) take Triton tiles
+    (or Gluon), as head dims over 256 do."""
+    q = torch.zeros(1, 300, 2, 64)
+    plain = AttentionParams(0.125)
+    assert isinstance(_plan(q, plain), SplitOperands)
+    assert isinstance(_plan(q, AttentionParams(0.125, window_left=8, window_right=0)), SplitOperands)
+    assert isinstance(_plan(q, plain, arch=0), SplitOperands)
+    assert isinstance(_plan(torch.zeros(1, 300, 2, 512), plain), Tiles)
+    assert _plan(q, plain, tf32=True) == Tiles(128, 64, 8, 2, "tf32")
+    assert isinstance(_plan(q, plain, arch=80), Tiles)
+    assert not isinstance(_plan(q.half(), plain), SplitOperands)
+    for options in (dict(dropout_p=0.1, rng_seed=torch.zeros(2, dtype=torch.int64)),
+                    dict(attn_mask=torch.ones(1, 2, 300, 300, dtype=torch.bool)), dict(softcap=5.0)):
+        params = AttentionParams(0.125, **options)
+        assert isinstance(_plan(q, resolved(params, 300, 300)), Tiles), options
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES + [(2, 1000, 1000, 4, 2, 128, 128, True)], ids=_shape_id)
+def test_split_operands_on_gpu(shape):
+    """The same on the GPU (Hopper takes the split operands; other GPUs Triton tiles)."""
+    _check(shape, "cuda")
