@@ -1,6 +1,6 @@
-"""The exact fp32 forward on split operands (kernels/triton/exact.py): which calls it takes, and its
-values against the float64 oracle (through Triton's interpreter on the CPU, on the GPU where the table
-picks it: Hopper)."""
+"""The exact fp32 forward and backward on split operands (kernels/triton/exact.py): which calls they
+take, and their values and gradients against the float64 oracle (through Triton's interpreter on the
+CPU, on the GPU where the table picks them: Hopper)."""
 import pytest
 import torch
 
@@ -29,14 +29,15 @@ def _check(shape, device, layout="bnhd"):
     torch.manual_seed(seed_of(shape, layout))
     q, k, _ = make_qkv(b, nq, nk, h, hk, d, torch.float32, device, layout)
     v = torch.randn(b, nk, hk, dv, device=device)
-    check_against_oracle(flash_fn(causal), q, k, v, causal, with_sdpa=False, grads=False)
+    check_against_oracle(flash_fn(causal), q, k, v, causal, with_sdpa=False)
 
 
 @interpret
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 def test_split_operands_against_oracle(shape, monkeypatch):
     """Odd lengths and head dims, causal with seqlen_q != seqlen_k (rows that see no key), GQA, a v of
-    its own head dim, a query of one row: within 2x the error of the same attention in fp32 torch ops."""
+    its own head dim, a query of one row: output and gradients within 2x the error of the same attention
+    in fp32 torch ops."""
     monkeypatch.setenv("CUFLASH_BACKEND", "triton")
     _check(shape, "cpu")
 
@@ -58,16 +59,17 @@ def test_strided_inputs_window_and_sink(monkeypatch):
     assert rel_err(lse, ref_lse) < 1e-6
 
 
-def _plan(q, params, arch=90, tf32=False):
-    prob = problem(q, q, q, params)
+def _plan(q, params, arch=90, tf32=False, backward=False):
+    prob = problem(q, q, q, params, q if backward else None)
     cell = entry(arch, prob.block_d, q.dtype == torch.float32, tf32, Length.of(q.shape[1]), params.banded)
-    return select(prob, params, cell).forward
+    plan = select(prob, params, cell)
+    return (plan.dkdv, plan.dq) if backward else plan.forward
 
 
 def test_which_calls_take_split_operands():
-    """fp32 calls without attn_mask, dropout, mods, varlen or pages take the split-operand forward on
-    Hopper and in the interpreter; the rest, 16-bit calls and TF32 ones (allow_tf32) take Triton tiles
-    (or Gluon), as head dims over 256 do."""
+    """fp32 calls without attn_mask, dropout, mods, varlen or pages take the split-operand forward and
+    backward on Hopper and in the interpreter; the rest, 16-bit calls and TF32 ones (allow_tf32) take
+    Triton tiles (or Gluon), as head dims over 256 do."""
     q = torch.zeros(1, 300, 2, 64)
     plain = AttentionParams(0.125)
     assert isinstance(_plan(q, plain), SplitOperands)
@@ -76,6 +78,9 @@ def test_which_calls_take_split_operands():
     assert isinstance(_plan(torch.zeros(1, 300, 2, 512), plain), Tiles)
     assert _plan(q, plain, tf32=True) == Tiles(128, 64, 8, 2, "tf32")
     assert isinstance(_plan(q, plain, arch=80), Tiles)
+    for arch in (0, 90):
+        assert all(isinstance(c, SplitOperands) for c in _plan(q, plain, arch, backward=True))
+    assert all(isinstance(c, Tiles) for c in _plan(q, plain, tf32=True, backward=True))
     assert not isinstance(_plan(q.half(), plain), SplitOperands)
     for options in (dict(dropout_p=0.1, rng_seed=torch.zeros(2, dtype=torch.int64)),
                     dict(attn_mask=torch.ones(1, 2, 300, 300, dtype=torch.bool)), dict(softcap=5.0)):

@@ -146,8 +146,9 @@ def _delta(t: dict, params: AttentionParams) -> torch.Tensor:
 
 
 def _backward(t: dict, params: AttentionParams, entry: Entry | None) -> list[tuple]:
-    """delta (rowsum(dO * O)), then dK/dV, then dQ (or, fused into dK/dV, its fp32 sum's cast); or
-    all three in the Triton dK/dV kernel where one key tile holds every key. Workspaces added to t
+    """delta (rowsum(dO * O)), then dK/dV, then dQ (or, fused into dK/dV, its fp32 sum's cast; or on
+    split operands, their split first); or all three in the Triton dK/dV kernel where one key tile holds
+    every key. Workspaces added to t
     are made anew on every call (kernels/launch.py's workspace())."""
     prob = problem(t["Q"], t["K"], t["V"], params, t["DO"])
     plan = select(prob, params, entry, one_launch="DLse" not in t)
@@ -156,6 +157,10 @@ def _backward(t: dict, params: AttentionParams, entry: Entry | None) -> list[tup
     if isinstance(dkdv, Tiles) and plan.dq is None:
         return [triton_backward.dkdv_launch(t, prob, params, dkdv, dq_here=True)]
     t["Delta"] = workspace(t["Lse"].shape, torch.float32, t["Lse"].device, zeroed=False)
+    if isinstance(dkdv, SplitOperands):
+        assert isinstance(plan.dq, SplitOperands)  # (select plans the two together)
+        return [triton_backward.delta_launch(t, prob, params, acc_init=False),
+                *triton_exact.backward_launches(t, prob, params, dkdv, plan.dq)]
     launches = [triton_backward.delta_launch(t, prob, params, acc_init=not isinstance(dkdv, Tiles))]
     if isinstance(dkdv, Tiles):
         launches.append(triton_backward.dkdv_launch(t, prob, params, dkdv))

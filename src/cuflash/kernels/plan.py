@@ -60,8 +60,8 @@ class Plan:
     """What runs: the forward's launch, and in a backward (the problem has dO) dK/dV's and dQ's;
     dq None: the dK/dV kernel computes dQ (the Gluon one with fuse_dq, the Triton one for OneLaunch)."""
     forward: Tiles | SplitOperands | gluon.Forward
-    dkdv: Tiles | gluon.Dkdv | None = None
-    dq: Tiles | gluon.Dq | None = None
+    dkdv: Tiles | SplitOperands | gluon.Dkdv | None = None
+    dq: Tiles | SplitOperands | gluon.Dq | None = None
 
 
 def select(prob: Problem, params: AttentionParams, entry: Entry | None = None, one_launch: bool = True) -> Plan:
@@ -73,14 +73,17 @@ def select(prob: Problem, params: AttentionParams, entry: Entry | None = None, o
         entry = _within_blocks(entry, params, max(prob.block_d, prob.block_dv))
     seqlens = (prob.seqlen_q, prob.seqlen_k)
     plain = gluon.accepts(prob, params)
+    split = SplitOperands.accepts(prob, params)
     streamed = () if params.block_table is not None else (prob.k, prob.v)
-    forward = _first(entry.forward, plain, seqlens, streamed, prob, SplitOperands.accepts(prob, params))
+    forward = _first(entry.forward, plain, seqlens, streamed, prob, split)
     if prob.dout is None:
         return Plan(forward)
     dkdv = _first(tuple(c for c in entry.dkdv if one_launch or not isinstance(c, OneLaunch)), plain, seqlens,
-                  (prob.q, prob.dout), prob)
+                  (prob.q, prob.dout), prob, split)
     if isinstance(dkdv, OneLaunch):
         return Plan(forward, dkdv.tiles.on(seqlens, prob.q, prob.dout), None)
+    if isinstance(dkdv, SplitOperands):  # (its dQ pass reads the split parts the dK/dV pass's launch made)
+        return Plan(forward, dkdv, next(c for c in entry.dq if isinstance(c, SplitOperands)))
     if isinstance(dkdv, gluon.Dkdv) and dkdv.fuse_dq:
         if not (params.deterministic or _fused_dq_thrashes(prob)):
             return Plan(forward, dkdv, None)
@@ -242,10 +245,11 @@ def _table(arch: int, block_d: int, block_dv: int, fp32: bool, length: Length, b
     if arch == 0:
         # Small, unequal tiles: the CPU tests run through the interpreter and must cover the
         # masked/unmasked split with tiles of different heights and widths, and (up to 32 keys and a
-        # few heads) the one-launch backward; fp32 forwards on split operands where they take the call.
-        dkdv = Tiles(16, 32, 1, 1)
-        fwd = (SplitOperands(Tiles(32, 16, 1, 1)),) if fp32 else ()
-        return (*fwd, Tiles(32, 16, 1, 1)), (OneLaunch(dkdv), dkdv), (Tiles(32, 16, 1, 1),)
+        # few heads) the one-launch backward; fp32 on split operands where they take the call.
+        dkdv, dq = Tiles(16, 32, 1, 1), Tiles(32, 16, 1, 1)
+        if fp32:
+            return (SplitOperands(dq), dq), (OneLaunch(dkdv), SplitOperands(dkdv), dkdv), (SplitOperands(dq), dq)
+        return (dq,), (OneLaunch(dkdv), dkdv), (dq,)
     if block_d > 256:
         return _d512(arch, fp32)
     if fp32:
@@ -280,24 +284,32 @@ def _d512(arch: int, fp32: bool):
 
 def _fp32(arch: int, block_d: int):
     """fp32: exact dots as three TF32 tensor-core passes (tf32x3) on Hopper, IEEE FMA dots before. On
-    Hopper the forward's first candidate splits its operands once (SplitOperands), the rest split every
-    tile in Triton's tf32x3."""
-    split: tuple[Candidate, ...] = ()
+    Hopper the first candidates split their operands once (SplitOperands: the forward at every head dim,
+    the backward up to 128), the rest split every tile in Triton's tf32x3."""
+    forward: tuple[Candidate, ...] = ()
+    backward: tuple[tuple[Candidate, ...], tuple[Candidate, ...]] = ((), ())
     if arch == 90:
-        split = (SplitOperands(Tiles(128, 64, 8, 2) if block_d <= 64 else Tiles(128, 64, 8, 1) if block_d <= 128
-                               else Tiles(64, 32, 4, 1)),)
+        if block_d <= 64:
+            forward = (SplitOperands(Tiles(128, 64, 8, 2)),)
+            backward = (SplitOperands(Tiles(64, 128, 8, 2)),), (SplitOperands(Tiles(128, 64, 8, 2)),)
+        elif block_d <= 128:
+            forward = (SplitOperands(Tiles(128, 64, 8, 1)),)
+            backward = (SplitOperands(Tiles(32, 64, 4, 2)),), (SplitOperands(Tiles(64, 32, 4, 2)),)
+        else:
+            # (the backward's three-part operands at D=256: 32-row tiles whose registers spill, 1 TFLOP/s)
+            forward = (SplitOperands(Tiles(64, 32, 4, 1)),)
     if block_d > 128:
         # D=256: a tf32x3 forward; the backward stays IEEE (a tf32x3 one doubled the error of a dQ that
         # cancels to zero); larger tiles run out of shared memory.
         fwd = Tiles(32, 16, 4, 2, "tf32x3") if arch >= 90 else Tiles(16, 16, 4, 1)
-        return (*split, fwd), (Tiles(16, 16, 4, 1),), (Tiles(16, 16, 4, 1),)
+        return (*forward, fwd), (Tiles(16, 16, 4, 1),), (Tiles(16, 16, 4, 1),)
     if arch >= 90:
         if block_d <= 64:
-            return ((*split, Tiles(128, 64, 8, 2, "tf32x3")), (Tiles(64, 128, 8, 2, "tf32x3"),),
-                    (Tiles(128, 64, 8, 2, "tf32x3"),))
+            return ((*forward, Tiles(128, 64, 8, 2, "tf32x3")), (*backward[0], Tiles(64, 128, 8, 2, "tf32x3")),
+                    (*backward[1], Tiles(128, 64, 8, 2, "tf32x3")))
         # Triton's split operands double the shared memory: D=128 takes small tiles.
-        return ((*split, Tiles(128, 32, 8, 3, "tf32x3")), (Tiles(32, 32, 4, 2, "tf32x3", tma=True),),
-                (Tiles(64, 32, 4, 2, "tf32x3"),))
+        return ((*forward, Tiles(128, 32, 8, 3, "tf32x3")), (*backward[0], Tiles(32, 32, 4, 2, "tf32x3", tma=True)),
+                (*backward[1], Tiles(64, 32, 4, 2, "tf32x3")))
     small = Tiles(64, 32, 4, 2) if block_d <= 64 else Tiles(32, 32, 4, 2)  # the forward and dQ
     dkdv = Tiles(32, 64, 4, 2) if block_d <= 64 else Tiles(32, 32, 4, 2)
     return (small,), (dkdv,), (small,)
