@@ -10,7 +10,7 @@ import cuflash
 from attn_testing import check_against_oracle, flash_fn, make_qkv, seed_of
 from cuflash.builtin_mods import resolved
 from cuflash.kernels.plan import Plan
-from cuflash.kernels.triton import OneLaunch, Tiles
+from cuflash.kernels.triton import OneLaunch, SplitOperands, Tiles
 from cuflash.kernels.variant import problem
 from cuflash.params import AttentionParams
 
@@ -54,6 +54,9 @@ def test_every_table_launch_is_accepted_by_its_kernel(arch):
                     if isinstance(cell.dkdv[0], OneLaunch):
                         one = cell.dkdv[0].tiles
                         assert one.block_n >= keys and one.block_m in (16, 32, 64, 128) and not one.tma, cell
+                    # (the split-operand dQ pass reads the parts its dK/dV pass's launch made: both or neither)
+                    assert (any(isinstance(c, SplitOperands) for c in cell.dkdv)
+                            == any(isinstance(c, SplitOperands) for c in cell.dq)), cell
                     if not any(isinstance(c, (gluon.Forward, gluon.Dkdv, gluon.Dq))
                                for c in cell.forward + cell.dkdv + cell.dq):
                         continue
