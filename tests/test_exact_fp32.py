@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import cuflash
-from attn_testing import check_against_oracle, flash_fn, interpret, make_qkv, rel_err, seed_of
+from attn_testing import check_against_oracle, flash_fn, force_candidates, interpret, make_qkv, rel_err, seed_of
 from cuflash.builtin_mods import resolved
 from cuflash.kernels.plan import Length, entry, select
 from cuflash.kernels.triton import SplitOperands, Tiles
@@ -24,6 +24,15 @@ def _shape_id(shape) -> str:
     return f"{b}x{nq}x{nk}-h{h}/{hk}-d{d}/{dv}" + ("-causal" if causal else "")
 
 
+def _force_split(monkeypatch):
+    """The interpreter's table lists Triton tiles only (plan.py): the CPU tests here force split operands,
+    with the interpreter's tile sizes."""
+    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
+    dkdv, dq = Tiles(16, 32, 1, 1), Tiles(32, 16, 1, 1)
+    force_candidates(monkeypatch, forward=(SplitOperands(dq), dq), dkdv=(SplitOperands(dkdv), dkdv),
+                     dq=(SplitOperands(dq), dq))
+
+
 def _check(shape, device, layout="bnhd"):
     b, nq, nk, h, hk, d, dv, causal = shape
     torch.manual_seed(seed_of(shape, layout))
@@ -38,7 +47,7 @@ def test_split_operands_against_oracle(shape, monkeypatch):
     """Odd lengths and head dims, causal with seqlen_q != seqlen_k (rows that see no key), GQA, a v of
     its own head dim, a query of one row: output and gradients within 2x the error of the same attention
     in fp32 torch ops."""
-    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
+    _force_split(monkeypatch)
     _check(shape, "cpu")
 
 
@@ -46,7 +55,7 @@ def test_split_operands_against_oracle(shape, monkeypatch):
 def test_strided_inputs_window_and_sink(monkeypatch):
     """Non-contiguous q, k, v (SDPA's layout), a sliding window and a learnable sink, on split operands;
     softmax_lse against the oracle's too."""
-    monkeypatch.setenv("CUFLASH_BACKEND", "triton")
+    _force_split(monkeypatch)
     _check((2, 40, 70, 4, 2, 64, 64, True), "cpu", layout="bhnd")
     torch.manual_seed(1)
     q, k, v = make_qkv(1, 50, 90, 2, 1, 64, torch.float32, "cpu", layout="bhnd")
@@ -68,18 +77,18 @@ def _plan(q, params, arch=90, tf32=False, backward=False):
 
 def test_which_calls_take_split_operands():
     """fp32 calls without attn_mask, dropout, mods, varlen or pages take the split-operand forward and
-    backward on Hopper and in the interpreter; the rest, 16-bit calls and TF32 ones (allow_tf32) take
-    Triton tiles (or Gluon), as head dims over 256 do."""
+    (up to head dim 128) backward on Hopper; the rest, 16-bit calls and TF32 ones (allow_tf32) take
+    Triton tiles (or Gluon), as head dims over 256 and the backward at 256 do."""
     q = torch.zeros(1, 300, 2, 64)
     plain = AttentionParams(0.125)
     assert isinstance(_plan(q, plain), SplitOperands)
     assert isinstance(_plan(q, AttentionParams(0.125, window_left=8, window_right=0)), SplitOperands)
-    assert isinstance(_plan(q, plain, arch=0), SplitOperands)
     assert isinstance(_plan(torch.zeros(1, 300, 2, 512), plain), Tiles)
     assert _plan(q, plain, tf32=True) == Tiles(128, 64, 8, 2, "tf32")
     assert isinstance(_plan(q, plain, arch=80), Tiles)
-    for arch in (0, 90):
-        assert all(isinstance(c, SplitOperands) for c in _plan(q, plain, arch, backward=True))
+    assert all(isinstance(c, SplitOperands) for c in _plan(q, plain, backward=True))
+    assert all(isinstance(c, Tiles) for c in _plan(torch.zeros(1, 300, 2, 256), plain, backward=True))
+    assert isinstance(_plan(q, plain, arch=0), Tiles)  # (the interpreter's: the tests above force them)
     assert all(isinstance(c, Tiles) for c in _plan(q, plain, tf32=True, backward=True))
     assert not isinstance(_plan(q.half(), plain), SplitOperands)
     for options in (dict(dropout_p=0.1, rng_seed=torch.zeros(2, dtype=torch.int64)),

@@ -64,7 +64,7 @@ def _split(X, stride_x, Out, nheads, seqlen, head_dim, rows, part_stride,
         x0, x1, x2 = _bf16_parts(x)
         tl.store(at, x0, mask=keep)
         tl.store(at + part_stride, x1, mask=keep)
-        tl.store(at + 2 * part_stride, x2, mask=keep)
+        tl.store(at + part_stride + part_stride, x2, mask=keep)  # (2 * part_stride may pass 2^31)
     else:
         hi = _tf32(x)
         tl.store(at, hi, mask=keep)
@@ -107,7 +107,7 @@ def _descs(at, part_stride, rows, COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     return (tl.make_tensor_descriptor(at, shape=[rows, COLS], strides=[COLS, 1], block_shape=[BLOCK_ROWS, COLS]),
             tl.make_tensor_descriptor(at + part_stride, shape=[rows, COLS], strides=[COLS, 1],
                                       block_shape=[BLOCK_ROWS, COLS]),
-            tl.make_tensor_descriptor(at + 2 * part_stride, shape=[rows, COLS], strides=[COLS, 1],
+            tl.make_tensor_descriptor(at + part_stride + part_stride, shape=[rows, COLS], strides=[COLS, 1],
                                       block_shape=[BLOCK_ROWS, COLS]))
 
 
