@@ -257,8 +257,8 @@ def _exact_dkdv(QS, KS, VS, DOS, Lse, Delta, DK, DV, stride_dk, stride_dv, strid
         off_h = off_hk * group_size + g
         row_first = off_b * stride_l[0] + off_h * stride_l[1]
         head = (q_descs, do_descs, g * rows_q, Lse + row_first, Delta + row_first)
-        # One masked loop over the band's query tiles, not one per part of the band as triton/backward.py's
-        # (the whole tiles unmasked): the products dominate the masks; the split loops are not measured here.
+        # One masked loop over the band's query tiles: 2-4% faster at D=128 than a loop per part of the band
+        # with the whole tiles unmasked, as triton/backward.py's (docs/tuning.md).
         dk, dv = _exact_dkdv_inner(dk, dv, k, v, head, offs_n, offs_m, edges[0], edges[3], bounds, qk_scale,
                                    BLOCK_M, True, HAS_LEFT, HAS_RIGHT, INTERPRET)
     cols = tl.arange(0, BLOCK_N)
