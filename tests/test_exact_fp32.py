@@ -7,7 +7,7 @@ import torch
 import cuflash
 from attn_testing import check_against_oracle, flash_fn, force_candidates, interpret, make_qkv, rel_err, seed_of
 from cuflash.builtin_mods import resolved
-from cuflash.kernels.plan import Length, entry, select
+from cuflash.kernels.plan import Entry, Length, entry, select
 from cuflash.kernels.triton import SplitOperands, Tiles
 from cuflash.kernels.variant import problem
 from cuflash.params import AttentionParams
@@ -89,6 +89,10 @@ def test_which_calls_take_split_operands():
     assert all(isinstance(c, SplitOperands) for c in _plan(q, plain, backward=True))
     assert all(isinstance(c, Tiles) for c in _plan(torch.zeros(1, 300, 2, 256), plain, backward=True))
     assert isinstance(_plan(q, plain, arch=0), Tiles)  # (the interpreter's: the tests above force them)
+    tiles = Tiles(64, 64, 4, 2)
+    lone = Entry((tiles,), (SplitOperands(tiles), tiles), (tiles,))  # (no split dQ to read its parts)
+    with pytest.raises(ValueError, match="SplitOperands dQ"):
+        select(problem(q, q, q, plain, q), plain, lone)
     assert all(isinstance(c, Tiles) for c in _plan(q, plain, tf32=True, backward=True))
     assert not isinstance(_plan(q.half(), plain), SplitOperands)
     for options in (dict(dropout_p=0.1, rng_seed=torch.zeros(2, dtype=torch.int64)),

@@ -83,7 +83,10 @@ def select(prob: Problem, params: AttentionParams, entry: Entry | None = None, o
     if isinstance(dkdv, OneLaunch):
         return Plan(forward, dkdv.tiles.on(seqlens, prob.q, prob.dout), None)
     if isinstance(dkdv, SplitOperands):  # (its dQ pass reads the split parts the dK/dV pass's launch made)
-        return Plan(forward, dkdv, next(c for c in entry.dq if isinstance(c, SplitOperands)))
+        split_dq = [c for c in entry.dq if isinstance(c, SplitOperands)]
+        if not split_dq:
+            raise ValueError(f"an entry whose dK/dV pass splits its operands lists no SplitOperands dQ: {entry.dq}")
+        return Plan(forward, dkdv, split_dq[0])
     if isinstance(dkdv, gluon.Dkdv) and dkdv.fuse_dq:
         if not (params.deterministic or _fused_dq_thrashes(prob)):
             return Plan(forward, dkdv, None)
