@@ -148,8 +148,7 @@ def _delta(t: dict, params: AttentionParams) -> torch.Tensor:
 def _backward(t: dict, params: AttentionParams, entry: Entry | None) -> list[tuple]:
     """delta (rowsum(dO * O)), then dK/dV, then dQ (or, fused into dK/dV, its fp32 sum's cast; or on
     split operands, their split first); or all three in the Triton dK/dV kernel where one key tile holds
-    every key. Workspaces added to t
-    are made anew on every call (kernels/launch.py's workspace())."""
+    every key. Workspaces added to t are made anew on every call (kernels/launch.py's workspace())."""
     prob = problem(t["Q"], t["K"], t["V"], params, t["DO"])
     plan = select(prob, params, entry, one_launch="DLse" not in t)
     dkdv = plan.dkdv

@@ -64,10 +64,11 @@ class OneLaunch:
 
 @dataclass(frozen=True)
 class SplitOperands:
-    """A forward candidate: the exact fp32 forward on operands split once into TF32 halves
-    (kernels/triton/exact.py), on `tiles` (block_m x block_n, warps, the K/V pipeline's stages). It
-    takes fp32 calls up to head dim 256 without attn_mask, dropout, mods (softcap's and ALiBi's among
-    them), varlen or pages: causal or not, windows, GQA, a learnable sink; the rest take Triton tiles."""
+    """A candidate of each pass: exact fp32 on operands split once (kernels/triton/exact.py; the
+    forward's in TF32 halves, the backward's in three bf16 parts, its dK/dV and dQ candidates listed
+    together), on `tiles` (block_m x block_n, warps, the pipeline's stages). It takes fp32 calls up to
+    head dim 256 without attn_mask, dropout, mods (softcap's and ALiBi's among them), varlen, seqused or
+    pages: causal or not, windows, GQA, a learnable sink; the rest take Triton tiles."""
     tiles: Tiles
 
     @staticmethod
