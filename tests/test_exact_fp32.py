@@ -1,6 +1,8 @@
 """The exact fp32 forward and backward on split operands (kernels/triton/exact.py): which calls they
 take, and their values and gradients against the float64 oracle (through Triton's interpreter on the
 CPU, on the GPU where the table picks them: Hopper)."""
+import functools
+
 import pytest
 import torch
 
@@ -66,6 +68,18 @@ def test_strided_inputs_window_and_sink(monkeypatch):
                                        learnable_sink=sink.double())
     assert rel_err(out, ref) < 2e-6
     assert rel_err(lse, ref_lse) < 1e-6
+
+
+@interpret
+def test_sink_and_lse_gradient(monkeypatch):
+    """A learnable sink and a loss with a gradient of softmax_lse (the backward's delta less dlse, dsink
+    reduced from it), GQA, causal with more keys than queries, on split operands: out, lse and every
+    gradient against the float64 oracle."""
+    from test_sinks import _flash, check_sink
+    _force_split(monkeypatch)
+    torch.manual_seed(2)
+    q, k, v = make_qkv(1, 40, 70, 4, 2, 64, torch.float32, "cpu")
+    check_sink(functools.partial(_flash, causal=True), q, k, v, torch.randn(4) * 2, causal=True)
 
 
 def _plan(q, params, arch=90, tf32=False, backward=False):
