@@ -29,9 +29,15 @@ def mma(a, b, acc, INPUT_PRECISION: tl.constexpr):
     cores would otherwise drop the 13 low mantissa bits, a bias that triples the error. tf32x3
     (three TF32 passes on the split operands, as exact as ieee) goes to tl.dot as it is."""
     if INPUT_PRECISION == "tf32":
-        a = ((a.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
-        b = ((b.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        a = tf32_round(a)
+        b = tf32_round(b)
     return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def tf32_round(x):
+    """fp32 x rounded to the nearest TF32 (the tensor cores would truncate it to its top 19 bits)."""
+    return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -27,18 +27,12 @@ from ..device import cdiv, scratch
 from ..launch import workspace
 from ..variant import Problem, logit_scale, lse_strides
 from . import SplitOperands
-from .common import band, query_tile, score_tile, sink_state, softmax_step, store_tile, tile_ptrs
+from .common import band, query_tile, score_tile, sink_state, softmax_step, store_tile, tf32_round, tile_ptrs
 
 # The split tensors' rows are padded to a multiple of this (the TMA's row strides want 16 bytes; rows
 # past a sequence's end are zeros, so a tile reaching past them adds nothing).
 ROW_PAD = 16
 SPLIT_ROWS = 64  # rows per program of the split kernel
-
-
-@triton.jit
-def _tf32(x):
-    """x rounded to the nearest TF32 (the tensor cores would truncate it)."""
-    return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -66,9 +60,9 @@ def _split(X, stride_x, Out, nheads, seqlen, head_dim, rows, part_stride,
         tl.store(at + part_stride, x1, mask=keep)
         tl.store(at + part_stride + part_stride, x2, mask=keep)  # (2 * part_stride may pass 2^31)
     else:
-        hi = _tf32(x)
+        hi = tf32_round(x)
         tl.store(at, hi, mask=keep)
-        tl.store(at + part_stride, _tf32(x - hi), mask=keep)
+        tl.store(at + part_stride, tf32_round(x - hi), mask=keep)
 
 
 @triton.jit
@@ -141,17 +135,18 @@ def _exact_fwd_inner(acc, m_i, l_i, q, kv, offs_m, offs_n, lo, hi, bounds, qk_sc
         s = score_tile(x, offs_m[:, None], (start_n + offs_n)[None, :], bounds, (0, 0, 0), MASKED, HAS_LEFT,
                        HAS_RIGHT, NO_MASK)
         m_new, p, alpha, l_i = softmax_step(s, m_i, l_i, MASKED)
-        p_hi = _tf32(p)
-        acc = acc * alpha[:, None] + _mma3(p_hi, _tf32(p - p_hi), v_hi.load([0, start_n]).T, v_lo.load([0, start_n]).T)
+        p_hi = tf32_round(p)
+        pv = _mma3(p_hi, tf32_round(p - p_hi), v_hi.load([0, start_n]).T, v_lo.load([0, start_n]).T)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
-def _exact_fwd(QS, KS, VS, Out, Lse, Sink, stride_o, stride_l, nheads, nheads_k, seqlen_q, seqlen_k, head_dim_v,
-               rows_q, rows_k, part_q, part_k, part_v, bottom_right, window_left, window_right, qk_scale,
+def _exact_fwd(QS, KS, VS, Out, Lse, Sink, stride_o, stride_l, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
+               head_dim_v, rows_q, rows_k, part_q, part_k, part_v, bottom_right, window_left, window_right, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               EVEN_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+               EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """A program per tile of BLOCK_M query rows of one (batch, head), on _split's planes: QS and KS
     (batch * heads, rows, BLOCK_D), VS (batch * nheads_k, BLOCK_DV, rows_k), each plane's lo part_*
     elements after its hi. The loop, the masks and the epilogue are triton/forward.py's."""
@@ -185,7 +180,7 @@ def _exact_fwd(QS, KS, VS, Out, Lse, Sink, stride_o, stride_l, nheads, nheads_k,
         m_i, l_i = sink_state(Sink, off_h, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     offset = bottom_right * (seqlen_k - seqlen_q)
-    bounds = (seqlen_q, seqlen_k, (0, head_dim_v), offset, window_left, window_right)
+    bounds = (seqlen_q, seqlen_k, (head_dim, head_dim_v), offset, window_left, window_right)
     edges = band(start_m, BLOCK_M, seqlen_k, BLOCK_N, offset - window_left, offset + window_right, HAS_LEFT,
                  HAS_RIGHT)
     for edge in tl.static_range(1 - HAS_LEFT, 3):  # (the band's masked and whole tiles: triton/forward.py)
@@ -291,7 +286,8 @@ def _exact_dq(QS, KS, VS, DOS, Lse, Delta, DQ, stride_dq, stride_l, nheads, nhea
               head_dim_v, rows_q, rows_k, part_q, part_k, part_v, part_do, bottom_right, window_left, window_right,
               softmax_scale, qk_scale,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, INTERPRET: tl.constexpr):
+              EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              INTERPRET: tl.constexpr):
     """dQ of BLOCK_M query rows of one (batch, head), on _split's bf16 parts, as triton/backward.py's
     _attn_bwd_dq."""
     start_m = query_tile(HAS_RIGHT) * BLOCK_M
@@ -338,14 +334,15 @@ def _rows(prob: Problem) -> tuple[int, int]:
 
 
 def _shared(prob: Problem, params: AttentionParams, tiles) -> dict:
-    """The arguments every attention kernel here takes."""
+    """The arguments every attention kernel here takes (the head dims' as every Triton kernel's:
+    Problem.dims)."""
     if prob.q.is_cuda:
         triton.set_allocator(scratch)  # the kernels build their tensor descriptors in global scratch
     return dict(stride_l=lse_strides(prob, params), seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k,
                 bottom_right=int(params.bottom_right), window_left=params.window_left,
                 window_right=params.window_right, qk_scale=logit_scale(params), BLOCK_M=tiles.block_m,
-                BLOCK_N=tiles.block_n, BLOCK_D=prob.block_d, BLOCK_DV=prob.block_dv, HAS_LEFT=params.window_left >= 0,
-                HAS_RIGHT=params.window_right >= 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                BLOCK_N=tiles.block_n, HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages, **prob.dims())
 
 
 def launches(t: dict, prob: Problem, params: AttentionParams, cfg: SplitOperands) -> list[tuple]:
@@ -361,7 +358,7 @@ def launches(t: dict, prob: Problem, params: AttentionParams, cfg: SplitOperands
         QS=t["QS"], KS=t["KS"], VS=t["VS"], Out=t["Out"], Lse=t["Lse"], Sink=t.get("Sink"),
         stride_o=prob.strides(t["Out"]), nheads=prob.nheads, nheads_k=prob.nheads_k, rows_q=rows_q, rows_k=rows_k,
         part_q=t["QS"][0].numel(), part_k=t["KS"][0].numel(), part_v=t["VS"][0].numel(),
-        EVEN_DV=prob.head_dim_v == prob.block_dv, head_dim_v=prob.head_dim_v, **_shared(prob, params, tiles)))]
+        **_shared(prob, params, tiles)))]
 
 
 def backward_launches(t: dict, prob: Problem, params: AttentionParams, dkdv: SplitOperands,
@@ -376,14 +373,13 @@ def backward_launches(t: dict, prob: Problem, params: AttentionParams, dkdv: Spl
                 _split_launch(prob.v, prob, rows_k, prob.block_dv, "VS", t, bf16=True),
                 _split_launch(prob.dout, prob, rows_q, prob.block_dv, "DOS", t, bf16=True)]
     parts = dict(QS=t["QS"], KS=t["KS"], VS=t["VS"], DOS=t["DOS"], Lse=t["Lse"], Delta=t["Delta"],
-                 head_dim=prob.head_dim, head_dim_v=prob.head_dim_v, rows_q=rows_q, rows_k=rows_k,
+                 rows_q=rows_q, rows_k=rows_k,
                  part_q=t["QS"][0].numel(), part_k=t["KS"][0].numel(), part_v=t["VS"][0].numel(),
-                 part_do=t["DOS"][0].numel(), softmax_scale=params.softmax_scale, EVEN_D=prob.head_dim == prob.block_d,
+                 part_do=t["DOS"][0].numel(), softmax_scale=params.softmax_scale,
                  INTERPRET=not isinstance(_exact_dq, triton.JITFunction))
     launches.append((_exact_dkdv, (cdiv(prob.seqlen_k, dkdv.tiles.block_n), prob.batch * prob.nheads_k), dict(
         DK=t["DK"], DV=t["DV"], stride_dk=prob.strides(t["DK"]), stride_dv=prob.strides(t["DV"]),
-        nheads_k=prob.nheads_k, group_size=prob.nheads // prob.nheads_k, EVEN_DV=prob.head_dim_v == prob.block_dv,
-        **parts, **_shared(prob, params, dkdv.tiles))))
+        nheads_k=prob.nheads_k, group_size=prob.nheads // prob.nheads_k, **parts, **_shared(prob, params, dkdv.tiles))))
     launches.append((_exact_dq, (cdiv(prob.seqlen_q, dq.tiles.block_m), prob.batch * prob.nheads), dict(
         DQ=t["DQ"], stride_dq=prob.strides(t["DQ"]), nheads=prob.nheads, nheads_k=prob.nheads_k,
         **parts, **_shared(prob, params, dq.tiles))))
