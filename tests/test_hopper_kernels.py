@@ -46,21 +46,23 @@ def test_kernels_compile_for_hopper_without_a_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1025, 1025), (600, 3000), (3000, 600), (1, 2049), (4100, 1)])
-@pytest.mark.parametrize("head_dim,causal,consumers,block_n,stages", [
-    (128, False, 2, 128, 3), (128, True, 2, 128, 3), (64, False, 2, 128, 3), (64, True, 2, 128, 3),
-    (64, False, 3, 128, 3), (64, True, 3, 128, 3), (128, False, 2, 64, 5), (128, True, 2, 64, 5),
-    (64, True, 2, 64, 5), (64, False, 3, 64, 5), (64, True, 3, 64, 5), (128, True, 2, 64, 6), (256, False, 2, 64, 2),
-    (256, True, 2, 64, 2), (256, False, 2, 32, 3), (256, True, 2, 32, 3)])
+@pytest.mark.parametrize("head_dim,causal,consumers,block_n,stages,turns", [
+    (128, False, 2, 128, 3, True), (128, True, 2, 128, 3, True), (128, True, 2, 128, 3, False),
+    (64, False, 2, 128, 3, True), (64, True, 2, 128, 3, True), (64, False, 3, 128, 3, True),
+    (64, True, 3, 128, 3, True), (64, True, 3, 128, 3, False), (128, False, 2, 64, 5, True),
+    (128, True, 2, 64, 5, True), (64, True, 2, 64, 5, True), (64, False, 3, 64, 5, True), (64, True, 3, 64, 5, True),
+    (128, True, 2, 64, 6, True), (256, False, 2, 64, 2, False), (256, True, 2, 64, 2, False),
+    (256, False, 2, 32, 3, False), (256, True, 2, 32, 3, False)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, stages, seqlen_q, seqlen_k, layout,
+def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, stages, turns, seqlen_q, seqlen_k, layout,
                         monkeypatch):
-    """The Gluon forward (kernels/gluon/forward.py) with 2 or 3 consumer warpgroups, 128-, 64- or 32-key
-    tiles and rings of K/V buffers (forced here where the table takes others or the Triton kernel; at
-    D=128 with 64-key tiles in 5 buffers and D=256 with 32-key ones in 3 the most shared memory that leaves
-    room for two Q buffers; at D=128 with 6 and at D=256 with 64-key tiles one Q buffer that O leaves
-    through, causal at D=128 without the deferred hand-back) matches float64 like the Triton kernels:
-    ragged tiles, GQA, rows with no visible key (causal, seqlen_q > seqlen_k), non-contiguous inputs; the
-    gradients check its lse."""
+    """The Gluon forward (kernels/gluon/forward.py) with 2 or 3 consumer warpgroups, 128-, 64- or 32-key tiles
+    and rings of K/V buffers (forced here where the table takes others or the Triton kernel; at D=128 with
+    64-key tiles in 5 buffers and D=256 with 32-key ones in 3 the most shared memory that leaves room for two Q
+    buffers; at D=128 with 6 and at D=256 with 64-key tiles one Q buffer that O leaves through, causal at D=128
+    without the deferred hand-back), the consumers taking turns or not, matches float64 like the Triton kernels:
+    ragged tiles, GQA, rows with no visible key (causal, seqlen_q > seqlen_k, where a consumer sees fewer tiles
+    than the others and takes turns that issue nothing), non-contiguous inputs; the gradients check its lse."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (sm_90)")
     from cuflash.kernels.gluon import forward as gluon_forward
@@ -68,7 +70,7 @@ def test_hopper_forward(dtype, head_dim, causal, consumers, block_n, stages, seq
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, dtype, "cuda", layout=layout)
     params = AttentionParams(head_dim ** -0.5, window_right=0 if causal else -1)
     assert gluon.accepts(problem(q, k, v, params), params)
-    cfg = gluon.Forward(consumers, block_n, stages)
+    cfg = gluon.Forward(consumers, block_n, stages, turns=turns)
     force_candidates(monkeypatch, forward=(cfg, table_cell(q, head_dim, max(seqlen_q, seqlen_k), causal).forward[-1]))
     launched, launch_args = [], gluon_forward.launch_args
     monkeypatch.setattr(gluon_forward, "launch_args", lambda *args: launched.append(args[-1]) or launch_args(*args))

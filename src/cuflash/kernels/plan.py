@@ -333,7 +333,7 @@ def _hopper_d64(hopper: bool, block_d: int, length: Length, banded: bool):
         # band at 257-512 and 1025-2048 keys; 64-key tiles in 6 buffers up to 512 keys, and causal up to 1k.
         three = length == L.LONGER or (length in (L.UP_TO_512, L.UP_TO_2K) and not banded)
         short = length <= L.UP_TO_512 or (banded and length == L.UP_TO_1K)
-        forward = (gluon.Forward(3 if three else 2, *((64, 6) if short else (128, 3))), fwd)
+        forward = (gluon.Forward(3 if three else 2, *((64, 6) if short else (128, 3)), turns=True), fwd)
     # dK/dV: the one-launch backward up to 128 keys (for a few heads per SM), Gluon at every length, with
     # dQ fused from 2k keys (and without a band from 1k).
     if length < L.UP_TO_1K:
@@ -361,7 +361,7 @@ def _hopper_d128(hopper: bool, length: Length, banded: bool):
     if hopper and (length > L.UP_TO_128 or not banded):
         # Gluon but causal up to 128 keys; 64-key tiles in 5 buffers up to 256 keys, and causal up to 1k.
         short = length <= L.UP_TO_256 or (banded and length <= L.UP_TO_1K)
-        forward = (gluon.Forward(2, *((64, 5) if short else (128, 3))), fwd)
+        forward = (gluon.Forward(2, *((64, 5) if short else (128, 3)), turns=True), fwd)
     # dK/dV: the one-launch backward up to 128 keys (for a few heads per SM), Gluon at every length, dQ
     # fused beyond 2k keys; dQ: Gluon beyond 512 keys, and without a band from 257.
     long = length > L.UP_TO_512

@@ -26,11 +26,13 @@ class Forward:
     diagonal computed, at twice the tiles; 64 or 32 at D=256); stages: the ring of K/V buffers;
     early_k: each K buffer goes back to the loader once every S product has read it, before its V's
     products are done (not where O leaves through the item's last K tile: one Q buffer, and key tiles
-    as tall as the item's query rows, as D=128 with 128-key tiles)."""
+    as tall as the item's query rows, as D=128 with 128-key tiles); turns: the consumers issue their
+    matrix products in turn, round-robin on hardware barriers (common.take_turn)."""
     consumers: int = 2
     block_n: int = 128
     stages: int = 3
     early_k: bool = False
+    turns: bool = False
 
     def __post_init__(self):
         if self.consumers not in (2, 3) or self.block_n not in (32, 64, 128):

@@ -198,6 +198,45 @@ def ring(dtype: gl.constexpr, BLOCK: gl.constexpr, A_D: gl.constexpr, B_D: gl.co
     return a_smem, b_smem, barriers(STAGES, 1), barriers(STAGES, 1), empty
 
 
+# The first hardware barrier of the consumers' turns (take_turn): Triton's warp specialization takes
+# barriers 0 and 1 and one for each partition from 2 on (five at most here).
+TURN_BARRIER = gl.constexpr(8)
+
+
+@gluon.jit
+def _named_barrier(INSTRUCTION: gl.constexpr, ID: gl.constexpr):
+    """bar.sync or bar.arrive on hardware barrier ID by the calling warpgroup, 2 x 128 threads a phase
+    (this warpgroup's and the one arriving): one instruction a thread, through a tensor of one element
+    a thread (Gluon has no statement of inline PTX)."""
+    one_each: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    gl.inline_asm_elementwise(INSTRUCTION + " $1, 256;", "=r,r", [gl.full([128], ID, gl.int32, one_each)],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def take_turn(WG: gl.constexpr, TURNS: gl.constexpr):
+    """With TURNS (the consumer warpgroups taking turns, 0 for none), waits until consumer WG's turn:
+    the consumers issue their matrix products in turn, round-robin (FlashAttention-3's schedule), so
+    that one's softmax runs while the others' products do, and their exponentials never contend for
+    the same cycles. A turn ends with pass_turn; consumer 0 opens the first (open_turns)."""
+    if TURNS:
+        _named_barrier("bar.sync", TURN_BARRIER + WG)
+
+
+@gluon.jit
+def pass_turn(WG: gl.constexpr, TURNS: gl.constexpr):
+    """Ends consumer WG's turn: the next consumer's take_turn returns (take_turn)."""
+    if TURNS:
+        _named_barrier("bar.arrive", TURN_BARRIER + (WG + 1) % TURNS)
+
+
+@gluon.jit
+def open_turns(WG: gl.constexpr, TURNS: gl.constexpr):
+    """Consumer 0's first turn needs no one before it: it arrives at its own barrier once (take_turn)."""
+    if TURNS and WG == 0:
+        _named_barrier("bar.arrive", TURN_BARRIER)
+
+
 def head_parts(head_dim: int) -> tuple[int, int]:
     """A head dim as the kernels hold it: a power of two, or (192) the largest power of two below it
     and the rest, 128 + 64 (Gluon's tensors and shared memory are powers of two: a product over such a

@@ -13,10 +13,11 @@ pairs of items round-robin (persistent). The partitions share the program's shar
   longer reads (its part of the Q buffer, or with a single Q buffer, which goes back to the loader
   once every consumer's last S is done, the item's last K tile where that has O's shape), which the
   tensor memory accelerator copies to global memory, and then releases that buffer the same way.
-The consumers run independent instruction streams, so one's softmax overlaps the others'
-matrix products; within a consumer, the product P V of one tile runs while the softmax of the
-next is computed. Tile-level Triton (one instruction stream per program, each dot awaited
-before its result is used) expresses neither.
+The consumers run independent instruction streams, so one's softmax overlaps the others' matrix
+products; with `turns` (D=64 and 128) they issue their products in turn, round-robin on hardware
+barriers (common.take_turn), so that the softmax phases stay apart; within a consumer, the product
+P V of one tile runs while the softmax of the next is computed. Tile-level Triton (one instruction
+stream per program, each dot awaited before its result is used) expresses neither.
 
 Logits are in base 2 (qk_scale has LOG2E folded in). Only the plain forward is here: 16-bit
 inputs, head dims 64, 128 and 256, causal or not (either alignment), GQA; other inputs take the Triton
@@ -39,7 +40,7 @@ from ..device import cdiv, num_sms, scratch
 from ..variant import Problem, logit_scale, lse_strides, mod_args
 from . import Forward
 from .common import ROWS, barriers, box_strides, buffers, copy_out, count, descriptor, head_parts, listed_walk, \
-    load_kv, query_item, ring, tile_key, tiles_of, work
+    load_kv, open_turns, pass_turn, query_item, ring, take_turn, tile_key, tiles_of, work
 
 
 @gluon.jit
@@ -155,20 +156,24 @@ def _scores(qs, ks, stage, zero):
 def _tiles(acc, m_i, l_i, p, qs, ks, v_smem, k_ready, v_ready, kv_empty, base, first, last, rows, seqlen_k,
            offset, qk_scale, mods, walk, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
            STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr,
-           SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, SPARSE_KV: gl.constexpr):
+           SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, SPARSE_KV: gl.constexpr, WG: gl.constexpr,
+           TURNS: gl.constexpr):
     """K/V tiles [first, last) of a work item whose tile 0 sits at position `base` of the buffer
     ring (tile j's keys: common.tile_key), software-pipelined: p holds the probabilities of tile
     j - 1 (packed by _pack) whose product with V is still to do; it runs on the tensor cores while
     this warpgroup computes the softmax of tile j (S of tile j is issued first, so waiting for all
-    but one product gives S). qs, ks: as _scores'."""
+    but one product gives S). A tile's two products are issued in this consumer's turn (take_turn).
+    qs, ks: as _scores'."""
     zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     for j in range(first, last):
         stage = (base + j) % STAGES
         prev = (base + j - 1) % STAGES
         mbarrier.wait(k_ready.index(stage), ((base + j) // STAGES) & 1)
+        take_turn(WG, TURNS)
         s = _scores(qs, ks, stage, zero)
         mbarrier.wait(v_ready.index(prev), ((base + j - 1) // STAGES) & 1)
         acc = warpgroup_mma(_unpack(p, v_smem.dtype, p_layout), v_smem.index(prev), acc, is_async=True)
+        pass_turn(WG, TURNS)
         s = warpgroup_mma_wait(1, deps=(s,))
         _release_k(kv_empty, stage, STAGES)
         p_new, alpha, m_i, l_i = _softmax(s, m_i, l_i, tile_key(j, walk, BLOCK_N, SPARSE_KV), rows, seqlen_k,
@@ -218,16 +223,21 @@ def _hand_back_pending(pending, q_empty, kv_empty, O_IN_K: gl.constexpr):
 
 
 @gluon.jit
-def _finish_tiles(acc, p, v_smem, k_ready, v_ready, kv_empty, it, n_mine, end, STAGES: gl.constexpr,
-                  p_layout: gl.constexpr):
+def _finish_tiles(acc, p, v_smem, k_ready, v_ready, kv_empty, it, n_mine, n_tiles, end, STAGES: gl.constexpr,
+                  p_layout: gl.constexpr, WG: gl.constexpr, TURNS: gl.constexpr):
     """The end of a work item's tiles for one warpgroup: those its rows do not see (ring positions
-    it + n_mine to end - 1) released once loaded (the loader refills a buffer only after every consumer's
-    release), then the last seen tile's product with V (p), that tile released too unless it is `end`."""
-    for j in range(it + n_mine, end):
-        mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
-        mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-        _release_k(kv_empty, j % STAGES, STAGES)
-        _release_v(kv_empty, j % STAGES, STAGES)
+    it + n_mine to it + n_tiles - 1) released once loaded unless at or past `end` (the loader refills a
+    buffer only after every consumer's release), each taking a turn that issues nothing (every consumer
+    takes a turn a tile, or the round-robin stalls), then the last seen tile's product with V (p), that
+    tile released too unless it is `end`."""
+    for j in range(it + n_mine, it + n_tiles):
+        if j < end:
+            mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
+            mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+            _release_k(kv_empty, j % STAGES, STAGES)
+            _release_v(kv_empty, j % STAGES, STAGES)
+        take_turn(WG, TURNS)
+        pass_turn(WG, TURNS)
     if n_mine > 0:
         last = it + n_mine - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
@@ -287,12 +297,17 @@ def _seen(row0, n_tiles, walk, seqlen_q, seqlen_k, offset, CAUSAL: gl.constexpr,
 @gluon.jit
 def _first_tile(m_i, l_i, qs, ks, k_ready, kv_empty, it, split, rows, seqlen_k, offset, qk_scale, mods, walk,
                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
-                SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, SPARSE_KV: gl.constexpr):
-    """A work item's tile 0 alone, before the pipelined loops: its S product and masked softmax (it may
-    hold the diagonal or the key bound; with a block mask, the mask_mod only where the tile is listed
-    as partly seen, split > 0). Returns (p packed by _pack, m_i, l_i). qs, ks: as _scores'."""
+                SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, SPARSE_KV: gl.constexpr, WG: gl.constexpr,
+                TURNS: gl.constexpr):
+    """A work item's tile 0 alone, before the pipelined loops: its S product (issued in this consumer's
+    turn, take_turn) and masked softmax (it may hold the diagonal or the key bound; with a block mask, the
+    mask_mod only where the tile is listed as partly seen, split > 0). Returns (p packed by _pack, m_i,
+    l_i). qs, ks: as _scores'."""
     mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
-    s = warpgroup_mma_wait(0, deps=(_scores(qs, ks, it % STAGES, gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)),))
+    take_turn(WG, TURNS)
+    s = _scores(qs, ks, it % STAGES, gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout))
+    pass_turn(WG, TURNS)
+    s = warpgroup_mma_wait(0, deps=(s,))
     _release_k(kv_empty, it % STAGES, STAGES)
     key = tile_key(0, walk, BLOCK_N, SPARSE_KV)
     if SPARSE_KV and MASK_MOD is not None:
@@ -327,7 +342,7 @@ def _row_state(Sink, off_h, s_layout: gl.constexpr, o_layout: gl.constexpr, HEAD
 def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, HEAD_D_REST: gl.constexpr,
              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, WG: gl.constexpr, SCORE_MOD: gl.constexpr,
              MASK_MOD: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HAS_FULL: gl.constexpr,
-             EVEN_BLOCKS: gl.constexpr):
+             EVEN_BLOCKS: gl.constexpr, TURNS: gl.constexpr):
     (Q, K, V, Out, Lse, q_smem, q_rest, k_smem, k_rest, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, stride_q,
      stride_k, stride_v, stride_o, stride_l, batch, nheads, nheads_k, seqlen_q, seqlen_k, offset, qk_scale, mods,
      blocks, Sink) = args
@@ -354,6 +369,7 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
     DEFER: gl.constexpr = HEAD_D == 128 and HEAD_D_REST == 0 and CAUSAL and (O_IN_K or Q_BUFFERS == 2)
     pending = -1  # the buffer that the last item's O is leaving through, until it goes back
     ks = (k_smem, k_rest)  # (_scores')
+    open_turns(WG, TURNS)
     for k in range(count(items)):
         start_m, off_b, off_h, n_tiles = query_item(work(k), n_m, nheads, seqlen_k, offset, CAUSAL, BLOCK_N, CONSUMERS,
                                                     SPARSE_KV > 0)
@@ -377,7 +393,7 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
             # end checked unless the blocks are whole).
             p, m_i, l_i = _first_tile(m_i, l_i, qs, ks, k_ready, kv_empty, it, split, rows, seqlen_k, offset,
                                       qk_scale, item_mods, walk, CAUSAL, BLOCK_N, STAGES, s_layout, SCORE_MOD,
-                                      MASK_MOD, SPARSE_KV)
+                                      MASK_MOD, SPARSE_KV, WG, TURNS)
             if DEFER:  # the last item's O has left its buffer during tile 0: the buffer goes back
                 # (before any wait for a tile that the loader may need it for)
                 _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
@@ -385,17 +401,17 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
             acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, qs, ks, v_smem, k_ready, v_ready, kv_empty, it, 1,
                                       split, rows, seqlen_k, offset, qk_scale, item_mods, walk, SPARSE_KV > 0,
                                       CAUSAL, BLOCK_N, STAGES, s_layout, p_layout, o_layout, SCORE_MOD, MASK_MOD,
-                                      SPARSE_KV)
+                                      SPARSE_KV, WG, TURNS)
             if SPARSE_KV:
                 acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, qs, ks, v_smem, k_ready, v_ready, kv_empty, it,
                                           gl.maximum(split, 1), n_mine, rows, seqlen_k, offset, qk_scale, item_mods,
                                           walk, not EVEN_BLOCKS, CAUSAL, BLOCK_N, STAGES, s_layout, p_layout,
-                                          o_layout, SCORE_MOD, None, SPARSE_KV)
+                                          o_layout, SCORE_MOD, None, SPARSE_KV, WG, TURNS)
             else:
                 acc, m_i, l_i, p = _tiles(acc, m_i, l_i, p, qs, ks, v_smem, k_ready, v_ready, kv_empty, it,
                                           split, n_mine, rows, seqlen_k, offset, qk_scale, item_mods, walk, True,
                                           CAUSAL, BLOCK_N, STAGES, s_layout, p_layout, o_layout, SCORE_MOD,
-                                          MASK_MOD, SPARSE_KV)
+                                          MASK_MOD, SPARSE_KV, WG, TURNS)
         if DEFER:  # (where this warpgroup's rows see no tile)
             _hand_back_pending(pending, q_empty, kv_empty, O_IN_K)
             pending = -1
@@ -411,7 +427,8 @@ def _consume(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.const
             end = it + n_tiles - 1  # the tiles before `end` go back as soon as they are done
         else:
             end = it + n_tiles
-        acc = _finish_tiles(acc, p, v_smem, k_ready, v_ready, kv_empty, it, n_mine, end, STAGES, p_layout)
+        acc = _finish_tiles(acc, p, v_smem, k_ready, v_ready, kv_empty, it, n_mine, n_tiles, end, STAGES, p_layout,
+                            WG, TURNS)
 
         lse_ptrs = Lse + off_b.to(gl.int64) * stride_l[0] + off_h * stride_l[1] + rows
         buffer = _write_out(acc, m_i, l_i, lse_ptrs, rows < seqlen_q, o_desc, [off_b, row0, off_h, 0], q, k_smem,
@@ -434,7 +451,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sink, BlockNum, BlockIdx, FullNum, FullI
                      HEAD_DV: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr,
                      EARLY_K: gl.constexpr, CONSUMER_REGS: gl.constexpr, SCORE_MOD: gl.constexpr,
                      MASK_MOD: gl.constexpr, HAS_FULL: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
-                     EVEN_BLOCKS: gl.constexpr):
+                     EVEN_BLOCKS: gl.constexpr, TURNS: gl.constexpr):
     """Q's and K's head dim is HEAD_D (+ HEAD_D_REST: a head dim of two parts, common.head_parts, each in
     buffers of its own), V's and O's HEAD_DV."""
     # O leaves through a Q or a K buffer (or its first part), of O's shape (kernels/gluon/__init__.py accepts)
@@ -455,19 +472,19 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sink, BlockNum, BlockIdx, FullNum, FullI
             qk_scale, (score_args, mask_args), (BlockNum, BlockIdx, FullNum, FullIdx, stride_blocks), Sink)
     if CONSUMERS == 3:
         gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, 0, SCORE_MOD,
-                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS, TURNS)),
                             (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, 1, SCORE_MOD,
-                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS, TURNS)),
                             (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, 2, SCORE_MOD,
-                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS, TURNS)),
                             (_load, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, SPARSE_Q,
                                      SPARSE_KV, HAS_FULL))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([(_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, 0, SCORE_MOD,
-                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS, TURNS)),
                             (_consume, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, 1, SCORE_MOD,
-                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS)),
+                                        MASK_MOD, SPARSE_Q, SPARSE_KV, HAS_FULL, EVEN_BLOCKS, TURNS)),
                             (_load, (args, CAUSAL, BLOCK_N, HEAD_D, HEAD_D_REST, STAGES, CONSUMERS, SPARSE_Q,
                                      SPARSE_KV, HAS_FULL))],
                            [4, 1], [CONSUMER_REGS, 24])
@@ -514,5 +531,6 @@ def launch_args(tensors: dict, prob: Problem, params: AttentionParams, cfg: Forw
         seqlen_k=prob.seqlen_k, offset=(prob.seqlen_k - prob.seqlen_q) * params.bottom_right, qk_scale=qk_scale,
         CAUSAL=params.window_right == 0, BLOCK_N=cfg.block_n, HEAD_D=head_d, HEAD_D_REST=head_d_rest,
         HEAD_DV=prob.head_dim_v, STAGES=cfg.stages,
-        CONSUMERS=cfg.consumers, Q_BUFFERS=q_buffers, EARLY_K=cfg.early_k, CONSUMER_REGS=consumer_regs, num_warps=4,
+        CONSUMERS=cfg.consumers, Q_BUFFERS=q_buffers, EARLY_K=cfg.early_k, TURNS=cfg.consumers if cfg.turns else 0,
+        CONSUMER_REGS=consumer_regs, num_warps=4,
         maxnreg=regs)
