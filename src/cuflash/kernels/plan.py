@@ -330,10 +330,11 @@ def _hopper_d64(hopper: bool, block_d: int, length: Length, banded: bool):
     forward: tuple[Candidate, ...] = (fwd,)
     if hopper and not (banded and length in (L.UP_TO_128, L.UP_TO_512)):
         # Gluon but causal up to 128 and at 257-512 keys: three consumers beyond 2k keys, and without a
-        # band at 257-512 and 1025-2048 keys; 64-key tiles in 6 buffers up to 512 keys, and causal up to 1k.
+        # band at 257-512 and 1025-2048 keys; 64-key tiles in 6 buffers up to 512 keys, and causal up to 1k;
+        # the consumers taking turns on 128-key tiles (measured there, docs/tuning.md).
         three = length == L.LONGER or (length in (L.UP_TO_512, L.UP_TO_2K) and not banded)
         short = length <= L.UP_TO_512 or (banded and length == L.UP_TO_1K)
-        forward = (gluon.Forward(3 if three else 2, *((64, 6) if short else (128, 3)), turns=True), fwd)
+        forward = (gluon.Forward(3 if three else 2, *((64, 6) if short else (128, 3)), turns=not short), fwd)
     # dK/dV: the one-launch backward up to 128 keys (for a few heads per SM), Gluon at every length, with
     # dQ fused from 2k keys (and without a band from 1k).
     if length < L.UP_TO_1K:
@@ -359,9 +360,10 @@ def _hopper_d128(hopper: bool, length: Length, banded: bool):
         fwd = Tiles(64, 64, 4, 3) if length in (L.UP_TO_256, L.UP_TO_512) else Tiles(128, 64, 8, 3)
     forward: tuple[Candidate, ...] = (fwd,)
     if hopper and (length > L.UP_TO_128 or not banded):
-        # Gluon but causal up to 128 keys; 64-key tiles in 5 buffers up to 256 keys, and causal up to 1k.
+        # Gluon but causal up to 128 keys; 64-key tiles in 5 buffers up to 256 keys, and causal up to 1k;
+        # the consumers taking turns on 128-key tiles (measured there, docs/tuning.md).
         short = length <= L.UP_TO_256 or (banded and length <= L.UP_TO_1K)
-        forward = (gluon.Forward(2, *((64, 5) if short else (128, 3)), turns=True), fwd)
+        forward = (gluon.Forward(2, *((64, 5) if short else (128, 3)), turns=not short), fwd)
     # dK/dV: the one-launch backward up to 128 keys (for a few heads per SM), Gluon at every length, dQ
     # fused beyond 2k keys; dQ: Gluon beyond 512 keys, and without a band from 257.
     long = length > L.UP_TO_512

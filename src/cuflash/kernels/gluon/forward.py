@@ -14,10 +14,10 @@ pairs of items round-robin (persistent). The partitions share the program's shar
   once every consumer's last S is done, the item's last K tile where that has O's shape), which the
   tensor memory accelerator copies to global memory, and then releases that buffer the same way.
 The consumers run independent instruction streams, so one's softmax overlaps the others' matrix
-products; with `turns` (D=64 and 128) they issue their products in turn, round-robin on hardware
-barriers (common.take_turn), so that the softmax phases stay apart; within a consumer, the product
-P V of one tile runs while the softmax of the next is computed. Tile-level Triton (one instruction
-stream per program, each dot awaited before its result is used) expresses neither.
+products; with `turns` (D=64 and 128, 128-key tiles) they issue their products in turn, round-robin
+on hardware barriers (common.take_turn), so that the softmax phases stay apart; within a consumer,
+the product P V of one tile runs while the softmax of the next is computed. Tile-level Triton (one
+instruction stream per program, each dot awaited before its result is used) expresses neither.
 
 Logits are in base 2 (qk_scale has LOG2E folded in). Only the plain forward is here: 16-bit
 inputs, head dims 64, 128 and 256, causal or not (either alignment), GQA; other inputs take the Triton
