@@ -51,7 +51,7 @@ from ..device import cdiv, num_sms, scratch
 from ..variant import Problem, logit_scale, lse_strides, mod_args
 from . import Dkdv, Dq
 from .common import ROWS, barriers, box_strides, buffers, copy_out, count, descriptor, head_parts, listed_walk, \
-    load_kv, load_pair, query_item, ring, tile_key, tiles_of, work
+    load_kv, load_pair, meet, query_item, ring, tile_key, tiles_of, work
 
 
 @gluon.jit
@@ -96,57 +96,84 @@ def _load_held(done, a_desc, b_desc, row0, off_b, off_h, a_smem, b_smem, ready, 
 @gluon.jit
 def _dq_buffers(dtype: gl.constexpr):
     """The fused dK/dV kernel's shared memory for dQ: two tiles' dS^T (each 2 x 64 keys by 64 query
-    rows, one half per consumer), a 64 x 64 fp32 dQ part per consumer for the TMA to add to global
-    memory, and per dS^T buffer a "ready" and a "free" barrier that both consumers arrive at
-    (their half written; their dQ part read it, or they have none)."""
+    rows, one half per consumer; tiles alternate) and a 64 x 64 fp32 dQ part per consumer for the TMA
+    to add to global memory."""
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], gl.float32)
     ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, ROWS], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, ROWS], dq_layout)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    for i in gl.static_range(2):
-        mbarrier.init(ds_ready.index(i), count=2)
-        mbarrier.init(ds_free.index(i), count=2)
-    return ds_smem, dq_smem, ds_ready, ds_free
+    return ds_smem, dq_smem
 
 
 @gluon.jit
-def _share_ds(ds, it, fused, WG: gl.constexpr):
+def _share_ds(ds, it, fused, HEAD_D: gl.constexpr, WG: gl.constexpr):
     """Puts this consumer's dS^T of the tile in ring position `it` into shared memory for the dQ
-    product; dS^T buffers alternate tiles, each written once its previous tile's readers are done."""
+    products; the buffer alternates tiles. D=128, where each consumer computes a dQ part every tile
+    (_dq_then_dk): the consumers meet there, both halves then in place, and the last readers of the
+    buffer's previous contents (tile it - 2's dQ products) were awaited before either came to tile
+    it - 1's meeting. D=64, where one consumer computes the whole dQ every other tile (_add_dq): the
+    buffer's "free" and "ready" barriers instead, so that the other consumer may run up to a tile ahead
+    (a meeting each tile cost 6-11% there: docs/tuning.md)."""
     ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_h, softmax_scale = fused
     buf = it % 2
-    mbarrier.wait(ds_free.index(buf), ((it // 2) & 1) ^ 1)
+    if HEAD_D == ROWS:
+        mbarrier.wait(ds_free.index(buf), ((it // 2) & 1) ^ 1)
     ds_smem.index(2 * buf + WG).store(ds)
     fence_async_shared()
-    barrier()  # every thread's part written before the one arrival
-    mbarrier.arrive(ds_ready.index(buf), count=1)
+    if HEAD_D == ROWS:
+        barrier()  # every thread's part written before the one arrival
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+    else:
+        meet()
 
 
 @gluon.jit
-def _add_dq(it, row, fused, HEAD_D: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr):
-    """dQ of the query tile from row `row` (ring position `it`) = dS K over both consumers' keys, in parts of 64
-    columns, the parts dealt to the consumers in turn (D=128: one each per tile; D=64: the whole
-    tile every other tile). A part is scaled and added to the fp32 dQ in global memory by a TMA
-    reduction that runs while the consumer goes on."""
+def _dq_then_dk(ds, q, dk, it, row, fused, WG: gl.constexpr, s_layout: gl.constexpr):
+    """D=128: issues this consumer's part of the dQ of the query tile from row `row` (ring position
+    `it`; dS^T shared: _share_ds), its 64 columns = dS K over both consumers' keys, then dK += dS^T Q;
+    awaits the dQ part and hands it to the TMA (_reduce_dq) while dK's product runs (FlashAttention-4's
+    order); returns dK's accumulator, in flight."""
     ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_h, softmax_scale = fused
-    PARTS: gl.constexpr = HEAD_D // ROWS
+    dq = _dq_part(ds_smem, k_smem, it % 2, kb, WG, s_layout)
+    dk = warpgroup_mma(ds, q, dk, is_async=True)
+    dq = warpgroup_mma_wait(1, deps=(dq,))
+    _reduce_dq(dq, [off_b, row, off_h, WG * ROWS], dq_smem.index(WG), dq_desc, softmax_scale)
+    return dk
+
+
+@gluon.jit
+def _add_dq(it, row, fused, WG: gl.constexpr, s_layout: gl.constexpr):
+    """D=64, after the tile's dK and dV: the consumer whose turn it is (tiles alternate) computes the
+    dQ of the query tile from row `row` (ring position `it`) = dS K over both consumers' keys, once both
+    halves of dS^T are in (_share_ds), and hands it to the TMA (_reduce_dq); both then free the buffer."""
+    ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_h, softmax_scale = fused
     buf = it % 2
-    for part in gl.static_range(PARTS):
-        if (it * PARTS + part) % 2 == WG:
-            mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
-            dq = gl.zeros([ROWS, ROWS], gl.float32, s_layout)
-            for half in gl.static_range(2):
-                dq = warpgroup_mma(ds_smem.index(2 * buf + half).permute((1, 0)),
-                                   k_smem.index(2 * kb + half).slice(part * ROWS, ROWS, dim=1), dq, use_acc=half == 1,
-                                   is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-            tma.store_wait(0)
-            barrier()  # the thread that issued the last reduction has seen it leave shared memory
-            copy_out(dq_desc, [off_b, row, off_h, part * ROWS], dq_smem.index(WG), dq * softmax_scale, True)
+    if it % 2 == WG:
+        mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
+        dq = warpgroup_mma_wait(0, deps=(_dq_part(ds_smem, k_smem, buf, kb, 0, s_layout),))
+        _reduce_dq(dq, [off_b, row, off_h, 0], dq_smem.index(WG), dq_desc, softmax_scale)
     mbarrier.arrive(ds_free.index(buf), count=1)
+
+
+@gluon.jit
+def _dq_part(ds_smem, k_smem, buf, kb, PART: gl.constexpr, s_layout: gl.constexpr):
+    """Issues dQ's columns [64 PART, 64 PART + 64) = dS K over both consumers' keys (dS^T in buffer buf,
+    K in held buffer kb); returns the accumulator, in flight."""
+    dq = gl.zeros([ROWS, ROWS], gl.float32, s_layout)
+    for half in gl.static_range(2):
+        dq = warpgroup_mma(ds_smem.index(2 * buf + half).permute((1, 0)),
+                           k_smem.index(2 * kb + half).slice(PART * ROWS, ROWS, dim=1), dq, use_acc=half == 1,
+                           is_async=True)
+    return dq
+
+
+@gluon.jit
+def _reduce_dq(dq, coord, buffer, dq_desc, softmax_scale):
+    """Starts the TMA reduction that adds softmax_scale x dq to the fp32 dQ at `coord` through this
+    consumer's staging buffer, once the previous one has left it."""
+    tma.store_wait(0)
+    barrier()  # the thread that issued the last reduction has seen it leave shared memory
+    copy_out(dq_desc, coord, buffer, dq * softmax_scale, True)
 
 
 @gluon.jit
@@ -271,12 +298,16 @@ def _tiles(dk, dv, k, v, q_smem, do_smem, init_smem, q_ready, do_ready, empty, f
                                 item_mods[2], ds, item_mods[5])
         ds = ds.to(q.dtype)
         if FUSED:
-            _share_ds(ds, base + j, fused, WG)
-        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
+            _share_ds(ds, base + j, fused, HEAD_D, WG)
+        if FUSED and HEAD_D == 2 * ROWS:
+            dk = _dq_then_dk(gl.convert_layout(ds, a_layout), q, dk, base + j, tile_key(j, walk, ROWS, SPARSE_Q), fused,
+                             WG, s_layout)
+        else:
+            dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(empty.index(stage), count=1)
-        if FUSED:
-            _add_dq(base + j, tile_key(j, walk, ROWS, SPARSE_Q), fused, HEAD_D, WG, s_layout)
+        if FUSED and HEAD_D == ROWS:
+            _add_dq(base + j, tile_key(j, walk, ROWS, SPARSE_Q), fused, WG, s_layout)
     return dk, dv
 
 
@@ -520,8 +551,10 @@ def _consume(args, CAUSAL: gl.constexpr, FUSED: gl.constexpr, HEAD_D: gl.constex
                     base += hi - lo
         it = base + lo
         if not SPLIT_D:
-            if FUSED:
-                if it > 0:  # the other consumer's dQ parts of the last tile read this one's K tile
+            if FUSED:  # the other consumer's dQ products of the last tile read this one's K tile
+                if HEAD_D == 2 * ROWS:
+                    meet()
+                elif it > 0:
                     mbarrier.wait(ds_free.index((it - 1) % 2), ((it - 1) // 2) & 1)
             # dK and dV leave through this consumer's K and V tiles, which go back to the loader
             # once the copies have read them.
@@ -561,10 +594,14 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, AccInit, DK, DV, DQAcc, BlockNum, BlockId
     # Per ring buffer, the boxes of AccInit that come with its Q and its dO.
     init_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, ROWS],
                                           gl.NVMMASharedLayout.get_default_for([1, ROWS], gl.float32))
-    # ds_smem, ds_ready, ds_free: the fused kernel's dS^T tiles, or the split-D consumers' P^T and dS^T.
+    # ds_smem, ds_ready, ds_free: the fused kernel's dS^T tiles and, at D=64 (_share_ds), per dS^T buffer a
+    # "ready" and a "free" barrier that both consumers arrive at (their half written; their dQ product read
+    # it, or they have none); or the split-D consumers' P^T and dS^T.
     ds_smem, dq_smem, ds_ready, ds_free = None, None, None, None
     if FUSED:
-        ds_smem, dq_smem, ds_ready, ds_free = _dq_buffers(Q.dtype.element_ty)
+        ds_smem, dq_smem = _dq_buffers(Q.dtype.element_ty)
+        if HEAD_D == ROWS:
+            ds_ready, ds_free = barriers(2, 2), barriers(2, 2)
     if SPLIT_D:
         ds_smem, ds_ready, ds_free = _pds_buffers(Q.dtype.element_ty)
     args = (Q, K, V, DO, AccInit, DK, DV, DQAcc, q_smem, do_smem, k_smem, v_smem, init_smem, kv_ready, kv_free,

@@ -198,16 +198,18 @@ def ring(dtype: gl.constexpr, BLOCK: gl.constexpr, A_D: gl.constexpr, B_D: gl.co
     return a_smem, b_smem, barriers(STAGES, 1), barriers(STAGES, 1), empty
 
 
-# The first hardware barrier of the consumers' turns (take_turn): Triton's warp specialization takes
-# barriers 0 and 1 and one for each partition from 2 on (five at most here).
+# The hardware barriers of two consumer warpgroups: Triton's warp specialization takes barriers 0
+# and 1 and one for each partition from 2 on (five at most here). The forward's turns take 8 to 10
+# (take_turn), the fused backward's meeting point 11 (meet).
 TURN_BARRIER = gl.constexpr(8)
+MEET_BARRIER = gl.constexpr(11)
 
 
 @gluon.jit
 def _named_barrier(INSTRUCTION: gl.constexpr, ID: gl.constexpr):
     """bar.sync or bar.arrive on hardware barrier ID by the calling warpgroup, 2 x 128 threads a phase
-    (this warpgroup's and the one arriving): one instruction a thread, through a tensor of one element
-    a thread (Gluon has no statement of inline PTX)."""
+    (this warpgroup's and the other one's, arriving or waiting too): one instruction a thread, through a
+    tensor of one element a thread (Gluon has no statement of inline PTX)."""
     one_each: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     gl.inline_asm_elementwise(INSTRUCTION + " $1, 256;", "=r,r", [gl.full([128], ID, gl.int32, one_each)],
                               dtype=gl.int32, is_pure=False, pack=1)
@@ -235,6 +237,13 @@ def open_turns(WG: gl.constexpr, TURNS: gl.constexpr):
     """Consumer 0's first turn needs no one before it: it arrives at its own barrier once (take_turn)."""
     if TURNS and WG == 0:
         _named_barrier("bar.arrive", TURN_BARRIER)
+
+
+@gluon.jit
+def meet():
+    """Waits until both consumer warpgroups are here (bar.sync of 256 threads): what either wrote to
+    shared memory before it, fenced for the async proxy, the other's matrix products may read after."""
+    _named_barrier("bar.sync", MEET_BARRIER)
 
 
 def head_parts(head_dim: int) -> tuple[int, int]:
