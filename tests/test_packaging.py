@@ -56,7 +56,7 @@ def test_sdist_carries_the_tests_their_helpers_the_docs_and_the_metadata(tmp_pat
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
         info = email.parser.Parser().parsestr(tar.extractfile(f"{sdist.name[:-7]}/PKG-INFO").read().decode())
     wanted = {"tests/conftest.py", "tests/attn_testing.py", "examples/train_llama_cp.py", "scripts/cp_bench.py",
-              "scripts/compile_check.py", "BENCHMARKS.md"}
+              "scripts/compile_check.py", "scripts/ab.py", "BENCHMARKS.md"}
     wanted |= {str(path.relative_to(ROOT)) for path in ROOT.glob("tests/test_*.py")}
     documents = ["README.md"]
     for document in documents:  # the README, and every document it links to, grows as links are found
