@@ -113,6 +113,22 @@ def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, devic
     return make(seqlen_q, nheads), make(seqlen_k, nheads_k), make(seqlen_k, nheads_k)
 
 
+def rising_qkv(batch, seqlen_q, seqlen_k, nheads, head_dim, dtype, device, rise, jump_at, jump):
+    """q, k, v (flash layout) whose logits (times softmax_scale = head_dim ** -0.5) rise along the keys by
+    `rise` a key, and by `jump` more from key `jump_at` on, with noise: each row's running maximum moves
+    at every key tile, by less than a tile's rise or all at once, so an online softmax rescales (or keeps
+    a stale maximum) tile after tile."""
+    direction = torch.ones(head_dim, dtype=torch.float64, device=device) / head_dim ** 0.5
+    keys = torch.arange(seqlen_k, dtype=torch.float64, device=device)
+    logit = rise * keys + jump * (keys >= jump_at)  # q . k_j * head_dim ** -0.5 with q = sqrt(D) * direction
+    q = head_dim ** 0.5 * direction + 0.3 * torch.randn(batch, seqlen_q, nheads, head_dim, dtype=torch.float64,
+                                                        device=device)
+    k = (logit[:, None, None] * direction + 0.3 * torch.randn(batch, seqlen_k, nheads, head_dim,
+                                                              dtype=torch.float64, device=device))
+    v = torch.randn(batch, seqlen_k, nheads, head_dim, dtype=torch.float64, device=device)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 def torch_sdpa(q, k, v, causal):
     """torch's own SDPA in flash layout, bottom-right causal like flash-attn; empty rows -> 0."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]

@@ -7,7 +7,7 @@ import torch
 
 import cuflash
 from attn_testing import BOUNDS, GPU_DTYPES, check_against_oracle, dtype_cases, flash_fn, make_qkv, \
-    rel_err, run_and_grad, seed_of, varlen_batch, varlen_reference
+    rel_err, rising_qkv, run_and_grad, seed_of, varlen_batch, varlen_reference
 from cuflash.params import AttentionParams
 from cuflash.reference import attention_probs, attention_reference
 
@@ -41,6 +41,20 @@ def test_head_dims_above_256(backend, head_dim, dtype):
     torch.manual_seed(head_dim)
     q, k, v = make_qkv(1, 21, 38, 2, 1, head_dim, dtype, "cpu")
     check_against_oracle(flash_fn(True), q, k, v, True)
+
+
+@pytest.mark.parametrize("rise,jump", [(0.05, 0.0), (0.25, 0.0), (0.05, 20.0)], ids=["slow", "fast", "jump"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scores_rising_along_the_keys(backend, rise, jump, causal, dtype):
+    """Each row's maximum moves at every key tile (by a few units of the exponent, by more than a tile's
+    worth, or in one jump), so the output is rescaled (or its maximum kept) tile after tile. The forward
+    only: that is where the running maximum lives (the backward reads the lse), and with most of a row's
+    probability on its last keys dQ = dS K cancels (dP - delta near 0), which no fp32 computation meets
+    the dtype's bound on."""
+    torch.manual_seed(seed_of(rise, jump, causal))
+    q, k, v = rising_qkv(1, 150, 300, 2, 32, dtype, "cpu", rise, 170, jump)
+    check_against_oracle(flash_fn(causal), q, k, v, causal, grads=False)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -447,6 +461,20 @@ def test_against_oracle(dtype, causal, head_dim, seqlen):
     batch, nheads = (1, 2) if seqlen >= 1000 else (2, 4)
     q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads, head_dim, dtype, "cuda")
     check_against_oracle(flash_fn(causal), q, k, v, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rise,jump", [(0.02, 0.0), (0.1, 0.0), (0.02, 20.0)], ids=["slow", "fast", "jump"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_scores_rising_along_the_keys_on_gpu(dtype, causal, head_dim, rise, jump):
+    """The GPU kernels (the Gluon forward on Hopper, 64- and 128-key tiles) on scores whose row maxima
+    move at every key tile: by a few units of the exponent a tile (slow), by more than the tile before
+    (fast), or in one jump (the forward: test_scores_rising_along_the_keys says why)."""
+    torch.manual_seed(seed_of(head_dim, rise, jump, causal))
+    q, k, v = rising_qkv(1, 1500, 2000, 4, head_dim, dtype, "cuda", rise, 1100, jump)
+    check_against_oracle(flash_fn(causal), q, k, v, causal, grads=False)
 
 
 # fp32 user tiles: the 16-bit sizes but 32 x 32 for 64 x 32, and 128 x 128 only where it is refused
