@@ -12,14 +12,15 @@ order base, new, new, base, then one CSV row per case with both rounds of each t
 The first times `cuflash bench` (TFLOP/s: a ratio above 1 is faster; each round's output in
 OUT/<round>-<tree>/), the second scripts/overhead.py (host microseconds per call: below 1 is faster;
 each round's output in OUT/<round>-<tree>.txt), the third `cuflash bench --decode` (GB/s of the cache
-read, from decode.csv: above 1 is faster). The fourth counts one Gluon kernel under ncu (the forward,
-the dK/dV kernel or the dQ kernel; bf16, 16k tokens, hidden 2048, one launch after two): ncu fixes the
-clock policy, so the SM cycles it reports resolve the 1-3% that the bench's rounds do not (its ratio:
-cycles, below 1 is faster; ncu.csv holds each round's cycles, time and instructions). Every tree and
-case first runs once without ncu, in parallel, to fill the Triton cache. A host's speed drifts between rounds (up to 2x
+read, from decode.csv: above 1 is faster). A host's speed drifts between rounds (up to 2x
 within minutes on the GPU machines), so --overhead also gives each row's new/base with every
 round's time taken over the same round's torch SDPA flash backend (ANCHOR), which both trees run
 alike (column vs_anchor).
+The fourth counts one Gluon kernel under ncu (the forward, the dK/dV kernel, or the dQ kernel where
+the table runs it unfused: D=128 at 513-2048 keys; bf16, 16k tokens, hidden 2048, one launch after
+two): ncu fixes the clock policy, so the SM cycles it reports resolve the 1-3% that the bench's rounds
+do not (its ratio: cycles, below 1 is faster; OUT/ncu.csv holds each round's cycles, time and
+instructions). Every tree and case first runs once without ncu, in parallel, to fill the Triton cache.
 Writes OUT/ab.csv and prints the rows and the geometric mean of the ratios.
 """
 import argparse

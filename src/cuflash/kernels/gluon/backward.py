@@ -113,7 +113,7 @@ def _share_ds(ds, it, fused, HEAD_D: gl.constexpr, WG: gl.constexpr):
     buffer's previous contents (tile it - 2's dQ products) were awaited before either came to tile
     it - 1's meeting. D=64, where one consumer computes the whole dQ every other tile (_add_dq): the
     buffer's "free" and "ready" barriers instead, so that the other consumer may run up to a tile ahead
-    (a meeting each tile cost 6-11% there: docs/tuning.md)."""
+    (meetings there, with dQ issued before dK, cost 7-10% of the kernel's cycles: docs/tuning.md)."""
     ds_smem, dq_smem, ds_ready, ds_free, dq_desc, k_smem, kb, off_b, off_h, softmax_scale = fused
     buf = it % 2
     if HEAD_D == ROWS:
