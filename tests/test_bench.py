@@ -196,3 +196,32 @@ def test_bench_times_the_device_not_the_host():
     ms, host_us = device_ms_host_us(step, 10, 2, torch.device("cuda"))
     assert ms < 0.5 and host_us > 2900, (ms, host_us)
     assert median_ms(step, 10, 2, torch.device("cuda")) > 2.5  # what the events alone would say
+
+
+@pytest.mark.parametrize("sweep,module,csv_name", [([], "cuflash.bench.__main__", "results.csv"),
+                                                   (["--decode"], "cuflash.bench.decode", "decode.csv")])
+def test_a_sweep_cut_short_keeps_what_it_measured(sweep, module, csv_name, tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or a time limit) in the third case: the CSV holds the two cases measured before it, as
+    they were measured, and the command exits 130."""
+    import importlib
+    target = importlib.import_module(module)
+    real, calls = target.run_case, []
+
+    def cut_short(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, "run_case", cut_short)
+    args = (["--decode", "--batches", "1", "--cache-lens", "32,64,96", "--layouts", "contiguous", "--nheads", "2",
+             "--nheads-k", "1", "--head-dim", "16"] if sweep else
+            ["--seqlens", "32,64,96", "--hdims", "16", "--batch", "1", "--nheads", "2", "--modes", "fwd",
+             "--causal", "false"])
+    rc = main([*args, "--device", "cpu", "--providers", "cuflash", "--dtype", "fp32", "--iters", "1",
+               "--out", str(tmp_path)])
+    assert rc == 130 and len(calls) == 3
+    with open(tmp_path / csv_name) as f:
+        rows = list(csv.DictReader(f))
+    lengths = [r["cache_len" if sweep else "seqlen"] for r in rows]
+    assert lengths == ["32", "64"] and all(float(r["ms"]) > 0 for r in rows)

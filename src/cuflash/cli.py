@@ -386,14 +386,13 @@ def experiment(args) -> int:
                     progress(f"[{len(rows) + 1}/{total}] {name} on {device}, {mode}, seqlen {n}")
                     row = run_case(provider, case, device, iters=3 if device == "cpu" else 20, warmup=1)
                     rows.append({**row, "provider": f"{name} ({device})", "device": device})
+                    write_csv(rows, args.out / "experiment.csv")  # (a run cut short keeps what it measured)
     print(f"{'provider':16s} {'mode':8s} {'seqlen':>7s} {'ms':>10s} {'error':>9s}")
     for r in rows:
         timing = f"{r['ms']:10.3f}" if "ms" in r else f"{r.get('note', 'n/a'):>10s}"
         err = f"{r['rel_err']:9.1e}" if r.get("rel_err") is not None else f"{'n/a':>9s}"
         print(f"{r['provider']:16s} {r['mode']:8s} {r['seqlen']:7d} {timing} {err}")
     out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, out / "experiment.csv")
     try:
         from .bench.plot import plot
         title = f"B{args.batch} H{args.nheads} D{args.head_dim} {args.dtype}{' causal' if args.causal else ''}"

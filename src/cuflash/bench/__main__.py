@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import platform
 import sys
-from pathlib import Path
 
 import torch
 
@@ -105,6 +104,8 @@ def _sweep(args, providers: list[str]) -> int:
                          f"D={head_dims_text((case.head_dim, case.dim_v))} N={case.seqlen} causal={case.causal}")
                 rows.append(run_case(provider, case, args.device, iters=args.iters,
                                      warmup=2 if args.device == "cpu" else 5))
+                if args.out:  # (after every case: a sweep cut short keeps what it measured)
+                    write_csv(rows, args.out / "results.csv")
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     header = (f"{device} | torch {torch.__version__} | triton "
               f"{triton_version() or 'none'} | cuDNN {torch.backends.cudnn.version()} | "
@@ -114,13 +115,10 @@ def _sweep(args, providers: list[str]) -> int:
     table = _markdown(rows, providers, header, "GFLOP/s" if args.device == "cpu" else "TFLOP/s")
     print(table)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_csv(rows, out / "results.csv")
-        (out / "results.md").write_text(table + "\n")
+        (args.out / "results.md").write_text(table + "\n")
         try:
             from .plot import plot
-            print(f"plot: {plot(out / 'results.csv', out / 'results.png', header)}")
+            print(f"plot: {plot(args.out / 'results.csv', args.out / 'results.png', header)}")
         except ImportError:
             print("plot skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
     return 0

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import math
 import sys
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +29,7 @@ import cuflash
 from ..commandline import CommandError, Parser, Progress, integer, integers, names, out_folder, run_guarded
 from ..dtypes import DTYPES, dtype_name
 from ..validate import MAX_HEAD_DIM
-from .harness import SDPA_BACKENDS, median_ms
+from .harness import SDPA_BACKENDS, median_ms, write_csv
 
 GRAPH_BYTES = 2**30
 
@@ -176,6 +174,8 @@ def main(argv=None, prog: str = "python -m cuflash.bench.decode") -> int:
             providers = args.providers if layout == "contiguous" else ["cuflash"]
             rows += run_case(b, sq, n, layout, args.nheads, args.nheads_k, args.head_dim, DTYPES[args.dtype],
                              device, providers, args.iters)
+            if args.out:  # (after every case: a sweep cut short keeps what it measured)
+                write_csv(rows, args.out / "decode.csv")
     lines = [f"decode on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}: copy bandwidth "
              f"{copy_gbps:.0f} GB/s (read + written)", "",
              "| batch | seqlen_q | cache | layout | KV MB | cuflash ms | eager ms | GB/s | of copy | best SDPA | "
@@ -197,13 +197,7 @@ def main(argv=None, prog: str = "python -m cuflash.bench.decode") -> int:
     table = "\n".join(lines)
     print(table)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "decode.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-            writer.writeheader()
-            writer.writerows(rows)
-        (out / "decode.md").write_text(table + "\n")
+        (args.out / "decode.md").write_text(table + "\n")
     return 0
 
 
