@@ -132,8 +132,12 @@ def main() -> int:
         mode, d, n, causal, calls = sys.argv[2:7]
         _ncu_case(mode, int(d), int(n), causal in ("1", "True"), int(calls))
         return 0
-    if len(sys.argv) < 2 or not Path(".baseline/src").is_dir():
+    if len(sys.argv) < 2:
         print(__doc__)
+        return 2
+    if not Path(".baseline/src").is_dir():  # (git-ignored: a device call takes it only where carry names it)
+        print("ab.py: no baseline tree at .baseline/src (make it with `mkdir .baseline && git archive REV src | "
+              "tar -x -C .baseline`; on the GPU machine, name .baseline in the call's carry)", file=sys.stderr)
         return 2
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)

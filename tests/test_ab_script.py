@@ -29,3 +29,13 @@ def test_parse_ncu_names_what_is_missing():
     text = "\n".join([HEADER, _row("gpu__time_duration.sum", "ns", "100")])
     with pytest.raises(RuntimeError, match="ncu reported"):
         AB["parse_ncu"](text)
+
+
+def test_a_missing_baseline_is_named(tmp_path, monkeypatch, capsys):
+    """Without .baseline/src (a git-ignored folder a device call takes only where carry names it) ab.py says
+    which tree is missing and how to make it, instead of printing its usage."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["ab.py", str(tmp_path / "out"), "--ncu", "bwd"])
+    assert AB["main"]() == 2
+    err = capsys.readouterr().err
+    assert "no baseline tree at .baseline/src" in err and "carry" in err and not (tmp_path / "out").exists()
