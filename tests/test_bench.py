@@ -198,9 +198,9 @@ def test_bench_times_the_device_not_the_host():
     assert median_ms(step, 10, 2, torch.device("cuda")) > 2.5  # what the events alone would say
 
 
-@pytest.mark.parametrize("sweep,module,csv_name", [([], "cuflash.bench.__main__", "results.csv"),
-                                                   (["--decode"], "cuflash.bench.decode", "decode.csv")])
-def test_a_sweep_cut_short_keeps_what_it_measured(sweep, module, csv_name, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("decode,module,csv_name", [(False, "cuflash.bench.__main__", "results.csv"),
+                                                    (True, "cuflash.bench.decode", "decode.csv")])
+def test_a_sweep_cut_short_keeps_what_it_measured(decode, module, csv_name, tmp_path, monkeypatch, capsys):
     """Ctrl-C (or a time limit) in the third case: the CSV holds the two cases measured before it, as
     they were measured, and the command exits 130."""
     import importlib
@@ -215,7 +215,7 @@ def test_a_sweep_cut_short_keeps_what_it_measured(sweep, module, csv_name, tmp_p
 
     monkeypatch.setattr(target, "run_case", cut_short)
     args = (["--decode", "--batches", "1", "--cache-lens", "32,64,96", "--layouts", "contiguous", "--nheads", "2",
-             "--nheads-k", "1", "--head-dim", "16"] if sweep else
+             "--nheads-k", "1", "--head-dim", "16"] if decode else
             ["--seqlens", "32,64,96", "--hdims", "16", "--batch", "1", "--nheads", "2", "--modes", "fwd",
              "--causal", "false"])
     rc = main([*args, "--device", "cpu", "--providers", "cuflash", "--dtype", "fp32", "--iters", "1",
@@ -223,5 +223,5 @@ def test_a_sweep_cut_short_keeps_what_it_measured(sweep, module, csv_name, tmp_p
     assert rc == 130 and len(calls) == 3
     with open(tmp_path / csv_name) as f:
         rows = list(csv.DictReader(f))
-    lengths = [r["cache_len" if sweep else "seqlen"] for r in rows]
+    lengths = [r["cache_len" if decode else "seqlen"] for r in rows]
     assert lengths == ["32", "64"] and all(float(r["ms"]) > 0 for r in rows)
