@@ -198,11 +198,9 @@ def test_bench_times_the_device_not_the_host():
     assert median_ms(step, 10, 2, torch.device("cuda")) > 2.5  # what the events alone would say
 
 
-@pytest.mark.parametrize("decode,module,csv_name", [(False, "cuflash.bench.__main__", "results.csv"),
-                                                    (True, "cuflash.bench.decode", "decode.csv")])
-def test_a_sweep_cut_short_keeps_what_it_measured(decode, module, csv_name, tmp_path, monkeypatch, capsys):
-    """Ctrl-C (or a time limit) in the third case: the CSV holds the two cases measured before it, as
-    they were measured, and the command exits 130."""
+def cut_short_in_the_third_case(monkeypatch, module) -> list:
+    """Make `module.run_case` raise KeyboardInterrupt (Ctrl-C, or a time limit) in its third call; the
+    calls' arguments, as made."""
     import importlib
     target = importlib.import_module(module)
     real, calls = target.run_case, []
@@ -214,6 +212,15 @@ def test_a_sweep_cut_short_keeps_what_it_measured(decode, module, csv_name, tmp_
         return real(*args, **kwargs)
 
     monkeypatch.setattr(target, "run_case", cut_short)
+    return calls
+
+
+@pytest.mark.parametrize("decode,module,csv_name", [(False, "cuflash.bench.__main__", "results.csv"),
+                                                    (True, "cuflash.bench.decode", "decode.csv")])
+def test_a_sweep_cut_short_keeps_what_it_measured(decode, module, csv_name, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the third case: the CSV holds the two cases measured before it, as they were
+    measured, and the command exits 130."""
+    calls = cut_short_in_the_third_case(monkeypatch, module)
     args = (["--decode", "--batches", "1", "--cache-lens", "32,64,96", "--layouts", "contiguous", "--nheads", "2",
              "--nheads-k", "1", "--head-dim", "16"] if decode else
             ["--seqlens", "32,64,96", "--hdims", "16", "--batch", "1", "--nheads", "2", "--modes", "fwd",
@@ -225,3 +232,13 @@ def test_a_sweep_cut_short_keeps_what_it_measured(decode, module, csv_name, tmp_
         rows = list(csv.DictReader(f))
     lengths = [r["cache_len" if decode else "seqlen"] for r in rows]
     assert lengths == ["32", "64"] and all(float(r["ms"]) > 0 for r in rows)
+
+
+def test_experiment_cut_short_keeps_what_it_measured(tmp_path, monkeypatch, capsys):
+    """The same for `cuflash experiment` (its run_case is the harness's, looked up at the call)."""
+    calls = cut_short_in_the_third_case(monkeypatch, "cuflash.bench.harness")
+    assert cli_main(["experiment", "--seqlens", "32", "--modes", "fwd", "--out", str(tmp_path)]) == 130
+    assert len(calls) == 3
+    with open(tmp_path / "experiment.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["provider"] for r in rows] == ["naive (cpu)", "fa1 (cpu)"] and all(float(r["ms"]) > 0 for r in rows)
