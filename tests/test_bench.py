@@ -13,14 +13,18 @@ def main(argv):
     return cli_main(["bench", *argv])
 
 
+def csv_rows(path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
 def test_cpu_bench_writes_csv_table_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     rc = main(["--device", "cpu", "--providers", "cuflash,sdpa", "--seqlens", "64,128", "--hdims", "16",
                "--batch", "1", "--nheads", "2", "--dtype", "fp32", "--modes", "fwd,fwd+bwd", "--iters", "2",
                "--out", str(tmp_path)])
     assert rc == 0
-    with open(tmp_path / "results.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = csv_rows(tmp_path / "results.csv")
     assert len(rows) == 2 * 2 * 2 * 2  # providers x seqlens x modes x causal
     assert all(float(r["ms"]) > 0 and float(r["rel_err"]) < 1e-5 for r in rows)
     table = (tmp_path / "results.md").read_text()
@@ -59,8 +63,7 @@ def test_cpu_bench_value_head_dim(tmp_path):
                "--batch", "1", "--nheads", "2", "--dtype", "fp32", "--modes", "fwd,bwd", "--iters", "2",
                "--causal", "false", "--out", str(tmp_path)])
     assert rc == 0
-    with open(tmp_path / "results.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = csv_rows(tmp_path / "results.csv")
     assert {(r["head_dim"], r["head_dim_v"]) for r in rows} == {("24", "16"), ("16", "16")}
     assert all(float(r["ms"]) > 0 and float(r["rel_err"]) < 1e-5 for r in rows), [r["note"] for r in rows]
     assert "| 24:16 | 64 |" in (tmp_path / "results.md").read_text()
@@ -74,8 +77,7 @@ def test_cpu_bench_variants(tmp_path):
                "--nheads", "2", "--dtype", "fp32", "--modes", "fwd", "--iters", "2", "--causal", "true",
                "--variants", "window,alibi,softcap,mask,dropout", "--out", str(tmp_path)])
     assert rc == 0
-    with open(tmp_path / "results.csv") as f:
-        rows = {(r["provider"], r["variant"]): r for r in csv.DictReader(f)}
+    rows = {(r["provider"], r["variant"]): r for r in csv_rows(tmp_path / "results.csv")}
     assert len(rows) == 10
     assert "no softcap" in rows["sdpa", "softcap"]["note"]
     for (provider, variant), r in rows.items():
@@ -135,8 +137,7 @@ def test_methods_side_by_side_on_cpu(tmp_path):
                "--batch", "1", "--nheads", "2", "--modes", "fwd,fwd+bwd", "--dtype", "fp32", "--iters", "1",
                "--causal", "true", "--out", str(tmp_path)])
     assert rc == 0
-    with open(tmp_path / "results.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = csv_rows(tmp_path / "results.csv")
     assert {r["provider"] for r in rows} == {"naive", "fa1", "cuflash"} and len(rows) == 3 * 2 * 2
     assert all(float(r["ms"]) > 0 and float(r["rel_err"]) < 1e-5 for r in rows)
 
@@ -146,8 +147,7 @@ def test_decode_mode_on_cpu(tmp_path, capsys):
                "--seqlen-q", "1,4", "--layouts", "contiguous,paged16", "--nheads", "4", "--nheads-k", "2",
                "--head-dim", "16", "--iters", "2", "--providers", "cuflash,sdpa", "--out", str(tmp_path)])
     assert rc == 0
-    with open(tmp_path / "decode.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = csv_rows(tmp_path / "decode.csv")
     # per seqlen_q: cuflash and sdpa on the contiguous cache, cuflash on the paged one
     assert sorted((r["provider"], r["layout"]) for r in rows) == sorted(
         [("cuflash", "contiguous"), ("sdpa", "contiguous"), ("cuflash", "paged16")] * 2)
@@ -173,7 +173,7 @@ def test_bench_without_a_gpu_picks_the_cpu_and_says_so(monkeypatch, capsys, tmp_
     assert main(["--seqlens", "64", "--modes", "fwd", "--causal", "false", "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "cuflash bench on cpu:" in err and "dtype fp32" in err and "providers cuflash,sdpa-flash,sdpa" in err
-    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    rows = csv_rows(tmp_path / "results.csv")
     assert [r["provider"] for r in rows] == ["cuflash", "sdpa-flash", "sdpa"] and all(r["tflops"] for r in rows)
     assert main(["--device", "cpu", "--providers", "cuflash,sdpa-cudnn", "--dtype", "float32",
                        "--seqlens", "64", "--modes", "fwd", "--causal", "false"]) == 0
@@ -228,8 +228,7 @@ def test_a_sweep_cut_short_keeps_what_it_measured(decode, module, csv_name, tmp_
     rc = main([*args, "--device", "cpu", "--providers", "cuflash", "--dtype", "fp32", "--iters", "1",
                "--out", str(tmp_path)])
     assert rc == 130 and len(calls) == 3
-    with open(tmp_path / csv_name) as f:
-        rows = list(csv.DictReader(f))
+    rows = csv_rows(tmp_path / csv_name)
     lengths = [r["cache_len" if decode else "seqlen"] for r in rows]
     assert lengths == ["32", "64"] and all(float(r["ms"]) > 0 for r in rows)
 
@@ -239,6 +238,5 @@ def test_experiment_cut_short_keeps_what_it_measured(tmp_path, monkeypatch, caps
     calls = cut_short_in_the_third_case(monkeypatch, "cuflash.bench.harness")
     assert cli_main(["experiment", "--seqlens", "32", "--modes", "fwd", "--out", str(tmp_path)]) == 130
     assert len(calls) == 3
-    with open(tmp_path / "experiment.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = csv_rows(tmp_path / "experiment.csv")
     assert [r["provider"] for r in rows] == ["naive (cpu)", "fa1 (cpu)"] and all(float(r["ms"]) > 0 for r in rows)
